@@ -1,0 +1,254 @@
+//! Claiming: find rows ready for every requested field and free for the task, oldest first,
+//! honouring the partition, version and whole-group options, and lease them in one step.
+//! The scan walks 64 rows per machine word, starting at the task's low-water mark.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use super::{FieldId, Index, PartitionId, TaskId};
+use crate::error::{Result, StoreError};
+use crate::index::lease::LeaseId;
+
+/// What a claim asks for.
+#[derive(Debug, Clone)]
+pub struct ClaimSpec {
+    pub task: String,
+    pub fields: Vec<String>,
+    pub batch_size: usize,
+    /// Only rows of this partition.
+    pub partition: Option<String>,
+    /// Skip rows produced by an older policy version.
+    pub min_version: Option<u64>,
+    /// Deliver a group's rows all together or not at all.
+    pub whole_groups: bool,
+}
+
+/// Rows leased by one claim. An empty claim holds no lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claimed {
+    pub lease: Option<LeaseId>,
+    pub rows: Vec<u64>,
+    pub deadline: Option<Instant>,
+}
+
+/// A claim with its names resolved to ids.
+struct Resolved {
+    task: TaskId,
+    /// `None` if some requested field has never been written: nothing can be ready.
+    fields: Option<Vec<FieldId>>,
+    partition: PartitionFilter,
+}
+
+enum PartitionFilter {
+    Any,
+    /// The claim names a partition that holds no rows yet.
+    Unknown,
+    Only(PartitionId),
+}
+
+/// Rows found by a scan and whether they make a full batch.
+struct Found {
+    slots: Vec<usize>,
+    full: bool,
+}
+
+impl Index {
+    /// Checks a claim's options; errors here are the caller's mistake, not a reason to wait.
+    pub fn check_claim(&self, spec: &ClaimSpec) -> Result<()> {
+        self.task_id(&spec.task)?;
+        if spec.batch_size == 0 {
+            return Err(StoreError::bad_request("batch_size must be at least 1"));
+        }
+        if spec.fields.is_empty() {
+            return Err(StoreError::bad_request("a claim needs at least one field"));
+        }
+        Ok(())
+    }
+
+    /// Fields of a claim that no put has written yet, for error messages.
+    pub fn unwritten_fields(&self, spec: &ClaimSpec) -> Vec<String> {
+        spec.fields
+            .iter()
+            .filter(|f| !self.field_ids.contains_key(*f))
+            .cloned()
+            .collect()
+    }
+
+    fn resolve(&self, spec: &ClaimSpec) -> Result<Resolved> {
+        self.check_claim(spec)?;
+        let fields = spec
+            .fields
+            .iter()
+            .map(|f| self.field_ids.get(f).copied())
+            .collect();
+        let partition = match &spec.partition {
+            None => PartitionFilter::Any,
+            Some(p) => self
+                .partition_ids
+                .get(p)
+                .map_or(PartitionFilter::Unknown, |&id| PartitionFilter::Only(id)),
+        };
+        Ok(Resolved {
+            task: self.task_id(&spec.task)?,
+            fields,
+            partition,
+        })
+    }
+
+    /// Leases a full batch if one is ready, or (with `accept_partial`) whatever is ready, possibly
+    /// nothing. Returns `None` when the caller should keep waiting.
+    pub fn try_claim(
+        &mut self,
+        spec: &ClaimSpec,
+        now: Instant,
+        lease_timeout: Duration,
+        accept_partial: bool,
+    ) -> Result<Option<Claimed>> {
+        let resolved = self.resolve(spec)?;
+        let found = self.scan(spec, &resolved)?;
+        if !found.full && !accept_partial {
+            return Ok(None);
+        }
+        if found.slots.is_empty() {
+            return Ok(Some(Claimed {
+                lease: None,
+                rows: Vec::new(),
+                deadline: None,
+            }));
+        }
+        let rows: Vec<u64> = found.slots.iter().map(|&s| self.base + s as u64).collect();
+        let task = &mut self.tasks[resolved.task as usize];
+        for &slot in &found.slots {
+            task.busy.set(slot);
+        }
+        task.leased_rows += rows.len() as u64;
+        self.counters.claims += 1;
+        self.counters.rows_claimed += rows.len() as u64;
+        let deadline = now + lease_timeout;
+        let lease = self.leases.grant(resolved.task, rows.clone(), deadline);
+        Ok(Some(Claimed {
+            lease: Some(lease),
+            rows,
+            deadline: Some(deadline),
+        }))
+    }
+
+    fn scan(&self, spec: &ClaimSpec, r: &Resolved) -> Result<Found> {
+        let want = spec.batch_size;
+        let none = Found {
+            slots: Vec::new(),
+            full: false,
+        };
+        let Some(fields) = &r.fields else {
+            return Ok(none);
+        };
+        let task = &self.tasks[r.task as usize];
+        let (mut first, mut end) = (task.low_water.max(self.base), self.next);
+        let partition = match r.partition {
+            PartitionFilter::Any => None,
+            PartitionFilter::Unknown => return Ok(none),
+            PartitionFilter::Only(p) => {
+                let part = &self.partitions[p as usize];
+                first = first.max(part.first);
+                end = end.min(part.end);
+                Some(p)
+            }
+        };
+        if first >= end {
+            return Ok(none);
+        }
+        let (lo, hi) = ((first - self.base) as usize, (end - self.base) as usize);
+
+        let mut slots = Vec::with_capacity(want.min(4096));
+        let mut seen_groups = HashSet::new();
+        for w in lo / 64..hi.div_ceil(64) {
+            let mut m = self.live.word(w) & !task.busy.word(w);
+            for &f in fields {
+                if m == 0 {
+                    break;
+                }
+                m &= self.fields[f as usize].ready.word(w);
+            }
+            if w == lo / 64 {
+                m &= u64::MAX << (lo % 64);
+            }
+            if w == (hi - 1) / 64 && hi % 64 != 0 {
+                m &= (1u64 << (hi % 64)) - 1;
+            }
+            while m != 0 {
+                let slot = w * 64 + m.trailing_zeros() as usize;
+                m &= m - 1;
+                if !self.passes_filters(slot, partition, spec.min_version) {
+                    continue;
+                }
+                let group = self.rows[slot].group;
+                if !spec.whole_groups || group.is_none() {
+                    slots.push(slot);
+                } else if let Some(g) = group.filter(|&g| seen_groups.insert(g)) {
+                    let Some(members) = self.claimable_group(g, r.task, fields, partition, spec)
+                    else {
+                        continue;
+                    };
+                    if members.len() > want {
+                        return Err(StoreError::bad_request(format!(
+                            "group {g} has {} rows, more than batch_size {want}; \
+                             whole_groups can never deliver it",
+                            members.len()
+                        )));
+                    }
+                    if slots.len() + members.len() > want {
+                        // The next group does not fit: the batch is as full as it can get.
+                        return Ok(Found { full: true, slots });
+                    }
+                    slots.extend(members);
+                }
+                if slots.len() == want {
+                    return Ok(Found { full: true, slots });
+                }
+            }
+        }
+        Ok(Found { full: false, slots })
+    }
+
+    #[inline]
+    fn passes_filters(
+        &self,
+        slot: usize,
+        partition: Option<PartitionId>,
+        min_version: Option<u64>,
+    ) -> bool {
+        let meta = &self.rows[slot];
+        partition.is_none_or(|p| meta.partition == p)
+            && min_version.is_none_or(|v| meta.version >= v)
+    }
+
+    /// The slots of group `g` if the group is complete and every member is claimable now.
+    fn claimable_group(
+        &self,
+        g: u64,
+        task: TaskId,
+        fields: &[FieldId],
+        partition: Option<PartitionId>,
+        spec: &ClaimSpec,
+    ) -> Option<Vec<usize>> {
+        let group = self.groups.get(&g)?;
+        if group.members.len() != group.size as usize {
+            return None;
+        }
+        let t = &self.tasks[task as usize];
+        group
+            .members
+            .iter()
+            .map(|&index| {
+                let slot = self.slot(index)?;
+                let ok = self.live.get(slot)
+                    && !t.busy.get(slot)
+                    && fields
+                        .iter()
+                        .all(|&f| self.fields[f as usize].ready.get(slot))
+                    && self.passes_filters(slot, partition, spec.min_version);
+                ok.then_some(slot)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,189 @@
+//! Field schemas: an element type plus the shape of one cell. A cell is either a scalar or an
+//! array whose first dimension varies from row to row (stored unpadded) and whose trailing
+//! dimensions are fixed by the field's first write.
+
+use std::fmt;
+
+use crate::error::{Result, StoreError};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DType {
+    Bool = 0,
+    U8 = 1,
+    I32 = 2,
+    I64 = 3,
+    F16 = 4,
+    BF16 = 5,
+    F32 = 6,
+    F64 = 7,
+    /// Opaque bytes (text, serialised records); a cell is a 1-D run of bytes.
+    Bytes = 8,
+}
+
+impl DType {
+    pub const ALL: [DType; 9] = [
+        DType::Bool,
+        DType::U8,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+        DType::Bytes,
+    ];
+
+    pub fn item_size(self) -> usize {
+        match self {
+            DType::Bool | DType::U8 | DType::Bytes => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            DType::U8 => "u8",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::Bytes => "bytes",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|d| d.name() == name)
+            .ok_or_else(|| StoreError::bad_request(format!("unknown dtype {name:?}")))
+    }
+
+    pub fn from_code(code: u8) -> Result<Self> {
+        Self::ALL
+            .get(usize::from(code))
+            .copied()
+            .ok_or_else(|| StoreError::bad_request(format!("unknown dtype code {code}")))
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The fixed part of a field's cells.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct FieldSchema {
+    pub dtype: DType,
+    /// `None`: every cell is a scalar. `Some(trailing)`: a cell has shape `(n, *trailing)` with
+    /// `n` free per row.
+    pub trailing: Option<Vec<u64>>,
+}
+
+impl FieldSchema {
+    pub fn scalar(dtype: DType) -> Self {
+        Self {
+            dtype,
+            trailing: None,
+        }
+    }
+
+    pub fn ragged(dtype: DType, trailing: Vec<u64>) -> Self {
+        Self {
+            dtype,
+            trailing: Some(trailing),
+        }
+    }
+
+    /// Checks the schema is one the store can hold.
+    pub fn validate(&self) -> Result<()> {
+        if self.dtype == DType::Bytes && self.trailing.as_ref().is_none_or(|t| !t.is_empty()) {
+            return Err(StoreError::schema(
+                "a bytes field holds one 1-D run of bytes per row",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes taken by one step of the first dimension (or by a scalar cell).
+    pub fn row_stride(&self) -> u64 {
+        let trailing: u64 = self.trailing.iter().flatten().product();
+        trailing * self.dtype.item_size() as u64
+    }
+
+    /// The shape of a cell whose first dimension is `first_dim` (ignored for scalars).
+    pub fn cell_shape(&self, first_dim: u64) -> Vec<u64> {
+        match &self.trailing {
+            None => Vec::new(),
+            Some(trailing) => std::iter::once(first_dim)
+                .chain(trailing.iter().copied())
+                .collect(),
+        }
+    }
+
+    /// Bytes of a cell whose first dimension is `first_dim`.
+    pub fn cell_bytes(&self, first_dim: u64) -> u64 {
+        match self.trailing {
+            None => self.dtype.item_size() as u64,
+            Some(_) => first_dim * self.row_stride(),
+        }
+    }
+}
+
+impl fmt::Display for FieldSchema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.trailing {
+            None => write!(f, "{} scalar", self.dtype),
+            Some(trailing) => {
+                write!(f, "{}[*", self.dtype)?;
+                for d in trailing {
+                    write!(f, ", {d}")?;
+                }
+                f.write_str("]")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_names_and_codes_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_name(d.name()).unwrap(), d);
+            assert_eq!(DType::from_code(d as u8).unwrap(), d);
+        }
+        assert!(DType::from_name("f128").is_err());
+        assert!(DType::from_code(200).is_err());
+    }
+
+    #[test]
+    fn cell_sizes_follow_the_shape() {
+        let s = FieldSchema::ragged(DType::F32, vec![3, 2]);
+        assert_eq!(s.cell_shape(5), vec![5, 3, 2]);
+        assert_eq!(s.cell_bytes(5), 5 * 6 * 4);
+        let scalar = FieldSchema::scalar(DType::F64);
+        assert_eq!(scalar.cell_shape(7), Vec::<u64>::new());
+        assert_eq!(scalar.cell_bytes(7), 8);
+    }
+
+    #[test]
+    fn bytes_fields_must_be_one_dimensional() {
+        assert!(FieldSchema::ragged(DType::Bytes, vec![]).validate().is_ok());
+        assert!(FieldSchema::scalar(DType::Bytes).validate().is_err());
+        assert!(
+            FieldSchema::ragged(DType::Bytes, vec![2])
+                .validate()
+                .is_err()
+        );
+    }
+}

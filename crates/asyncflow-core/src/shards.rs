@@ -1,0 +1,115 @@
+//! The data plane: payload cells keyed by row, spread over N independently locked shards by row
+//! index, so writers of different rows never queue on one lock and the control plane's lock is
+//! never held while payload bytes move.
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+use crate::error::{Result, StoreError};
+use crate::index::FieldId;
+use crate::payload::Cell;
+
+type RowCells = Vec<(FieldId, Cell)>;
+
+#[derive(Debug)]
+pub struct Shards {
+    shards: Vec<Mutex<HashMap<u64, RowCells>>>,
+}
+
+impl Shards {
+    pub fn new(n: usize) -> Self {
+        Self {
+            shards: (0..n.max(1)).map(|_| Mutex::new(HashMap::new())).collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.shards.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shards.is_empty()
+    }
+
+    fn shard_of(&self, index: u64) -> usize {
+        (index % self.shards.len() as u64) as usize
+    }
+
+    /// Positions of `rows` grouped by the shard that owns them, so each shard is locked once.
+    fn by_shard(&self, rows: &[u64]) -> Vec<Vec<usize>> {
+        let mut buckets = vec![Vec::new(); self.shards.len()];
+        for (k, &index) in rows.iter().enumerate() {
+            buckets[self.shard_of(index)].push(k);
+        }
+        buckets
+    }
+
+    /// Stores `columns[f].1[k]` as field `columns[f].0` of row `rows[k]`, replacing any cell
+    /// the row already had for that field.
+    pub fn insert(&self, rows: &[u64], columns: &[(FieldId, Vec<Cell>)]) {
+        for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let mut map = self.shards[shard].lock();
+            for k in positions {
+                let cells = map.entry(rows[k]).or_default();
+                for (field, column) in columns {
+                    let cell = column[k].clone();
+                    match cells.iter_mut().find(|(f, _)| f == field) {
+                        Some(slot) => slot.1 = cell,
+                        None => cells.push((*field, cell)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// The cells of `fields` on `rows`, as `[field][row]`.
+    pub fn get(&self, rows: &[u64], fields: &[FieldId]) -> Result<Vec<Vec<Cell>>> {
+        let mut out: Vec<Vec<Option<Cell>>> = vec![vec![None; rows.len()]; fields.len()];
+        for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let map = self.shards[shard].lock();
+            for k in positions {
+                let cells = map.get(&rows[k]).ok_or(StoreError::UnknownIndex(rows[k]))?;
+                for (j, field) in fields.iter().enumerate() {
+                    out[j][k] = cells
+                        .iter()
+                        .find(|(f, _)| f == field)
+                        .map(|(_, c)| c.clone());
+                }
+            }
+        }
+        out.into_iter()
+            .map(|column| {
+                column
+                    .into_iter()
+                    .zip(rows)
+                    .map(|(cell, &index)| cell.ok_or(StoreError::UnknownIndex(index)))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Drops the payloads of `rows`.
+    pub fn remove(&self, rows: &[u64]) {
+        for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let mut map = self.shards[shard].lock();
+            for k in positions {
+                map.remove(&rows[k]);
+            }
+        }
+    }
+
+    /// Rows with a payload, across all shards.
+    pub fn rows(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+}

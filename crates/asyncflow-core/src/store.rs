@@ -1,0 +1,324 @@
+//! The embedded store: the index (control plane) under one lock with a condition variable for
+//! waiting claims, the payload shards (data plane) under their own locks, and the memory budget.
+//! Every operation either completes or leaves the store as it was.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Result, StoreError};
+use crate::index::{
+    ClaimSpec, Claimed, ColumnSpec, Index, IndexStats, LeaseId, PutTarget, RowInfo,
+};
+use crate::memory::{MemoryBudget, MemoryGuard};
+use crate::payload::{Cell, ChunkLayout, copy_into_chunk};
+use crate::schema::FieldSchema;
+use crate::shards::Shards;
+use crate::wait::{Attempt, Wait, block_on};
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub shards: usize,
+    /// Payload bytes the store may hold; `None` for no limit.
+    pub memory_limit: Option<u64>,
+    /// How long a claim's lease lasts before its rows are handed out again.
+    pub lease_timeout: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            shards: 8,
+            memory_limit: None,
+            lease_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One field's data in a put: a cell per row, in row order.
+#[derive(Debug, Clone)]
+pub struct Column {
+    pub name: String,
+    pub schema: FieldSchema,
+    pub cells: Vec<Cell>,
+}
+
+impl Column {
+    /// Packs `cells` (`(bytes, first dimension)` each) into one fresh chunk paid for by
+    /// `accounting`.
+    pub fn pack(
+        name: &str,
+        schema: FieldSchema,
+        cells: &[(&[u8], u64)],
+        accounting: Option<MemoryGuard>,
+    ) -> Self {
+        let layout = ChunkLayout::packed(cells.iter().map(|(b, _)| b.len()));
+        let sources: Vec<&[u8]> = cells.iter().map(|(b, _)| *b).collect();
+        let chunk = copy_into_chunk(&layout, &sources, accounting);
+        let cells = layout
+            .spans
+            .iter()
+            .zip(cells)
+            .map(|(&(offset, len), &(_, first_dim))| Cell {
+                chunk: Arc::clone(&chunk),
+                offset,
+                len,
+                first_dim,
+            })
+            .collect();
+        Self {
+            name: name.to_owned(),
+            schema,
+            cells,
+        }
+    }
+}
+
+/// Cells read back from the store, with the schema needed to interpret them.
+#[derive(Debug, Clone)]
+pub struct ReadColumn {
+    pub name: String,
+    pub schema: FieldSchema,
+    pub cells: Vec<Cell>,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreStats {
+    pub index: IndexStats,
+    pub payload_rows: u64,
+    pub memory_used: u64,
+    pub memory_limit: Option<u64>,
+    pub shards: u64,
+    pub lease_timeout: Duration,
+}
+
+#[derive(Debug)]
+pub struct Store {
+    config: StoreConfig,
+    index: Mutex<Index>,
+    /// Signalled whenever rows may have become claimable (new readiness, released leases).
+    changed: Condvar,
+    shards: Shards,
+    memory: Arc<MemoryBudget>,
+}
+
+impl Store {
+    pub fn new(config: StoreConfig) -> Result<Self> {
+        if config.shards == 0 {
+            return Err(StoreError::bad_request("a store needs at least one shard"));
+        }
+        if config.lease_timeout.is_zero() {
+            return Err(StoreError::bad_request("lease_timeout must be positive"));
+        }
+        Ok(Self {
+            index: Mutex::new(Index::new()),
+            changed: Condvar::new(),
+            shards: Shards::new(config.shards),
+            memory: MemoryBudget::new(config.memory_limit),
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    /// Reserves payload bytes before a put copies them; the guard pays for the put's chunks.
+    pub fn reserve(&self, bytes: u64, wait: Wait<'_>) -> Result<MemoryGuard> {
+        self.memory.reserve(bytes, wait)
+    }
+
+    /// Reserves memory for `cells` (waiting as `wait` allows) and packs them into a column.
+    pub fn pack_column(
+        &self,
+        name: &str,
+        schema: FieldSchema,
+        cells: &[(&[u8], u64)],
+        wait: Wait<'_>,
+    ) -> Result<Column> {
+        let layout = ChunkLayout::packed(cells.iter().map(|(b, _)| b.len()));
+        let guard = self.reserve(layout.total as u64, wait)?;
+        Ok(Column::pack(name, schema, cells, Some(guard)))
+    }
+
+    pub fn register_task(&self, name: &str) -> Result<()> {
+        self.index.lock().register_task(name).map(|_| ())
+    }
+
+    /// Writes new rows, or fields of existing rows. The rows' fields become ready (claimable)
+    /// only once all their payloads are in place.
+    pub fn put(&self, columns: Vec<Column>, target: &PutTarget) -> Result<Vec<u64>> {
+        for column in &columns {
+            check_cells(column)?;
+        }
+        let specs: Vec<ColumnSpec<'_>> = columns
+            .iter()
+            .map(|c| ColumnSpec {
+                name: &c.name,
+                schema: &c.schema,
+                rows: c.cells.len(),
+            })
+            .collect();
+        let admitted = self.index.lock().admit_put(&specs, target)?;
+        drop(specs);
+        let cells = admitted
+            .fields
+            .iter()
+            .copied()
+            .zip(columns.into_iter().map(|c| c.cells));
+        self.shards
+            .insert(&admitted.rows, &cells.collect::<Vec<_>>());
+        let gone = self
+            .index
+            .lock()
+            .commit_ready(&admitted.rows, &admitted.fields);
+        self.changed.notify_all();
+        if !gone.is_empty() {
+            self.shards.remove(&gone);
+        }
+        Ok(admitted.rows)
+    }
+
+    /// Leases up to `spec.batch_size` rows, waiting for a full batch until the wait's deadline;
+    /// then returns what is ready if `allow_partial`, else fails with `Timeout`.
+    pub fn claim(&self, spec: &ClaimSpec, allow_partial: bool, wait: Wait<'_>) -> Result<Claimed> {
+        self.index.lock().check_claim(spec)?;
+        let started = Instant::now();
+        let lease_timeout = self.config.lease_timeout;
+        let outcome = block_on(&self.index, &self.changed, wait, |index, now, last_try| {
+            if index.expire_leases(now) > 0 {
+                self.changed.notify_all();
+            }
+            match index.try_claim(spec, now, lease_timeout, last_try && allow_partial) {
+                Ok(Some(claimed)) => Attempt::Done(Ok(claimed)),
+                Ok(None) => Attempt::Pending {
+                    wake_at: index.next_lease_deadline(),
+                },
+                Err(e) => Attempt::Done(Err(e)),
+            }
+        })?;
+        match outcome {
+            Some(result) => result,
+            None => Err(self.claim_timeout(spec, started.elapsed())),
+        }
+    }
+
+    fn claim_timeout(&self, spec: &ClaimSpec, waited: Duration) -> StoreError {
+        let unwritten = self.index.lock().unwritten_fields(spec);
+        let mut what = format!(
+            "{} rows ready for task {:?} with fields {:?}",
+            spec.batch_size, spec.task, spec.fields
+        );
+        if let Some(p) = &spec.partition {
+            let _ = write!(what, " in partition {p:?}");
+        }
+        if !unwritten.is_empty() {
+            let _ = write!(what, " (no put has written {unwritten:?} yet)");
+        }
+        StoreError::Timeout { what, waited }
+    }
+
+    /// Commits a lease (or `subset` of its rows); frees rows every task has now acked.
+    pub fn ack(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
+        let freed = self.index.lock().ack(lease, subset, Instant::now())?;
+        self.shards.remove(&freed);
+        Ok(())
+    }
+
+    /// Returns a lease's rows (or `subset`) to be delivered again at once.
+    pub fn release(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
+        self.index.lock().release(lease, subset, Instant::now())?;
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Extends a lease by `timeout` (default: the store's lease timeout) from now.
+    pub fn renew(&self, lease: LeaseId, timeout: Option<Duration>) -> Result<Instant> {
+        let timeout = timeout.unwrap_or(self.config.lease_timeout);
+        self.index.lock().renew(lease, Instant::now(), timeout)
+    }
+
+    /// The cells of `fields` on `rows`, one column per field.
+    pub fn read(&self, rows: &[u64], fields: &[String]) -> Result<Vec<ReadColumn>> {
+        let (ids, schemas) = {
+            let index = self.index.lock();
+            let ids = index.check_readable(rows, fields)?;
+            let schemas: Vec<FieldSchema> =
+                ids.iter().map(|&f| index.field_schema(f).clone()).collect();
+            (ids, schemas)
+        };
+        let cells = self.shards.get(rows, &ids)?;
+        Ok(fields
+            .iter()
+            .zip(schemas)
+            .zip(cells)
+            .map(|((name, schema), cells)| ReadColumn {
+                name: name.clone(),
+                schema,
+                cells,
+            })
+            .collect())
+    }
+
+    pub fn row_info(&self, rows: &[u64]) -> Result<Vec<RowInfo>> {
+        let index = self.index.lock();
+        rows.iter().map(|&i| index.row_info(i)).collect()
+    }
+
+    /// Live rows, oldest first, optionally of one partition.
+    pub fn rows(&self, partition: Option<&str>) -> Vec<RowInfo> {
+        let index = self.index.lock();
+        index
+            .live_rows(partition)
+            .into_iter()
+            .map(|i| index.row_info(i).expect("listed rows are live"))
+            .collect()
+    }
+
+    /// Frees every row of a partition; returns how many.
+    pub fn clear(&self, partition: &str) -> u64 {
+        let freed = self.index.lock().clear_partition(partition);
+        self.shards.remove(&freed);
+        freed.len() as u64
+    }
+
+    /// Frees the given rows; fails, freeing none, if any is unknown.
+    pub fn delete(&self, rows: &[u64]) -> Result<()> {
+        self.index.lock().delete(rows)?;
+        self.shards.remove(rows);
+        Ok(())
+    }
+
+    pub fn field_schema(&self, name: &str) -> Result<FieldSchema> {
+        let index = self.index.lock();
+        Ok(index.field_schema(index.field_id(name)?).clone())
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let index = self.index.lock().stats();
+        StoreStats {
+            index,
+            payload_rows: self.shards.rows() as u64,
+            memory_used: self.memory.used(),
+            memory_limit: self.memory.limit(),
+            shards: self.shards.len() as u64,
+            lease_timeout: self.config.lease_timeout,
+        }
+    }
+}
+
+fn check_cells(column: &Column) -> Result<()> {
+    column.schema.validate()?;
+    for (k, cell) in column.cells.iter().enumerate() {
+        let expected = column.schema.cell_bytes(cell.first_dim);
+        if cell.len as u64 != expected {
+            return Err(StoreError::schema(format!(
+                "row {k} of field {:?} has {} bytes; a {} cell of first dimension {} needs {expected}",
+                column.name, cell.len, column.schema, cell.first_dim
+            )));
+        }
+    }
+    Ok(())
+}
