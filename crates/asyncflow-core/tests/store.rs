@@ -58,8 +58,8 @@ fn new_rows(partition: &str) -> PutTarget {
     })
 }
 
-fn put_prompts(store: &Store, n: usize, partition: &str) -> Vec<u64> {
-    let rows: Vec<Vec<i64>> = (0..n as i64).map(|i| vec![i, i + 1]).collect();
+fn put_prompts(store: &Store, n: i64, partition: &str) -> Vec<u64> {
+    let rows: Vec<Vec<i64>> = (0..n).map(|i| vec![i, i + 1]).collect();
     let refs: Vec<&[i64]> = rows.iter().map(Vec::as_slice).collect();
     store
         .put(vec![ints(store, "prompt", &refs)], &new_rows(partition))
