@@ -10,9 +10,7 @@ pub struct Bitmap {
 
 impl Bitmap {
     pub fn with_words(n: usize) -> Self {
-        Self {
-            words: std::iter::repeat_n(0, n).collect(),
-        }
+        Self { words: std::iter::repeat_n(0, n).collect() }
     }
 
     pub fn words(&self) -> usize {

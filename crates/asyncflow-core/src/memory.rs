@@ -21,11 +21,7 @@ pub struct MemoryBudget {
 impl MemoryBudget {
     /// `limit`: bytes, or `None` for no limit.
     pub fn new(limit: Option<u64>) -> Arc<Self> {
-        Arc::new(Self {
-            limit,
-            used: Mutex::new(0),
-            freed: Condvar::new(),
-        })
+        Arc::new(Self { limit, used: Mutex::new(0), freed: Condvar::new() })
     }
 
     pub fn limit(&self) -> Option<u64> {
@@ -68,10 +64,7 @@ impl MemoryBudget {
     }
 
     fn guard(self: &Arc<Self>, bytes: u64) -> MemoryGuard {
-        MemoryGuard {
-            budget: Arc::clone(self),
-            bytes,
-        }
+        MemoryGuard { budget: Arc::clone(self), bytes }
     }
 
     fn release(&self, bytes: u64) {
@@ -106,10 +99,7 @@ impl MemoryGuard {
             )));
         }
         self.bytes -= bytes;
-        Ok(MemoryGuard {
-            budget: Arc::clone(&self.budget),
-            bytes,
-        })
+        Ok(MemoryGuard { budget: Arc::clone(&self.budget), bytes })
     }
 }
 
@@ -128,9 +118,7 @@ mod tests {
     #[test]
     fn guards_return_their_bytes_on_drop() {
         let budget = MemoryBudget::new(Some(100));
-        let mut g = budget
-            .reserve(60, Wait::timeout(Some(Duration::ZERO)))
-            .unwrap();
+        let mut g = budget.reserve(60, Wait::timeout(Some(Duration::ZERO))).unwrap();
         let part = g.split(20).unwrap();
         assert_eq!(budget.used(), 60);
         drop(g);
@@ -151,9 +139,7 @@ mod tests {
     fn a_full_budget_times_out_then_admits_after_release() {
         let budget = MemoryBudget::new(Some(100));
         let held = budget.reserve(80, Wait::timeout(None)).unwrap();
-        let err = budget
-            .reserve(40, Wait::timeout(Some(Duration::from_millis(20))))
-            .unwrap_err();
+        let err = budget.reserve(40, Wait::timeout(Some(Duration::from_millis(20)))).unwrap_err();
         assert!(matches!(err, StoreError::MemoryLimit(_)));
         let waiter = {
             let budget = Arc::clone(&budget);

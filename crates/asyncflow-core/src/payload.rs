@@ -18,9 +18,15 @@ pub trait ByteStorage: Send + Sync + 'static {
     fn as_bytes(&self) -> &[u8];
 }
 
-/// A heap allocation aligned to [`CELL_ALIGN`].
+/// A heap allocation whose first byte is aligned to [`CELL_ALIGN`].
+///
+/// It asks the system allocator for `len + CELL_ALIGN` bytes at the allocator's natural
+/// alignment and starts at the first aligned byte inside: glibc serves natural-alignment
+/// requests from memory it recycles, whereas over-aligned requests of many megabytes get fresh
+/// (page-faulting, kernel-zeroed) mappings every time, which halves put throughput.
 pub struct AlignedBytes {
-    ptr: NonNull<u8>,
+    raw: NonNull<u8>,
+    offset: usize,
     len: usize,
 }
 
@@ -31,15 +37,28 @@ unsafe impl Sync for AlignedBytes {}
 
 impl AlignedBytes {
     fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len.max(1), CELL_ALIGN).expect("chunk size overflows a Layout")
+        Layout::from_size_align(len + CELL_ALIGN, 16).expect("chunk size overflows a Layout")
+    }
+
+    fn allocate(len: usize, zeroed: bool) -> Self {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has non-zero size.
+        let raw =
+            unsafe { if zeroed { alloc::alloc_zeroed(layout) } else { alloc::alloc(layout) } };
+        let raw = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        let offset = raw.as_ptr().align_offset(CELL_ALIGN);
+        debug_assert!(offset < CELL_ALIGN);
+        Self { raw, offset, len }
+    }
+
+    fn start(&self) -> *mut u8 {
+        // SAFETY: `offset < CELL_ALIGN`, inside the allocation of `len + CELL_ALIGN` bytes.
+        unsafe { self.raw.as_ptr().add(self.offset) }
     }
 
     /// Allocates `len` zeroed bytes.
     pub fn zeroed(len: usize) -> Self {
-        // SAFETY: the layout has non-zero size.
-        let raw = unsafe { alloc::alloc_zeroed(Self::layout(len)) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(Self::layout(len)));
-        Self { ptr, len }
+        Self::allocate(len, true)
     }
 
     /// Allocates `len` bytes and lets `fill` initialise every one of them.
@@ -47,25 +66,24 @@ impl AlignedBytes {
     /// # Safety
     /// `fill` must write all `len` bytes behind the pointer it is given before returning.
     pub unsafe fn filled_by(len: usize, fill: impl FnOnce(*mut u8)) -> Self {
-        // SAFETY: the layout has non-zero size.
-        let raw = unsafe { alloc::alloc(Self::layout(len)) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(Self::layout(len)));
-        fill(ptr.as_ptr());
-        Self { ptr, len }
+        let bytes = Self::allocate(len, false);
+        fill(bytes.start());
+        bytes
     }
 }
 
 impl Drop for AlignedBytes {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed`/`filled_by` with this same layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        // SAFETY: allocated in `allocate` with this same layout.
+        unsafe { alloc::dealloc(self.raw.as_ptr(), Self::layout(self.len)) }
     }
 }
 
 impl ByteStorage for AlignedBytes {
     fn as_bytes(&self) -> &[u8] {
-        // SAFETY: every byte was initialised at construction; the allocation lives as long as self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        // SAFETY: the `len` bytes from `start` were initialised at construction and live as long
+        // as self.
+        unsafe { std::slice::from_raw_parts(self.start(), self.len) }
     }
 }
 
@@ -78,10 +96,7 @@ pub struct Chunk {
 
 impl Chunk {
     pub fn new(storage: Box<dyn ByteStorage>, accounting: Option<MemoryGuard>) -> Arc<Self> {
-        Arc::new(Self {
-            storage,
-            _accounting: accounting,
-        })
+        Arc::new(Self { storage, _accounting: accounting })
     }
 
     pub fn as_bytes(&self) -> &[u8] {
@@ -99,9 +114,7 @@ impl Chunk {
 
 impl fmt::Debug for Chunk {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Chunk")
-            .field("len", &self.len())
-            .finish_non_exhaustive()
+        f.debug_struct("Chunk").field("len", &self.len()).finish_non_exhaustive()
     }
 }
 

@@ -89,25 +89,17 @@ pub struct FieldSchema {
 
 impl FieldSchema {
     pub fn scalar(dtype: DType) -> Self {
-        Self {
-            dtype,
-            trailing: None,
-        }
+        Self { dtype, trailing: None }
     }
 
     pub fn ragged(dtype: DType, trailing: Vec<u64>) -> Self {
-        Self {
-            dtype,
-            trailing: Some(trailing),
-        }
+        Self { dtype, trailing: Some(trailing) }
     }
 
     /// Checks the schema is one the store can hold.
     pub fn validate(&self) -> Result<()> {
         if self.dtype == DType::Bytes && self.trailing.as_ref().is_none_or(|t| !t.is_empty()) {
-            return Err(StoreError::schema(
-                "a bytes field holds one 1-D run of bytes per row",
-            ));
+            return Err(StoreError::schema("a bytes field holds one 1-D run of bytes per row"));
         }
         Ok(())
     }
@@ -122,9 +114,7 @@ impl FieldSchema {
     pub fn cell_shape(&self, first_dim: u64) -> Vec<u64> {
         match &self.trailing {
             None => Vec::new(),
-            Some(trailing) => std::iter::once(first_dim)
-                .chain(trailing.iter().copied())
-                .collect(),
+            Some(trailing) => std::iter::once(first_dim).chain(trailing.iter().copied()).collect(),
         }
     }
 
@@ -180,10 +170,6 @@ mod tests {
     fn bytes_fields_must_be_one_dimensional() {
         assert!(FieldSchema::ragged(DType::Bytes, vec![]).validate().is_ok());
         assert!(FieldSchema::scalar(DType::Bytes).validate().is_err());
-        assert!(
-            FieldSchema::ragged(DType::Bytes, vec![2])
-                .validate()
-                .is_err()
-        );
+        assert!(FieldSchema::ragged(DType::Bytes, vec![2]).validate().is_err());
     }
 }

@@ -19,9 +19,7 @@ pub struct Shards {
 
 impl Shards {
     pub fn new(n: usize) -> Self {
-        Self {
-            shards: (0..n.max(1)).map(|_| Mutex::new(HashMap::new())).collect(),
-        }
+        Self { shards: (0..n.max(1)).map(|_| Mutex::new(HashMap::new())).collect() }
     }
 
     pub fn len(&self) -> usize {
@@ -77,10 +75,7 @@ impl Shards {
             for k in positions {
                 let cells = map.get(&rows[k]).ok_or(StoreError::UnknownIndex(rows[k]))?;
                 for (j, field) in fields.iter().enumerate() {
-                    out[j][k] = cells
-                        .iter()
-                        .find(|(f, _)| f == field)
-                        .map(|(_, c)| c.clone());
+                    out[j][k] = cells.iter().find(|(f, _)| f == field).map(|(_, c)| c.clone());
                 }
             }
         }

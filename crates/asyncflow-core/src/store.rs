@@ -29,11 +29,7 @@ pub struct StoreConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self {
-            shards: 8,
-            memory_limit: None,
-            lease_timeout: Duration::from_secs(30),
-        }
+        Self { shards: 8, memory_limit: None, lease_timeout: Duration::from_secs(30) }
     }
 }
 
@@ -68,11 +64,7 @@ impl Column {
                 first_dim,
             })
             .collect();
-        Self {
-            name: name.to_owned(),
-            schema,
-            cells,
-        }
+        Self { name: name.to_owned(), schema, cells }
     }
 }
 
@@ -155,25 +147,13 @@ impl Store {
         }
         let specs: Vec<ColumnSpec<'_>> = columns
             .iter()
-            .map(|c| ColumnSpec {
-                name: &c.name,
-                schema: &c.schema,
-                rows: c.cells.len(),
-            })
+            .map(|c| ColumnSpec { name: &c.name, schema: &c.schema, rows: c.cells.len() })
             .collect();
         let admitted = self.index.lock().admit_put(&specs, target)?;
         drop(specs);
-        let cells = admitted
-            .fields
-            .iter()
-            .copied()
-            .zip(columns.into_iter().map(|c| c.cells));
-        self.shards
-            .insert(&admitted.rows, &cells.collect::<Vec<_>>());
-        let gone = self
-            .index
-            .lock()
-            .commit_ready(&admitted.rows, &admitted.fields);
+        let cells = admitted.fields.iter().copied().zip(columns.into_iter().map(|c| c.cells));
+        self.shards.insert(&admitted.rows, &cells.collect::<Vec<_>>());
+        let gone = self.index.lock().commit_ready(&admitted.rows, &admitted.fields);
         self.changed.notify_all();
         if !gone.is_empty() {
             self.shards.remove(&gone);
@@ -193,9 +173,7 @@ impl Store {
             }
             match index.try_claim(spec, now, lease_timeout, last_try && allow_partial) {
                 Ok(Some(claimed)) => Attempt::Done(Ok(claimed)),
-                Ok(None) => Attempt::Pending {
-                    wake_at: index.next_lease_deadline(),
-                },
+                Ok(None) => Attempt::Pending { wake_at: index.next_lease_deadline() },
                 Err(e) => Attempt::Done(Err(e)),
             }
         })?;
@@ -254,11 +232,7 @@ impl Store {
             .iter()
             .zip(schemas)
             .zip(cells)
-            .map(|((name, schema), cells)| ReadColumn {
-                name: name.clone(),
-                schema,
-                cells,
-            })
+            .map(|((name, schema), cells)| ReadColumn { name: name.clone(), schema, cells })
             .collect())
     }
 

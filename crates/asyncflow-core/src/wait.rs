@@ -22,10 +22,7 @@ pub struct Wait<'a> {
 impl Wait<'static> {
     /// A wait that only ends at its deadline.
     pub fn until(deadline: Option<Instant>) -> Self {
-        Self {
-            deadline,
-            interrupted: &|| false,
-        }
+        Self { deadline, interrupted: &|| false }
     }
 
     pub fn timeout(timeout: Option<Duration>) -> Self {

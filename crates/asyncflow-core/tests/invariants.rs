@@ -20,33 +20,13 @@ const LEASE: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone)]
 enum Op {
-    Put {
-        rows: usize,
-        partition: usize,
-        grouped: bool,
-    },
-    Fill {
-        pick: usize,
-    },
-    Claim {
-        task: usize,
-        both_fields: bool,
-        batch: usize,
-        whole_groups: bool,
-    },
-    Ack {
-        pick: usize,
-        partial: bool,
-    },
-    Release {
-        pick: usize,
-    },
-    Advance {
-        ms: u64,
-    },
-    Clear {
-        partition: usize,
-    },
+    Put { rows: usize, partition: usize, grouped: bool },
+    Fill { pick: usize },
+    Claim { task: usize, both_fields: bool, batch: usize, whole_groups: bool },
+    Ack { pick: usize, partial: bool },
+    Release { pick: usize },
+    Advance { ms: u64 },
+    Clear { partition: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -87,39 +67,21 @@ impl Harness {
         for t in TASKS {
             index.register_task(t).unwrap();
         }
-        Self {
-            index,
-            model: Model::default(),
-            now: Instant::now(),
-        }
+        Self { index, model: Model::default(), now: Instant::now() }
     }
 
     fn put(&mut self, fields: &[&str], target: &PutTarget, rows: usize) -> Vec<u64> {
         let schema = FieldSchema::scalar(DType::F32);
-        let specs: Vec<ColumnSpec<'_>> = fields
-            .iter()
-            .map(|&name| ColumnSpec {
-                name,
-                schema: &schema,
-                rows,
-            })
-            .collect();
+        let specs: Vec<ColumnSpec<'_>> =
+            fields.iter().map(|&name| ColumnSpec { name, schema: &schema, rows }).collect();
         let admitted = self.index.admit_put(&specs, target).unwrap();
-        assert!(
-            self.index
-                .commit_ready(&admitted.rows, &admitted.fields)
-                .is_empty()
-        );
+        assert!(self.index.commit_ready(&admitted.rows, &admitted.fields).is_empty());
         admitted.rows
     }
 
     fn apply(&mut self, op: &Op) {
         match *op {
-            Op::Put {
-                rows,
-                partition,
-                grouped,
-            } => {
+            Op::Put { rows, partition, grouped } => {
                 let groups = grouped.then(|| {
                     self.model.next_group += 1;
                     vec![self.model.next_group; rows]
@@ -147,12 +109,9 @@ impl Harness {
                     self.put(&["b"], &PutTarget::Existing(vec![row]), 1);
                 }
             }
-            Op::Claim {
-                task,
-                both_fields,
-                batch,
-                whole_groups,
-            } => self.claim(task, both_fields, batch, whole_groups),
+            Op::Claim { task, both_fields, batch, whole_groups } => {
+                self.claim(task, both_fields, batch, whole_groups);
+            }
             Op::Ack { pick, partial } => self.ack(pick, partial),
             Op::Release { pick } => {
                 if self.model.leases.is_empty() {
@@ -176,11 +135,8 @@ impl Harness {
     }
 
     fn claim(&mut self, task: usize, both_fields: bool, batch: usize, whole_groups: bool) {
-        let fields: Vec<String> = if both_fields {
-            vec!["a".into(), "b".into()]
-        } else {
-            vec!["a".into()]
-        };
+        let fields: Vec<String> =
+            if both_fields { vec!["a".into(), "b".into()] } else { vec!["a".into()] };
         let spec = ClaimSpec {
             task: TASKS[task].into(),
             fields: fields.clone(),
@@ -197,14 +153,8 @@ impl Harness {
         let Some(id) = claimed.lease else { return };
         assert!(claimed.rows.len() <= batch);
         for &row in &claimed.rows {
-            assert!(
-                !self.model.acked.contains(&(task, row)),
-                "row {row} redelivered after ack"
-            );
-            assert!(
-                self.index.check_readable(&[row], &fields).is_ok(),
-                "row {row} not ready"
-            );
+            assert!(!self.model.acked.contains(&(task, row)), "row {row} redelivered after ack");
+            assert!(self.index.check_readable(&[row], &fields).is_ok(), "row {row} not ready");
             for (t, _, rows, _) in &self.model.leases {
                 assert!(
                     !(*t == task && rows.contains(&row)),
@@ -212,9 +162,7 @@ impl Harness {
                 );
             }
         }
-        self.model
-            .leases
-            .push((task, id, claimed.rows, self.now + LEASE));
+        self.model.leases.push((task, id, claimed.rows, self.now + LEASE));
     }
 
     fn ack(&mut self, pick: usize, partial: bool) {
@@ -223,21 +171,13 @@ impl Harness {
         }
         let at = pick % self.model.leases.len();
         let (task, id, rows, _) = self.model.leases[at].clone();
-        let subset: Vec<u64> = if partial {
-            rows[..rows.len().div_ceil(2)].to_vec()
-        } else {
-            rows.clone()
-        };
+        let subset: Vec<u64> =
+            if partial { rows[..rows.len().div_ceil(2)].to_vec() } else { rows.clone() };
         // The model drops leases as they expire, so every lease it holds must accept an ack.
-        self.index
-            .ack(id, Some(&subset), self.now)
-            .expect("an active lease accepts its ack");
+        self.index.ack(id, Some(&subset), self.now).expect("an active lease accepts its ack");
         for &row in &subset {
             if !self.model.cleared.contains(&row) {
-                assert!(
-                    self.model.acked.insert((task, row)),
-                    "row {row} committed twice"
-                );
+                assert!(self.model.acked.insert((task, row)), "row {row} committed twice");
             }
         }
         let left: Vec<u64> = rows.into_iter().filter(|r| !subset.contains(r)).collect();
@@ -254,10 +194,7 @@ impl Harness {
             let pinned = PARTITIONS[partition].starts_with("__");
             let cleared = self.model.cleared.contains(&row);
             if self.index.is_live(row) {
-                assert!(
-                    pinned || !all_acked,
-                    "row {row} acked by every task but still held"
-                );
+                assert!(pinned || !all_acked, "row {row} acked by every task but still held");
                 assert!(!cleared, "row {row} cleared but still live");
             } else {
                 assert!(

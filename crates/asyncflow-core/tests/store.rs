@@ -8,10 +8,7 @@ use asyncflow_core::{
     ClaimSpec, Column, DType, FieldSchema, NewRows, PutTarget, Store, StoreConfig, StoreError, Wait,
 };
 
-const NOW: Wait<'static> = Wait {
-    deadline: None,
-    interrupted: &|| false,
-};
+const NOW: Wait<'static> = Wait { deadline: None, interrupted: &|| false };
 
 fn store() -> Store {
     Store::new(StoreConfig::default()).unwrap()
@@ -27,43 +24,28 @@ fn within(ms: u64) -> Wait<'static> {
 
 /// A column of i64 cells, one ragged array per row.
 fn ints(store: &Store, name: &str, rows: &[&[i64]]) -> Column {
-    let bytes: Vec<Vec<u8>> = rows
-        .iter()
-        .map(|r| r.iter().flat_map(|v| v.to_le_bytes()).collect())
-        .collect();
-    let cells: Vec<(&[u8], u64)> = bytes
-        .iter()
-        .zip(rows)
-        .map(|(b, r)| (b.as_slice(), r.len() as u64))
-        .collect();
-    store
-        .pack_column(name, FieldSchema::ragged(DType::I64, vec![]), &cells, NOW)
-        .unwrap()
+    let bytes: Vec<Vec<u8>> =
+        rows.iter().map(|r| r.iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
+    let cells: Vec<(&[u8], u64)> =
+        bytes.iter().zip(rows).map(|(b, r)| (b.as_slice(), r.len() as u64)).collect();
+    store.pack_column(name, FieldSchema::ragged(DType::I64, vec![]), &cells, NOW).unwrap()
 }
 
 /// A column of f32 scalars.
 fn scalars(store: &Store, name: &str, values: &[f32]) -> Column {
     let bytes: Vec<[u8; 4]> = values.iter().map(|v| v.to_le_bytes()).collect();
     let cells: Vec<(&[u8], u64)> = bytes.iter().map(|b| (b.as_slice(), 1)).collect();
-    store
-        .pack_column(name, FieldSchema::scalar(DType::F32), &cells, NOW)
-        .unwrap()
+    store.pack_column(name, FieldSchema::scalar(DType::F32), &cells, NOW).unwrap()
 }
 
 fn new_rows(partition: &str) -> PutTarget {
-    PutTarget::New(NewRows {
-        partition: partition.into(),
-        versions: vec![0],
-        ..NewRows::default()
-    })
+    PutTarget::New(NewRows { partition: partition.into(), versions: vec![0], ..NewRows::default() })
 }
 
 fn put_prompts(store: &Store, n: i64, partition: &str) -> Vec<u64> {
     let rows: Vec<Vec<i64>> = (0..n).map(|i| vec![i, i + 1]).collect();
     let refs: Vec<&[i64]> = rows.iter().map(Vec::as_slice).collect();
-    store
-        .put(vec![ints(store, "prompt", &refs)], &new_rows(partition))
-        .unwrap()
+    store.put(vec![ints(store, "prompt", &refs)], &new_rows(partition)).unwrap()
 }
 
 fn spec(task: &str, fields: &[&str], batch_size: usize) -> ClaimSpec {
@@ -82,12 +64,7 @@ fn read_ints(store: &Store, rows: &[u64], field: &str) -> Vec<Vec<i64>> {
     cols[0]
         .cells
         .iter()
-        .map(|c| {
-            c.bytes()
-                .chunks(8)
-                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-                .collect()
-        })
+        .map(|c| c.bytes().chunks(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect())
         .collect()
 }
 
@@ -96,17 +73,10 @@ fn claim_delivers_ready_rows_oldest_first_and_reads_back_the_bytes() {
     let s = store();
     s.register_task("gen").unwrap();
     let idx = put_prompts(&s, 5, "p");
-    let c = s
-        .claim(&spec("gen", &["prompt"], 3), false, no_wait())
-        .unwrap();
+    let c = s.claim(&spec("gen", &["prompt"], 3), false, no_wait()).unwrap();
     assert_eq!(c.rows, idx[..3]);
-    assert_eq!(
-        read_ints(&s, &c.rows, "prompt"),
-        vec![vec![0, 1], vec![1, 2], vec![2, 3]]
-    );
-    let c2 = s
-        .claim(&spec("gen", &["prompt"], 2), false, no_wait())
-        .unwrap();
+    assert_eq!(read_ints(&s, &c.rows, "prompt"), vec![vec![0, 1], vec![1, 2], vec![2, 3]]);
+    let c2 = s.claim(&spec("gen", &["prompt"], 2), false, no_wait()).unwrap();
     assert_eq!(c2.rows, idx[3..]);
 }
 
@@ -115,18 +85,10 @@ fn a_row_is_claimable_only_once_every_requested_field_is_ready() {
     let s = store();
     s.register_task("train").unwrap();
     let idx = put_prompts(&s, 2, "p");
-    let err = s
-        .claim(&spec("train", &["prompt", "reward"], 1), false, no_wait())
-        .unwrap_err();
+    let err = s.claim(&spec("train", &["prompt", "reward"], 1), false, no_wait()).unwrap_err();
     assert!(matches!(err, StoreError::Timeout { ref what, .. } if what.contains("reward")));
-    s.put(
-        vec![scalars(&s, "reward", &[1.0])],
-        &PutTarget::Existing(vec![idx[1]]),
-    )
-    .unwrap();
-    let c = s
-        .claim(&spec("train", &["prompt", "reward"], 1), false, no_wait())
-        .unwrap();
+    s.put(vec![scalars(&s, "reward", &[1.0])], &PutTarget::Existing(vec![idx[1]])).unwrap();
+    let c = s.claim(&spec("train", &["prompt", "reward"], 1), false, no_wait()).unwrap();
     assert_eq!(c.rows, vec![idx[1]]);
 }
 
@@ -155,13 +117,9 @@ fn timeout_returns_partial_batches_only_when_allowed() {
         s.claim(&spec("gen", &["prompt"], 5), false, within(20)),
         Err(StoreError::Timeout { .. })
     ));
-    let c = s
-        .claim(&spec("gen", &["prompt"], 5), true, within(20))
-        .unwrap();
+    let c = s.claim(&spec("gen", &["prompt"], 5), true, within(20)).unwrap();
     assert_eq!(c.rows, idx);
-    let empty = s
-        .claim(&spec("gen", &["prompt"], 5), true, no_wait())
-        .unwrap();
+    let empty = s.claim(&spec("gen", &["prompt"], 5), true, no_wait()).unwrap();
     assert!(empty.rows.is_empty() && empty.lease.is_none());
 }
 
@@ -216,22 +174,13 @@ fn whole_groups_are_delivered_complete_or_not_at_all() {
         })
     };
     // Group 1 gets 2 of its 3 rows; group 2 is complete.
-    let g1 = s
-        .put(vec![ints(&s, "x", &[&[1], &[1]])], &grouped(vec![1, 1], 3))
-        .unwrap();
-    let g2 = s
-        .put(
-            vec![ints(&s, "x", &[&[2], &[2], &[2]])],
-            &grouped(vec![2, 2, 2], 3),
-        )
-        .unwrap();
+    let g1 = s.put(vec![ints(&s, "x", &[&[1], &[1]])], &grouped(vec![1, 1], 3)).unwrap();
+    let g2 = s.put(vec![ints(&s, "x", &[&[2], &[2], &[2]])], &grouped(vec![2, 2, 2], 3)).unwrap();
     let mut whole = spec("adv", &["x"], 6);
     whole.whole_groups = true;
     let c = s.claim(&whole, true, no_wait()).unwrap();
     assert_eq!(c.rows, g2);
-    let g1_last = s
-        .put(vec![ints(&s, "x", &[&[1]])], &grouped(vec![1], 3))
-        .unwrap();
+    let g1_last = s.put(vec![ints(&s, "x", &[&[1]])], &grouped(vec![1], 3)).unwrap();
     let c = s.claim(&whole, true, no_wait()).unwrap();
     assert_eq!(c.rows, [g1, g1_last].concat());
 }
@@ -246,18 +195,13 @@ fn whole_groups_never_split_a_group_to_fill_a_batch() {
         versions: vec![0],
         ..NewRows::default()
     });
-    let idx = s
-        .put(vec![ints(&s, "x", &[&[1], &[1], &[2], &[2]])], &target)
-        .unwrap();
+    let idx = s.put(vec![ints(&s, "x", &[&[1], &[1], &[2], &[2]])], &target).unwrap();
     let mut whole = spec("adv", &["x"], 3);
     whole.whole_groups = true;
     let c = s.claim(&whole, false, no_wait()).unwrap();
     assert_eq!(c.rows, idx[..2]);
     whole.batch_size = 1;
-    assert!(matches!(
-        s.claim(&whole, true, no_wait()),
-        Err(StoreError::BadRequest(_))
-    ));
+    assert!(matches!(s.claim(&whole, true, no_wait()), Err(StoreError::BadRequest(_))));
 }
 
 #[test]
@@ -269,13 +213,9 @@ fn an_expired_lease_is_redelivered_and_its_ack_fails_without_effect() {
     .unwrap();
     s.register_task("t").unwrap();
     let idx = put_prompts(&s, 2, "p");
-    let first = s
-        .claim(&spec("t", &["prompt"], 2), false, no_wait())
-        .unwrap();
+    let first = s.claim(&spec("t", &["prompt"], 2), false, no_wait()).unwrap();
     thread::sleep(Duration::from_millis(60));
-    let again = s
-        .claim(&spec("t", &["prompt"], 2), false, within(1000))
-        .unwrap();
+    let again = s.claim(&spec("t", &["prompt"], 2), false, within(1000)).unwrap();
     assert_eq!(again.rows, idx);
     let err = s.ack(first.lease.unwrap(), None).unwrap_err();
     assert!(matches!(err, StoreError::Lease { ref reason, .. } if reason.contains("expired")));
@@ -289,14 +229,9 @@ fn a_lease_can_be_acked_only_once() {
     let s = store();
     s.register_task("t").unwrap();
     put_prompts(&s, 1, "p");
-    let c = s
-        .claim(&spec("t", &["prompt"], 1), false, no_wait())
-        .unwrap();
+    let c = s.claim(&spec("t", &["prompt"], 1), false, no_wait()).unwrap();
     s.ack(c.lease.unwrap(), None).unwrap();
-    assert!(matches!(
-        s.ack(c.lease.unwrap(), None),
-        Err(StoreError::Lease { .. })
-    ));
+    assert!(matches!(s.ack(c.lease.unwrap(), None), Err(StoreError::Lease { .. })));
     assert!(matches!(s.ack(999, None), Err(StoreError::Lease { .. })));
 }
 
@@ -305,13 +240,9 @@ fn release_hands_rows_back_at_once() {
     let s = store();
     s.register_task("t").unwrap();
     let idx = put_prompts(&s, 3, "p");
-    let c = s
-        .claim(&spec("t", &["prompt"], 3), false, no_wait())
-        .unwrap();
+    let c = s.claim(&spec("t", &["prompt"], 3), false, no_wait()).unwrap();
     s.release(c.lease.unwrap(), Some(&idx[1..2])).unwrap();
-    let again = s
-        .claim(&spec("t", &["prompt"], 1), false, no_wait())
-        .unwrap();
+    let again = s.claim(&spec("t", &["prompt"], 1), false, no_wait()).unwrap();
     assert_eq!(again.rows, vec![idx[1]]);
     s.ack(c.lease.unwrap(), None).unwrap();
 }
@@ -325,16 +256,10 @@ fn renew_keeps_a_lease_alive_past_its_first_deadline() {
     .unwrap();
     s.register_task("t").unwrap();
     put_prompts(&s, 1, "p");
-    let c = s
-        .claim(&spec("t", &["prompt"], 1), false, no_wait())
-        .unwrap();
-    s.renew(c.lease.unwrap(), Some(Duration::from_secs(30)))
-        .unwrap();
+    let c = s.claim(&spec("t", &["prompt"], 1), false, no_wait()).unwrap();
+    s.renew(c.lease.unwrap(), Some(Duration::from_secs(30))).unwrap();
     thread::sleep(Duration::from_millis(80));
-    assert!(
-        s.claim(&spec("t", &["prompt"], 1), false, no_wait())
-            .is_err()
-    );
+    assert!(s.claim(&spec("t", &["prompt"], 1), false, no_wait()).is_err());
     s.ack(c.lease.unwrap(), None).unwrap();
 }
 
@@ -345,14 +270,10 @@ fn rows_are_freed_once_every_registered_task_has_acked_them() {
     s.register_task("train").unwrap();
     put_prompts(&s, 4, "p");
     assert!(s.stats().memory_used > 0);
-    let r = s
-        .claim(&spec("reward", &["prompt"], 4), false, no_wait())
-        .unwrap();
+    let r = s.claim(&spec("reward", &["prompt"], 4), false, no_wait()).unwrap();
     s.ack(r.lease.unwrap(), None).unwrap();
     assert_eq!(s.stats().index.live_rows, 4, "train has not acked yet");
-    let t = s
-        .claim(&spec("train", &["prompt"], 4), false, no_wait())
-        .unwrap();
+    let t = s.claim(&spec("train", &["prompt"], 4), false, no_wait()).unwrap();
     s.ack(t.lease.unwrap(), None).unwrap();
     let stats = s.stats();
     assert_eq!(stats.index.live_rows, 0);
@@ -365,16 +286,11 @@ fn pinned_partitions_survive_acks_until_cleared() {
     let s = store();
     s.register_task("t").unwrap();
     let idx = put_prompts(&s, 2, "__weights__");
-    let c = s
-        .claim(&spec("t", &["prompt"], 2), false, no_wait())
-        .unwrap();
+    let c = s.claim(&spec("t", &["prompt"], 2), false, no_wait()).unwrap();
     s.ack(c.lease.unwrap(), None).unwrap();
     assert_eq!(read_ints(&s, &idx, "prompt").len(), 2);
     assert_eq!(s.clear("__weights__"), 2);
-    assert!(matches!(
-        s.read(&idx, &["prompt".into()]),
-        Err(StoreError::UnknownIndex(_))
-    ));
+    assert!(matches!(s.read(&idx, &["prompt".into()]), Err(StoreError::UnknownIndex(_))));
     assert_eq!(s.stats().memory_used, 0);
 }
 
@@ -398,60 +314,33 @@ fn unequal_row_counts_and_unknown_indexes_are_rejected_whole() {
     let s = store();
     let a = ints(&s, "a", &[&[1], &[2]]);
     let b = scalars(&s, "b", &[1.0]);
-    assert!(matches!(
-        s.put(vec![a, b], &new_rows("p")),
-        Err(StoreError::Schema(_))
-    ));
+    assert!(matches!(s.put(vec![a, b], &new_rows("p")), Err(StoreError::Schema(_))));
     assert_eq!(s.stats().index.live_rows, 0);
     let idx = put_prompts(&s, 1, "p");
     let fill = scalars(&s, "r", &[1.0, 2.0]);
-    let err = s
-        .put(vec![fill], &PutTarget::Existing(vec![idx[0], 12345]))
-        .unwrap_err();
+    let err = s.put(vec![fill], &PutTarget::Existing(vec![idx[0], 12345])).unwrap_err();
     assert_eq!(err, StoreError::UnknownIndex(12345));
-    assert!(
-        s.read(&idx, &["r".into()]).is_err(),
-        "no cell of the failed put is visible"
-    );
+    assert!(s.read(&idx, &["r".into()]).is_err(), "no cell of the failed put is visible");
 }
 
 #[test]
 fn a_put_waits_for_room_and_then_fails_cleanly() {
     let s = Arc::new(
-        Store::new(StoreConfig {
-            memory_limit: Some(1024),
-            ..StoreConfig::default()
-        })
-        .unwrap(),
+        Store::new(StoreConfig { memory_limit: Some(1024), ..StoreConfig::default() }).unwrap(),
     );
     s.register_task("t").unwrap();
     let big = vec![0u8; 900];
     let col = s
-        .pack_column(
-            "b",
-            FieldSchema::ragged(DType::U8, vec![]),
-            &[(&big, 900)],
-            no_wait(),
-        )
+        .pack_column("b", FieldSchema::ragged(DType::U8, vec![]), &[(&big, 900)], no_wait())
         .unwrap();
     s.put(vec![col], &new_rows("p")).unwrap();
     let err = s
-        .pack_column(
-            "b",
-            FieldSchema::ragged(DType::U8, vec![]),
-            &[(&big, 900)],
-            within(30),
-        )
+        .pack_column("b", FieldSchema::ragged(DType::U8, vec![]), &[(&big, 900)], within(30))
         .unwrap_err();
     assert!(matches!(err, StoreError::MemoryLimit(_)));
     let too_big = vec![0u8; 2000];
     let err = s
-        .pack_column(
-            "b",
-            FieldSchema::ragged(DType::U8, vec![]),
-            &[(&too_big, 2000)],
-            NOW,
-        )
+        .pack_column("b", FieldSchema::ragged(DType::U8, vec![]), &[(&too_big, 2000)], NOW)
         .unwrap_err();
     assert!(matches!(err, StoreError::MemoryLimit(ref m) if m.contains("never")));
     // Room appears when the resident row is acked; a waiting put then proceeds.
@@ -459,12 +348,7 @@ fn a_put_waits_for_room_and_then_fails_cleanly() {
         let s = Arc::clone(&s);
         thread::spawn(move || {
             let big = vec![1u8; 900];
-            s.pack_column(
-                "b",
-                FieldSchema::ragged(DType::U8, vec![]),
-                &[(&big, 900)],
-                within(5000),
-            )
+            s.pack_column("b", FieldSchema::ragged(DType::U8, vec![]), &[(&big, 900)], within(5000))
         })
     };
     let c = s.claim(&spec("t", &["b"], 1), false, no_wait()).unwrap();
@@ -478,12 +362,8 @@ fn tasks_progress_independently_over_the_same_rows() {
     s.register_task("a").unwrap();
     s.register_task("b").unwrap();
     let idx = put_prompts(&s, 3, "p");
-    let ca = s
-        .claim(&spec("a", &["prompt"], 3), false, no_wait())
-        .unwrap();
-    let cb = s
-        .claim(&spec("b", &["prompt"], 3), false, no_wait())
-        .unwrap();
+    let ca = s.claim(&spec("a", &["prompt"], 3), false, no_wait()).unwrap();
+    let cb = s.claim(&spec("b", &["prompt"], 3), false, no_wait()).unwrap();
     assert_eq!(ca.rows, idx);
     assert_eq!(cb.rows, idx);
 }
@@ -494,19 +374,13 @@ fn acked_rows_are_forgotten_from_the_front_of_the_table() {
     s.register_task("t").unwrap();
     put_prompts(&s, 1000, "p");
     loop {
-        let c = s
-            .claim(&spec("t", &["prompt"], 100), true, no_wait())
-            .unwrap();
+        let c = s.claim(&spec("t", &["prompt"], 100), true, no_wait()).unwrap();
         let Some(lease) = c.lease else { break };
         s.ack(lease, None).unwrap();
     }
     let stats = s.stats();
     assert_eq!(stats.index.live_rows, 0);
-    assert!(
-        stats.index.resident_slots < 64,
-        "resident {}",
-        stats.index.resident_slots
-    );
+    assert!(stats.index.resident_slots < 64, "resident {}", stats.index.resident_slots);
 }
 
 #[test]
@@ -517,14 +391,8 @@ fn bad_claims_are_rejected_before_waiting() {
         Err(StoreError::UnknownTask(_))
     ));
     s.register_task("t").unwrap();
-    assert!(matches!(
-        s.claim(&spec("t", &["x"], 0), false, NOW),
-        Err(StoreError::BadRequest(_))
-    ));
-    assert!(matches!(
-        s.claim(&spec("t", &[], 1), false, NOW),
-        Err(StoreError::BadRequest(_))
-    ));
+    assert!(matches!(s.claim(&spec("t", &["x"], 0), false, NOW), Err(StoreError::BadRequest(_))));
+    assert!(matches!(s.claim(&spec("t", &[], 1), false, NOW), Err(StoreError::BadRequest(_))));
 }
 
 #[test]
@@ -532,13 +400,7 @@ fn an_interrupted_claim_returns_promptly() {
     let s = store();
     s.register_task("t").unwrap();
     let started = Instant::now();
-    let wait = Wait {
-        deadline: None,
-        interrupted: &|| true,
-    };
-    assert_eq!(
-        s.claim(&spec("t", &["x"], 1), false, wait),
-        Err(StoreError::Interrupted)
-    );
+    let wait = Wait { deadline: None, interrupted: &|| true };
+    assert_eq!(s.claim(&spec("t", &["x"], 1), false, wait), Err(StoreError::Interrupted));
     assert!(started.elapsed() < Duration::from_secs(2));
 }

@@ -24,10 +24,14 @@ pub struct ClaimSpec {
 }
 
 /// Rows leased by one claim. An empty claim holds no lease.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Claimed {
     pub lease: Option<LeaseId>,
     pub rows: Vec<u64>,
+    /// Policy version of each row.
+    pub versions: Vec<u64>,
+    /// Group of each row, if any.
+    pub groups: Vec<Option<u64>>,
     pub deadline: Option<Instant>,
 }
 
@@ -67,20 +71,12 @@ impl Index {
 
     /// Fields of a claim that no put has written yet, for error messages.
     pub fn unwritten_fields(&self, spec: &ClaimSpec) -> Vec<String> {
-        spec.fields
-            .iter()
-            .filter(|f| !self.field_ids.contains_key(*f))
-            .cloned()
-            .collect()
+        spec.fields.iter().filter(|f| !self.field_ids.contains_key(*f)).cloned().collect()
     }
 
     fn resolve(&self, spec: &ClaimSpec) -> Result<Resolved> {
         self.check_claim(spec)?;
-        let fields = spec
-            .fields
-            .iter()
-            .map(|f| self.field_ids.get(f).copied())
-            .collect();
+        let fields = spec.fields.iter().map(|f| self.field_ids.get(f).copied()).collect();
         let partition = match &spec.partition {
             None => PartitionFilter::Any,
             Some(p) => self
@@ -88,11 +84,7 @@ impl Index {
                 .get(p)
                 .map_or(PartitionFilter::Unknown, |&id| PartitionFilter::Only(id)),
         };
-        Ok(Resolved {
-            task: self.task_id(&spec.task)?,
-            fields,
-            partition,
-        })
+        Ok(Resolved { task: self.task_id(&spec.task)?, fields, partition })
     }
 
     /// Leases a full batch if one is ready, or (with `accept_partial`) whatever is ready, possibly
@@ -110,13 +102,11 @@ impl Index {
             return Ok(None);
         }
         if found.slots.is_empty() {
-            return Ok(Some(Claimed {
-                lease: None,
-                rows: Vec::new(),
-                deadline: None,
-            }));
+            return Ok(Some(Claimed::default()));
         }
         let rows: Vec<u64> = found.slots.iter().map(|&s| self.base + s as u64).collect();
+        let versions = found.slots.iter().map(|&s| self.rows[s].version).collect();
+        let groups = found.slots.iter().map(|&s| self.rows[s].group).collect();
         let task = &mut self.tasks[resolved.task as usize];
         for &slot in &found.slots {
             task.busy.set(slot);
@@ -126,19 +116,12 @@ impl Index {
         self.counters.rows_claimed += rows.len() as u64;
         let deadline = now + lease_timeout;
         let lease = self.leases.grant(resolved.task, rows.clone(), deadline);
-        Ok(Some(Claimed {
-            lease: Some(lease),
-            rows,
-            deadline: Some(deadline),
-        }))
+        Ok(Some(Claimed { lease: Some(lease), rows, versions, groups, deadline: Some(deadline) }))
     }
 
     fn scan(&self, spec: &ClaimSpec, r: &Resolved) -> Result<Found> {
         let want = spec.batch_size;
-        let none = Found {
-            slots: Vec::new(),
-            full: false,
-        };
+        let none = Found { slots: Vec::new(), full: false };
         let Some(fields) = &r.fields else {
             return Ok(none);
         };
@@ -243,9 +226,7 @@ impl Index {
                 let slot = self.slot(index)?;
                 let ok = self.live.get(slot)
                     && !t.busy.get(slot)
-                    && fields
-                        .iter()
-                        .all(|&f| self.fields[f as usize].ready.get(slot))
+                    && fields.iter().all(|&f| self.fields[f as usize].ready.get(slot))
                     && self.passes_filters(slot, partition, spec.min_version);
                 ok.then_some(slot)
             })

@@ -35,14 +35,7 @@ impl Leases {
     pub(super) fn grant(&mut self, task: TaskId, rows: Vec<u64>, deadline: Instant) -> LeaseId {
         self.next_id += 1;
         let id = self.next_id;
-        self.active.insert(
-            id,
-            Lease {
-                task,
-                rows,
-                deadline,
-            },
-        );
+        self.active.insert(id, Lease { task, rows, deadline });
         self.expiry.push(Reverse((deadline, id)));
         id
     }
@@ -67,10 +60,7 @@ impl Leases {
         } else {
             "unknown, or already acked or released"
         };
-        StoreError::Lease {
-            id,
-            reason: reason.to_owned(),
-        }
+        StoreError::Lease { id, reason: reason.to_owned() }
     }
 }
 
@@ -89,12 +79,7 @@ impl Index {
                 break;
             }
             self.leases.expiry.pop();
-            if self
-                .leases
-                .active
-                .get(&id)
-                .is_some_and(|l| l.deadline <= now)
-            {
+            if self.leases.active.get(&id).is_some_and(|l| l.deadline <= now) {
                 self.end_lease(id);
                 self.leases.remember_expired(id);
                 self.counters.leases_expired += 1;
@@ -169,22 +154,14 @@ impl Index {
     pub fn renew(&mut self, id: LeaseId, now: Instant, timeout: Duration) -> Result<Instant> {
         self.check_lease(id, None, now)?;
         let deadline = now + timeout;
-        self.leases
-            .active
-            .get_mut(&id)
-            .expect("checked above")
-            .deadline = deadline;
+        self.leases.active.get_mut(&id).expect("checked above").deadline = deadline;
         self.leases.expiry.push(Reverse((deadline, id)));
         Ok(deadline)
     }
 
     /// Removes `subset` (or everything) from a lease, ending it when it is left empty.
     fn take_rows(&mut self, id: LeaseId, subset: Option<&[u64]>) -> (TaskId, Vec<u64>) {
-        let lease = self
-            .leases
-            .active
-            .get_mut(&id)
-            .expect("lease checked by the caller");
+        let lease = self.leases.active.get_mut(&id).expect("lease checked by the caller");
         let task = lease.task;
         let rows = match subset {
             None => std::mem::take(&mut lease.rows),

@@ -200,10 +200,7 @@ impl Index {
     }
 
     pub fn task_id(&self, name: &str) -> Result<TaskId> {
-        self.task_ids
-            .get(name)
-            .copied()
-            .ok_or_else(|| StoreError::UnknownTask(name.to_owned()))
+        self.task_ids.get(name).copied().ok_or_else(|| StoreError::UnknownTask(name.to_owned()))
     }
 
     pub fn task_names(&self) -> Vec<String> {
@@ -213,10 +210,7 @@ impl Index {
     // ---- fields ------------------------------------------------------------------------------
 
     pub fn field_id(&self, name: &str) -> Result<FieldId> {
-        self.field_ids
-            .get(name)
-            .copied()
-            .ok_or_else(|| StoreError::UnknownField(name.to_owned()))
+        self.field_ids.get(name).copied().ok_or_else(|| StoreError::UnknownField(name.to_owned()))
     }
 
     pub fn field_schema(&self, id: FieldId) -> &FieldSchema {
@@ -273,9 +267,7 @@ impl Index {
     }
 
     fn live_slot(&self, index: u64) -> Result<usize> {
-        self.slot(index)
-            .filter(|&s| self.live.get(s))
-            .ok_or(StoreError::UnknownIndex(index))
+        self.slot(index).filter(|&s| self.live.get(s)).ok_or(StoreError::UnknownIndex(index))
     }
 
     pub fn row_info(&self, index: u64) -> Result<RowInfo> {
@@ -294,10 +286,7 @@ impl Index {
         let (first, end) = match partition {
             None => (self.base, self.next),
             Some(name) => match self.partition_ids.get(name) {
-                Some(&p) => (
-                    self.partitions[p as usize].first,
-                    self.partitions[p as usize].end,
-                ),
+                Some(&p) => (self.partitions[p as usize].first, self.partitions[p as usize].end),
                 None => return Vec::new(),
             },
         };
@@ -318,10 +307,7 @@ impl Index {
         target: &PutTarget,
     ) -> Result<Admitted> {
         let n = self.check_put(columns, target)?;
-        let fields = columns
-            .iter()
-            .map(|c| self.field_or_register(c.name, c.schema))
-            .collect();
+        let fields = columns.iter().map(|c| self.field_or_register(c.name, c.schema)).collect();
         let rows = match target {
             PutTarget::Existing(indexes) => indexes.clone(),
             PutTarget::New(new) => self.allocate(new, n),
@@ -347,10 +333,7 @@ impl Index {
                 )));
             }
             if columns[..i].iter().any(|c| c.name == col.name) {
-                return Err(StoreError::bad_request(format!(
-                    "field {:?} given twice",
-                    col.name
-                )));
+                return Err(StoreError::bad_request(format!("field {:?} given twice", col.name)));
             }
             self.check_column(col)?;
         }
@@ -372,9 +355,7 @@ impl Index {
         for &i in indexes {
             self.live_slot(i)?;
             if !seen.insert(i) {
-                return Err(StoreError::bad_request(format!(
-                    "row index {i} given twice"
-                )));
+                return Err(StoreError::bad_request(format!("row index {i} given twice")));
             }
         }
         Ok(())
@@ -382,9 +363,7 @@ impl Index {
 
     fn check_new(&self, new: &NewRows, n: usize) -> Result<()> {
         if new.partition.is_empty() {
-            return Err(StoreError::bad_request(
-                "a partition needs a non-empty name",
-            ));
+            return Err(StoreError::bad_request("a partition needs a non-empty name"));
         }
         if ![1, n].contains(&new.versions.len()) {
             return Err(StoreError::bad_request(format!(
@@ -494,10 +473,7 @@ impl Index {
         if let Some(groups) = &new.groups {
             for (group, added) in count_by_group(groups) {
                 let size = new.group_size.map_or(added as u32, |s| s);
-                self.groups.entry(group).or_insert(GroupState {
-                    size,
-                    members: Vec::new(),
-                });
+                self.groups.entry(group).or_insert(GroupState { size, members: Vec::new() });
             }
             for (k, &group) in groups.iter().enumerate() {
                 // Rows are appended in index order, so members stay sorted.
@@ -534,10 +510,7 @@ impl Index {
 
     /// Checks that every row is live and every field is ready on it; returns the field ids.
     pub fn check_readable(&self, indexes: &[u64], fields: &[String]) -> Result<Vec<FieldId>> {
-        let ids = fields
-            .iter()
-            .map(|f| self.field_id(f))
-            .collect::<Result<Vec<_>>>()?;
+        let ids = fields.iter().map(|f| self.field_id(f)).collect::<Result<Vec<_>>>()?;
         for &index in indexes {
             let slot = self.live_slot(index)?;
             for &f in &ids {
@@ -590,10 +563,7 @@ impl Index {
 
     /// Frees the given rows; fails, freeing none, if any is unknown.
     pub fn delete(&mut self, indexes: &[u64]) -> Result<()> {
-        let slots = indexes
-            .iter()
-            .map(|&i| self.live_slot(i))
-            .collect::<Result<Vec<_>>>()?;
+        let slots = indexes.iter().map(|&i| self.live_slot(i)).collect::<Result<Vec<_>>>()?;
         for slot in slots {
             self.free_slot(slot);
         }

@@ -1,0 +1,20 @@
+//! `asyncflow._native`: the Python face of the Rust store. This crate only converts — values,
+//! errors, blocking — and holds no store logic of its own.
+
+// PyO3 hands #[pymethods] their arguments by value; borrowing them is not an option there.
+#![allow(clippy::needless_pass_by_value)]
+
+mod arrays;
+mod blocking;
+mod errors;
+mod store;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<store::Store>()?;
+    m.add_class::<arrays::ChunkOwner>()?;
+    Ok(())
+}

@@ -1,0 +1,307 @@
+//! The embedded store as a Python class. Conversions only: every rule lives in the core.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use asyncflow_core::{
+    self as core, ClaimSpec, Column, NewRows, PutTarget, StoreConfig, StoreError,
+};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::arrays::{CellViews, PendingColumn};
+use crate::blocking::{deadline, detached};
+use crate::errors::{IntoPy, to_py};
+
+/// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
+/// versions and groups (-1: no group), and seconds until the lease expires.
+type ClaimResult<'py> = (
+    Option<u64>,
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<i64>>,
+    Option<f64>,
+);
+
+fn seconds(value: f64, what: &str) -> PyResult<Duration> {
+    if value.is_finite() && value > 0.0 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(to_py(StoreError::bad_request(format!(
+            "{what} must be a positive number of seconds, not {value}"
+        ))))
+    }
+}
+
+fn groups_to_core(groups: &[i64]) -> PyResult<Vec<u64>> {
+    groups
+        .iter()
+        .map(|&g| {
+            u64::try_from(g).map_err(|_| {
+                to_py(StoreError::bad_request(format!("group ids must be >= 0, got {g}")))
+            })
+        })
+        .collect()
+}
+
+fn group_to_py(group: Option<u64>) -> i64 {
+    group.map_or(-1, |g| g as i64)
+}
+
+/// The in-process sample store.
+#[pyclass(module = "asyncflow._native", frozen)]
+pub struct Store {
+    inner: Arc<core::Store>,
+}
+
+#[pymethods]
+impl Store {
+    #[new]
+    #[pyo3(signature = (shards = 8, memory_limit = None, lease_timeout = 30.0))]
+    fn new(shards: usize, memory_limit: Option<u64>, lease_timeout: f64) -> PyResult<Self> {
+        let config = StoreConfig {
+            shards,
+            memory_limit,
+            lease_timeout: seconds(lease_timeout, "lease_timeout")?,
+        };
+        Ok(Self { inner: Arc::new(core::Store::new(config).py_err()?) })
+    }
+
+    fn register_task(&self, name: &str) -> PyResult<()> {
+        self.inner.register_task(name).py_err()
+    }
+
+    /// Writes new rows (`indexes` is None) or fields of existing rows. `fields` holds
+    /// `(name, value, dtype or None)`. Returns the rows' indexes.
+    #[pyo3(signature = (fields, *, partition = None, indexes = None, groups = None, group_size = None, versions = None, tags = None, timeout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put<'py>(
+        &self,
+        py: Python<'py>,
+        fields: Vec<(String, Bound<'py, PyAny>, Option<String>)>,
+        partition: Option<String>,
+        indexes: Option<PyReadonlyArray1<'py, u64>>,
+        groups: Option<PyReadonlyArray1<'py, i64>>,
+        group_size: Option<u32>,
+        versions: Option<PyReadonlyArray1<'py, u64>>,
+        tags: Option<Vec<Vec<(String, String)>>>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        let pending = fields
+            .iter()
+            .map(|(name, value, dtype)| PendingColumn::inspect(name, value, dtype.as_deref()))
+            .collect::<PyResult<Vec<_>>>()?;
+        let target = match indexes {
+            Some(indexes) => {
+                if partition.is_some() || groups.is_some() || versions.is_some() || tags.is_some() {
+                    return Err(to_py(StoreError::bad_request(
+                        "partition, groups, versions and tags describe new rows; they cannot be given with indexes",
+                    )));
+                }
+                PutTarget::Existing(indexes.as_slice()?.to_vec())
+            }
+            None => PutTarget::New(NewRows {
+                partition: partition.unwrap_or_else(|| "default".to_owned()),
+                groups: groups.map(|g| groups_to_core(g.as_slice()?)).transpose()?,
+                group_size,
+                versions: versions
+                    .map_or_else(|| Ok(vec![0]), |v| v.as_slice().map(<[u64]>::to_vec))?,
+                tags: tags.unwrap_or_default().into_iter().map(Arc::new).collect(),
+            }),
+        };
+        let total: u64 = pending.iter().map(PendingColumn::bytes_needed).sum();
+        let store = &self.inner;
+        let rows = detached(py, deadline(timeout.or(Some(60.0)))?, |wait| {
+            let mut reservation = store.reserve(total, wait)?;
+            let columns: Vec<Column> = pending
+                .into_iter()
+                .map(|p| {
+                    let guard = reservation.split(p.bytes_needed())?;
+                    // SAFETY: `fields` (the inspected Python objects) outlives this closure.
+                    Ok(unsafe { p.into_column(guard) })
+                })
+                .collect::<Result<_, StoreError>>()?;
+            store.put(columns, &target)
+        })?;
+        Ok(rows.into_pyarray(py))
+    }
+
+    /// Leases up to `batch_size` rows ready for all `fields` and free for `task`.
+    #[pyo3(signature = (task, fields, batch_size, *, timeout = None, partition = None, min_version = None, whole_groups = false, allow_partial = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn claim<'py>(
+        &self,
+        py: Python<'py>,
+        task: String,
+        fields: Vec<String>,
+        batch_size: i64,
+        timeout: Option<f64>,
+        partition: Option<String>,
+        min_version: Option<u64>,
+        whole_groups: bool,
+        allow_partial: bool,
+    ) -> PyResult<ClaimResult<'py>> {
+        let batch_size = usize::try_from(batch_size).map_err(|_| {
+            to_py(StoreError::bad_request(format!(
+                "batch_size must be at least 1, not {batch_size}"
+            )))
+        })?;
+        let spec = ClaimSpec { task, fields, batch_size, partition, min_version, whole_groups };
+        let store = &self.inner;
+        let claimed =
+            detached(py, deadline(timeout)?, |wait| store.claim(&spec, allow_partial, wait))?;
+        let left =
+            claimed.deadline.map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64());
+        let groups: Vec<i64> = claimed.groups.iter().map(|&g| group_to_py(g)).collect();
+        Ok((
+            claimed.lease,
+            claimed.rows.into_pyarray(py),
+            claimed.versions.into_pyarray(py),
+            groups.into_pyarray(py),
+            left,
+        ))
+    }
+
+    /// Commits a lease, or only `indexes` of it.
+    #[pyo3(signature = (lease, indexes = None))]
+    fn ack(
+        &self,
+        py: Python<'_>,
+        lease: u64,
+        indexes: Option<PyReadonlyArray1<'_, u64>>,
+    ) -> PyResult<()> {
+        let subset = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
+        let store = &self.inner;
+        py.detach(|| store.ack(lease, subset)).py_err()
+    }
+
+    /// Hands a lease's rows (or `indexes` of them) back for immediate redelivery.
+    #[pyo3(signature = (lease, indexes = None))]
+    fn release(&self, lease: u64, indexes: Option<PyReadonlyArray1<'_, u64>>) -> PyResult<()> {
+        let subset = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
+        self.inner.release(lease, subset).py_err()
+    }
+
+    /// Extends a lease to `timeout` seconds from now (default: the store's lease timeout);
+    /// returns the seconds granted.
+    #[pyo3(signature = (lease, timeout = None))]
+    fn renew(&self, lease: u64, timeout: Option<f64>) -> PyResult<f64> {
+        let timeout = timeout.map(|t| seconds(t, "timeout")).transpose()?;
+        let until = self.inner.renew(lease, timeout).py_err()?;
+        Ok(until.saturating_duration_since(Instant::now()).as_secs_f64())
+    }
+
+    /// `{field: [one value per row]}`: read-only NumPy views into store memory (no copy), or
+    /// `bytes` for bytes fields. The views keep the payload alive while referenced.
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        indexes: PyReadonlyArray1<'py, u64>,
+        fields: Vec<String>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let indexes = indexes.as_slice()?;
+        let store = &self.inner;
+        let columns = py.detach(|| store.read(indexes, &fields)).py_err()?;
+        let out = PyDict::new(py);
+        let mut views = CellViews::new(py);
+        for column in &columns {
+            let values = column
+                .cells
+                .iter()
+                .map(|c| views.view(&column.schema, c))
+                .collect::<PyResult<Vec<_>>>()?;
+            out.set_item(&column.name, PyList::new(py, values)?)?;
+        }
+        Ok(out)
+    }
+
+    /// Metadata of rows: `(indexes, partitions, groups, versions, tags)`; all live rows (of one
+    /// partition) when `indexes` is None.
+    #[pyo3(signature = (indexes = None, *, partition = None))]
+    #[allow(clippy::type_complexity)]
+    fn rows<'py>(
+        &self,
+        py: Python<'py>,
+        indexes: Option<PyReadonlyArray1<'py, u64>>,
+        partition: Option<String>,
+    ) -> PyResult<(
+        Bound<'py, PyArray1<u64>>,
+        Vec<String>,
+        Bound<'py, PyArray1<i64>>,
+        Bound<'py, PyArray1<u64>>,
+        Vec<Vec<(String, String)>>,
+    )> {
+        let infos = match indexes {
+            Some(indexes) => self.inner.row_info(indexes.as_slice()?).py_err()?,
+            None => self.inner.rows(partition.as_deref()),
+        };
+        Ok((
+            infos.iter().map(|i| i.index).collect::<Vec<_>>().into_pyarray(py),
+            infos.iter().map(|i| i.partition.clone()).collect(),
+            infos.iter().map(|i| group_to_py(i.group)).collect::<Vec<_>>().into_pyarray(py),
+            infos.iter().map(|i| i.version).collect::<Vec<_>>().into_pyarray(py),
+            infos.iter().map(|i| i.tags.as_ref().clone()).collect(),
+        ))
+    }
+
+    /// Frees every row of a partition; returns how many were freed.
+    fn clear(&self, partition: &str) -> u64 {
+        self.inner.clear(partition)
+    }
+
+    /// Frees the given rows (all or none).
+    fn delete(&self, indexes: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
+        self.inner.delete(indexes.as_slice()?).py_err()
+    }
+
+    /// `(dtype name, trailing shape or None for scalars)` of a field.
+    fn schema(&self, field: &str) -> PyResult<(String, Option<Vec<u64>>)> {
+        let s = self.inner.field_schema(field).py_err()?;
+        Ok((s.dtype.name().to_owned(), s.trailing))
+    }
+
+    /// Counters and gauges of the store.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let c = &s.index.counters;
+        let d = PyDict::new(py);
+        d.set_item("transport", "inproc")?;
+        d.set_item("shards", s.shards)?;
+        d.set_item("lease_timeout", s.lease_timeout.as_secs_f64())?;
+        d.set_item("memory_used", s.memory_used)?;
+        d.set_item("memory_limit", s.memory_limit)?;
+        d.set_item("live_rows", s.index.live_rows)?;
+        d.set_item("resident_slots", s.index.resident_slots)?;
+        d.set_item("payload_rows", s.payload_rows)?;
+        d.set_item("active_leases", s.index.active_leases)?;
+        for (k, v) in [
+            ("puts", c.puts),
+            ("rows_put", c.rows_put),
+            ("field_ready_updates", c.field_ready_updates),
+            ("claims", c.claims),
+            ("rows_claimed", c.rows_claimed),
+            ("rows_acked", c.rows_acked),
+            ("rows_released", c.rows_released),
+            ("rows_freed", c.rows_freed),
+            ("leases_expired", c.leases_expired),
+        ] {
+            d.set_item(k, v)?;
+        }
+        let fields = PyDict::new(py);
+        for (name, schema, ready) in &s.index.fields {
+            fields.set_item(name, (schema.to_string(), ready))?;
+        }
+        d.set_item("fields", fields)?;
+        let tasks = PyDict::new(py);
+        for (name, leased, acked) in &s.index.tasks {
+            tasks.set_item(name, (leased, acked))?;
+        }
+        d.set_item("tasks", tasks)?;
+        d.set_item(
+            "partitions",
+            PyDict::from_sequence(&PyList::new(py, &s.index.partitions)?.into_any())?,
+        )?;
+        Ok(d)
+    }
+}

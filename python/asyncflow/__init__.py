@@ -1,0 +1,44 @@
+"""AsyncFlow: asynchronous streaming RL post-training for LLMs, on a Rust sample store.
+
+>>> import asyncflow as af
+>>> store = af.Store(shards=8, memory_limit="1GiB")
+"""
+
+from asyncflow._native import __version__
+from asyncflow.batch import Batch
+from asyncflow.errors import (
+    AuthError,
+    BadRequestError,
+    ConnectionError,
+    LeaseError,
+    MemoryLimitError,
+    SchemaError,
+    StoreError,
+    StoreTimeoutError,
+    TimeoutError,
+    UnknownFieldError,
+    UnknownIndexError,
+    UnknownTaskError,
+)
+from asyncflow.store import Rows, Store
+from asyncflow.units import parse_size
+
+__all__ = [
+    "AuthError",
+    "BadRequestError",
+    "Batch",
+    "ConnectionError",
+    "LeaseError",
+    "MemoryLimitError",
+    "Rows",
+    "SchemaError",
+    "Store",
+    "StoreError",
+    "StoreTimeoutError",
+    "TimeoutError",
+    "UnknownFieldError",
+    "UnknownIndexError",
+    "UnknownTaskError",
+    "__version__",
+    "parse_size",
+]

@@ -1,0 +1,137 @@
+"""A claimed micro-batch: the rows one claim leased to one task, and what to do with them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asyncflow.columns import pad
+from asyncflow.errors import BadRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncflow.store import Store
+
+
+class Batch:
+    """Rows leased to one task by one claim.
+
+    Use it as a context manager to ack on success and hand the rows back (for immediate
+    redelivery) if the body raises::
+
+        with store.claim("train", ["input_ids", "adv"], 64) as batch:
+            train_on(batch.to_torch())
+    """
+
+    __slots__ = (
+        "_unsettled",
+        "expires_in",
+        "fields",
+        "groups",
+        "indexes",
+        "lease",
+        "store",
+        "task",
+        "versions",
+    )
+
+    def __init__(
+        self,
+        store: Store,
+        task: str,
+        fields: tuple[str, ...],
+        lease: int | None,
+        indexes: np.ndarray,
+        versions: np.ndarray,
+        groups: np.ndarray,
+        expires_in: float | None,
+    ) -> None:
+        self.store = store
+        self.task = task
+        self.fields = fields
+        #: Lease id, or None for an empty batch (nothing to ack).
+        self.lease = lease
+        #: Global row indexes (uint64), oldest first.
+        self.indexes = indexes
+        #: Policy version that produced each row (uint64).
+        self.versions = versions
+        #: GRPO group of each row (int64; -1 for rows outside any group).
+        self.groups = groups
+        #: Seconds the lease had left when the claim returned.
+        self.expires_in = expires_in
+        self._unsettled = len(indexes) if lease is not None else 0
+
+    def __len__(self) -> int:
+        return len(self.indexes)
+
+    def __repr__(self) -> str:
+        return f"Batch(task={self.task!r}, rows={len(self)}, lease={self.lease})"
+
+    def read(self, fields: Sequence[str] | None = None) -> dict[str, list[Any]]:
+        """``{field: [value per row]}`` — read-only NumPy views into store memory (no copy; they
+        keep the payload alive while referenced), or ``bytes`` for bytes fields. Defaults to the
+        claimed fields."""
+        if len(self) == 0:
+            return {f: [] for f in fields or self.fields}
+        return self.store.read(self.indexes, list(fields or self.fields))
+
+    def lengths(self, field: str) -> np.ndarray:
+        """First-dimension length of ``field`` on each row."""
+        return np.array([len(v) for v in self.read([field])[field]], dtype=np.int64)
+
+    def to_torch(
+        self, pad_value: float = 0, fields: Sequence[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``{field: tensor}``, rows stacked on the first axis and ragged rows right-padded with
+        ``pad_value`` (this copies). bf16 fields come back as ``torch.bfloat16``. By default all
+        claimed numeric fields; naming a bytes field raises ``BadRequestError``."""
+        import torch
+
+        out: dict[str, torch.Tensor] = {}
+        for name, values in self.read(fields).items():
+            if values and isinstance(values[0], bytes):
+                if fields is None:
+                    continue
+                raise BadRequestError(f"field {name!r} holds bytes; read() it instead")
+            stacked = pad(values, pad_value)
+            if stacked.dtype == np.uint16:  # the store's bfloat16
+                out[name] = torch.from_numpy(stacked.view(np.int16)).view(torch.bfloat16)
+            else:
+                out[name] = torch.from_numpy(stacked)
+        return out
+
+    def ack(self, indexes: Sequence[int] | np.ndarray | None = None) -> None:
+        """Commits the rows (or ``indexes`` of them) for this task."""
+        self.store.ack(self, indexes)
+
+    def release(self, indexes: Sequence[int] | np.ndarray | None = None) -> None:
+        """Hands the rows (or ``indexes`` of them) back for immediate redelivery."""
+        self.store.release(self, indexes)
+
+    def renew(self, timeout: float | None = None) -> float:
+        """Extends the lease; returns the seconds it now has left."""
+        return self.store.renew(self, timeout)
+
+    def _settle(self, rows: int | None) -> None:
+        """Records that ``rows`` (None: all remaining) were acked or released."""
+        self._unsettled = 0 if rows is None else max(0, self._unsettled - rows)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._unsettled == 0:
+            return
+        if exc_type is None:
+            self.ack()
+        else:
+            self.release()

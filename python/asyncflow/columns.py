@@ -1,0 +1,120 @@
+"""How Python values become store columns.
+
+A field's value in a put is either one array whose first axis indexes rows (each row then holds
+``value[i]``: a scalar for 1-D arrays, an array otherwise), or a list with one value per row —
+arrays of differing first dimension (ragged, stored unpadded), Python numbers, or ``bytes``/``str``
+(stored as bytes). Torch tensors are accepted wherever arrays are; bfloat16 is kept as bfloat16.
+
+Non-contiguous or non-native-byte-order arrays are copied into contiguous ones here (one extra
+copy); object and string arrays are rejected with :class:`SchemaError`. The store itself then
+copies each field once into its own memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from asyncflow.errors import BadRequestError, SchemaError
+
+#: What ``Store.put`` hands the native module per field: name, value, explicit dtype.
+NativeField = tuple[str, Any, str | None]
+
+_SCALARS = (bool, int, float, np.generic)
+
+
+def to_native(data: Mapping[str, Any]) -> list[NativeField]:
+    """Normalises a put's ``{field: value}`` mapping for the native module."""
+    if not isinstance(data, Mapping):
+        raise BadRequestError(
+            f"put takes a mapping of field name to values, not {type(data).__name__}"
+        )
+    if not data:
+        raise BadRequestError("a put needs at least one field")
+    return [(name, *_column(name, value)) for name, value in data.items()]
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _from_tensor(value: Any) -> tuple[np.ndarray, str | None]:
+    import torch
+
+    t = value.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy(), "bf16"
+    return t.numpy(), None
+
+
+def _from_array(name: str, arr: np.ndarray) -> np.ndarray:
+    if arr.dtype.kind in "OUSVMm":
+        raise SchemaError(
+            f"field {name!r}: {arr.dtype} arrays cannot be stored "
+            "(use numeric arrays, or a list of bytes/str)"
+        )
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return np.ascontiguousarray(arr)
+
+
+def _as_bytes(name: str, row: int, value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise SchemaError(f"field {name!r}: row {row} is {type(value).__name__}, row 0 is bytes/str")
+
+
+def _column(name: str, value: Any) -> tuple[Any, str | None]:
+    if _is_tensor(value):
+        arr, dtype = _from_tensor(value)
+        return arr, dtype
+    if isinstance(value, np.ndarray):
+        return _from_array(name, value), None
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) == 0:
+            raise BadRequestError(f"field {name!r} has no rows")
+        first = value[0]
+        if isinstance(first, (bytes, bytearray, memoryview, str)):
+            return [_as_bytes(name, k, v) for k, v in enumerate(value)], None
+        if isinstance(first, _SCALARS):
+            return _from_array(name, np.asarray(value)), None
+        return _cells(name, value)
+    raise SchemaError(
+        f"field {name!r}: expected an array, a tensor or a list with one value per row, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _cells(name: str, value: Sequence[Any]) -> tuple[list[np.ndarray], str | None]:
+    cells: list[np.ndarray] = []
+    dtypes: set[str | None] = set()
+    for v in value:
+        if _is_tensor(v):
+            arr, dtype = _from_tensor(v)
+        else:
+            arr, dtype = _from_array(name, np.asarray(v)), None
+        cells.append(arr)
+        dtypes.add(dtype)
+    if len(dtypes) > 1:
+        raise SchemaError(f"field {name!r}: rows mix bfloat16 and other dtypes")
+    return cells, dtypes.pop()
+
+
+def pad(values: Sequence[np.ndarray], pad_value: float) -> np.ndarray:
+    """Stacks per-row arrays into one array, padding the first dimension with ``pad_value``."""
+    if not values:
+        return np.empty((0,))
+    first = values[0]
+    if first.ndim == 0:
+        return np.array(values)
+    longest = max(v.shape[0] for v in values)
+    out = np.full((len(values), longest, *first.shape[1:]), pad_value, dtype=first.dtype)
+    for i, v in enumerate(values):
+        out[i, : v.shape[0]] = v
+    return out

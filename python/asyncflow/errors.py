@@ -1,0 +1,73 @@
+"""The store's exception hierarchy, rooted at :class:`StoreError`.
+
+The native module raises these classes (one per Rust error variant). Each also derives from the
+closest builtin, so ``except TimeoutError`` and ``except ValueError`` keep working. A failed call
+leaves the store unchanged.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+__all__ = [
+    "AuthError",
+    "BadRequestError",
+    "ConnectionError",
+    "LeaseError",
+    "MemoryLimitError",
+    "SchemaError",
+    "StoreError",
+    "StoreTimeoutError",
+    "TimeoutError",
+    "UnknownFieldError",
+    "UnknownIndexError",
+    "UnknownTaskError",
+]
+
+
+class StoreError(Exception):
+    """Base of every error raised by the sample store."""
+
+
+class StoreTimeoutError(StoreError, builtins.TimeoutError):
+    """A blocking call ran out of time; the message says what it waited for."""
+
+
+#: The name used in docs and examples: ``af.TimeoutError`` (also a builtin ``TimeoutError``).
+TimeoutError = StoreTimeoutError
+
+
+class MemoryLimitError(StoreError):
+    """A put does not fit in the store's memory limit, even after waiting."""
+
+
+class SchemaError(StoreError, ValueError):
+    """Data disagrees with a field's fixed dtype/shape, or a put is inconsistent."""
+
+
+class UnknownFieldError(StoreError, LookupError):
+    """A field that no put has written."""
+
+
+class UnknownIndexError(StoreError, LookupError):
+    """A row index that does not exist (or whose row was freed)."""
+
+
+class UnknownTaskError(StoreError, LookupError):
+    """A task that was never registered."""
+
+
+class LeaseError(StoreError):
+    """A lease that expired, was already acked or released, or does not hold the given rows."""
+
+
+class BadRequestError(StoreError, ValueError):
+    """Malformed arguments: bad sizes, options or names."""
+
+
+class ConnectionError(StoreError, builtins.ConnectionError):
+    """The store daemon cannot be reached, or the connection broke."""
+
+
+class AuthError(ConnectionError):
+    """The daemon refused the connection's token."""

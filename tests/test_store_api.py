@@ -1,0 +1,258 @@
+"""The Python surface of the store: puts, claims, reads, acks, options and lifetimes."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import asyncflow as af
+
+
+def test_put_returns_fresh_indexes_and_claim_returns_them_oldest_first(store: af.Store) -> None:
+    store.register_task("gen")
+    a = store.put({"x": [np.arange(3), np.arange(2)]})
+    b = store.put({"x": [np.arange(1)]})
+    assert a.dtype == np.uint64 and len(set(a) | set(b)) == 3
+    batch = store.claim("gen", "x", 3, timeout=1)
+    assert list(batch.indexes) == [*a, *b]
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.bool_, np.uint8, np.int32, np.int64, np.float16, np.float32, np.float64]
+)
+def test_every_numeric_dtype_round_trips_exactly(store: af.Store, dtype: type) -> None:
+    rng = np.random.default_rng(0)
+    rows = [(rng.random((n, 3)) * 100).astype(dtype) for n in (0, 1, 5)]
+    idx = store.put({"v": rows})
+    back = store.read(idx, "v")["v"]
+    for sent, got in zip(rows, back, strict=True):
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        np.testing.assert_array_equal(got, sent)
+
+
+def test_bfloat16_tensors_come_back_as_bfloat16(store: af.Store) -> None:
+    store.register_task("t")
+    t = torch.randn(4, 3).to(torch.bfloat16)
+    store.put({"w": t})
+    assert store.schema("w") == ("bf16", ())
+    out = store.claim("t", "w", 4, timeout=1).to_torch()["w"]
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, t)
+
+
+def test_scalars_ragged_arrays_and_text_keep_their_shapes(store: af.Store) -> None:
+    idx = store.put(
+        {"reward": [1.0, 0.5], "ids": [np.array([1, 2, 3]), np.array([4])], "text": ["a", b"bc"]}
+    )
+    got = store.read(idx, ["reward", "ids", "text"])
+    assert [float(r) for r in got["reward"]] == [1.0, 0.5]
+    assert got["reward"][0].shape == ()
+    assert [list(x) for x in got["ids"]] == [[1, 2, 3], [4]]
+    assert got["text"] == [b"a", b"bc"]
+    assert store.schema("reward") == ("f64", None)
+
+
+def test_reads_are_read_only_views_that_share_store_memory(store: af.Store) -> None:
+    idx = store.put({"x": [np.arange(1000, dtype=np.float32)]})
+    first = store.read(idx, "x")["x"][0]
+    second = store.read(idx, "x")["x"][0]
+    assert np.shares_memory(first, second), "both reads view the same store bytes"
+    assert not first.flags.writeable
+    with pytest.raises(ValueError):
+        first[0] = 1.0
+
+
+def test_a_view_keeps_its_payload_alive_after_the_row_is_freed(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [np.full(4096, 7.0)]})
+    with store.claim("t", "x", 1, timeout=1) as batch:
+        view = batch.read()["x"][0]
+    assert store.stats()["live_rows"] == 0
+    assert store.stats()["memory_used"] > 0, "the view still holds the chunk"
+    assert float(view.sum()) == 7.0 * 4096
+    del view
+    gc.collect()
+    assert store.stats()["memory_used"] == 0
+
+
+def test_to_torch_pads_ragged_rows_with_the_pad_value(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"ids": [np.array([1, 2, 3]), np.array([4])], "r": [1.0, 2.0]})
+    out = store.claim("t", ["ids", "r"], 2, timeout=1).to_torch(pad_value=-1)
+    assert out["ids"].tolist() == [[1, 2, 3], [4, -1, -1]]
+    assert out["r"].tolist() == [1.0, 2.0]
+
+
+def test_non_contiguous_arrays_are_copied_not_rejected(store: af.Store) -> None:
+    base = np.arange(20, dtype=np.int64).reshape(4, 5)
+    idx = store.put({"col": base[:, 1]})  # strided view
+    assert [int(v) for v in store.read(idx, "col")["col"]] == [1, 6, 11, 16]
+
+
+def test_context_manager_acks_on_success_and_releases_on_error(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [1, 2]})
+    with pytest.raises(RuntimeError), store.claim("t", "x", 2, timeout=1):
+        raise RuntimeError("worker failed")
+    with store.claim("t", "x", 2, timeout=0) as again:  # released rows come back at once
+        assert len(again) == 2
+    assert store.stats()["rows_acked"] == 2
+    assert store.stats()["live_rows"] == 0
+
+
+def test_partial_acks_then_exit_acks_the_rest(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [1, 2, 3]})
+    with store.claim("t", "x", 3, timeout=1) as batch:
+        batch.ack(batch.indexes[:1])
+    assert store.stats()["rows_acked"] == 3
+
+
+def test_claim_options_filter_by_partition_version_and_group(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [0, 0]}, partition="old", version=1)
+    new = store.put({"x": [1, 1]}, partition="new", version=2)
+    assert list(store.claim("t", "x", 2, partition="new", timeout=1).indexes) == list(new)
+
+    store.register_task("v")
+    assert list(store.claim("v", "x", 2, min_version=2, timeout=1).indexes) == list(new)
+
+    store.register_task("g")
+    g = store.put({"x": [5, 5, 5]}, groups=[9, 9, 9])
+    batch = store.claim("g", "x", 3, partition="default", whole_groups=True, timeout=1)
+    assert list(batch.indexes) == list(g)
+    assert list(batch.groups) == [9, 9, 9]
+
+
+def test_a_group_is_not_delivered_until_its_declared_size_is_reached(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [1, 1]}, groups=[4, 4], group_size=3)
+    assert len(store.claim("t", "x", 3, whole_groups=True, timeout=0, allow_partial=True)) == 0
+    store.put({"x": [1]}, groups=[4], group_size=3)
+    assert len(store.claim("t", "x", 3, whole_groups=True, timeout=1)) == 3
+
+
+def test_timeouts_raise_or_return_what_is_ready(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [1]})
+    with pytest.raises(af.TimeoutError) as err:
+        store.claim("t", ["x", "never_written"], 1, timeout=0.05)
+    assert isinstance(err.value, TimeoutError) and isinstance(err.value, af.StoreError)
+    assert "never_written" in str(err.value)
+    batch = store.claim("t", "x", 5, timeout=0.05, allow_partial=True)
+    assert len(batch) == 1
+
+
+def test_an_expired_lease_is_redelivered_and_its_late_ack_changes_nothing(
+    make_store: af.Store,
+) -> None:
+    store = make_store(lease_timeout=0.1)  # type: ignore[operator]
+    store.register_task("t")
+    store.put({"x": [1, 2]})
+    first = store.claim("t", "x", 2, timeout=1)
+    again = store.claim("t", "x", 2, timeout=2)
+    assert list(again.indexes) == list(first.indexes)
+    before = store.stats()
+    with pytest.raises(af.LeaseError, match="expired"):
+        store.ack(first)
+    assert store.stats()["rows_acked"] == before["rows_acked"]
+    store.ack(again)
+    with pytest.raises(af.LeaseError):
+        store.ack(again)
+
+
+def test_renew_extends_a_lease(make_store: af.Store) -> None:
+    store = make_store(lease_timeout=0.2)  # type: ignore[operator]
+    store.register_task("t")
+    store.put({"x": [1]})
+    batch = store.claim("t", "x", 1, timeout=1)
+    assert batch.renew(30.0) > 20
+    assert len(store.claim("t", "x", 1, timeout=0.4, allow_partial=True)) == 0
+    batch.ack()
+
+
+def test_rows_are_freed_when_every_task_acked_or_the_partition_is_cleared(store: af.Store) -> None:
+    store.register_task("a")
+    store.register_task("b")
+    store.put({"x": [1, 2]}, partition="p")
+    store.claim("a", "x", 2, timeout=1).ack()
+    assert store.stats()["live_rows"] == 2
+    store.claim("b", "x", 2, timeout=1).ack()
+    assert store.stats()["live_rows"] == 0
+    store.put({"x": [3]}, partition="q")
+    assert store.clear("q") == 1
+    assert store.stats()["memory_used"] == 0
+
+
+def test_pinned_partitions_are_kept_until_cleared(store: af.Store) -> None:
+    store.register_task("t")
+    idx = store.put({"w": [np.ones(8)]}, partition="__weights__", version=5)
+    store.claim("t", "w", 1, timeout=1).ack()
+    rows = store.rows(partition="__weights__")
+    assert list(rows.indexes) == list(idx) and list(rows.versions) == [5]
+    store.delete(idx)
+    assert len(store.rows(partition="__weights__")) == 0
+
+
+def test_row_metadata_is_reported(store: af.Store) -> None:
+    idx = store.put(
+        {"x": [1, 2]}, partition="step-3", groups=[7, 7], version=[3, 4], tags={"src": "gsm"}
+    )
+    rows = store.rows(idx)
+    assert rows.partitions == ["step-3", "step-3"]
+    assert list(rows.groups) == [7, 7] and list(rows.versions) == [3, 4]
+    assert rows.tags == [{"src": "gsm"}, {"src": "gsm"}]
+
+
+def test_a_put_waits_for_memory_then_fails_with_memory_limit_error(make_store: af.Store) -> None:
+    store = make_store(memory_limit=4096)  # type: ignore[operator]
+    store.register_task("t")
+    store.put({"x": [np.zeros(3000, dtype=np.uint8)]})
+    with pytest.raises(af.MemoryLimitError):
+        store.put({"x": [np.zeros(3000, dtype=np.uint8)]}, timeout=0.05)
+    with pytest.raises(af.MemoryLimitError, match="never"):
+        store.put({"x": [np.zeros(5000, dtype=np.uint8)]})
+    assert store.stats()["live_rows"] == 1
+
+
+def test_async_twins_interleave_with_asyncio(store: af.Store) -> None:
+    store.register_task("t")
+
+    async def main() -> list[int]:
+        consumer = asyncio.create_task(store.claim_async("t", "x", 2, timeout=5))
+        await asyncio.sleep(0.05)
+        await store.put_async({"x": [10, 20]})
+        batch = await consumer
+        values = [int(v) for v in batch.read()["x"]]
+        await store.ack_async(batch)
+        return values
+
+    assert asyncio.run(main()) == [10, 20]
+    assert store.stats()["rows_acked"] == 2
+
+
+def test_stats_report_fields_tasks_and_transport(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [1, 2]}, partition="p")
+    s = store.stats()
+    assert s["transport"] == "inproc"
+    assert s["fields"]["x"][1] == 2
+    assert s["tasks"]["t"] == (0, 0)
+    assert s["partitions"] == {"p": 2}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4GiB", 4 << 30), ("512MB", 512_000_000), ("1.5KiB", 1536), (1024, 1024), (None, None)],
+)
+def test_sizes_are_parsed(text: str | int | None, expected: int | None) -> None:
+    assert af.parse_size(text) == expected
+
+
+def test_bad_sizes_are_rejected() -> None:
+    with pytest.raises(af.BadRequestError):
+        af.parse_size("lots")

@@ -1,0 +1,148 @@
+"""Bad input gets a clear StoreError subclass and leaves the store exactly as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asyncflow as af
+
+STABLE_STATS = ("live_rows", "memory_used", "rows_put", "field_ready_updates", "rows_acked")
+
+
+@pytest.fixture
+def seeded(store: af.Store) -> Iterator[tuple[af.Store, np.ndarray]]:
+    store.register_task("t")
+    idx = store.put({"ids": [np.arange(4), np.arange(2)], "r": [1.0, 2.0]}, partition="p")
+    yield store, idx
+
+
+def snapshot(store: af.Store) -> dict[str, Any]:
+    s = store.stats()
+    return {k: s[k] for k in STABLE_STATS} | {"fields": s["fields"]}
+
+
+def rejected(
+    store: af.Store,
+    error: type[af.StoreError],
+    call: Callable[[], object],
+    match: str | None = None,
+) -> None:
+    before = snapshot(store)
+    with pytest.raises(error, match=match):
+        call()
+    assert snapshot(store) == before, "a failed call must leave the store unchanged"
+
+
+def test_wrong_dtype_for_an_existing_field(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.SchemaError, lambda: store.put({"ids": [np.ones(3, np.float32)]}), "ids")
+
+
+def test_wrong_trailing_shape_for_an_existing_field(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.SchemaError, lambda: store.put({"ids": [np.zeros((2, 2), np.int64)]}))
+
+
+def test_scalar_given_where_arrays_were_written(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.SchemaError, lambda: store.put({"ids": [1, 2]}))
+
+
+def test_unequal_row_counts_across_fields(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.SchemaError, lambda: store.put({"a": [1, 2, 3], "b": [1.0, 2.0]}), "rows")
+
+
+def test_rows_of_one_field_that_disagree(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.SchemaError, lambda: store.put({"m": [np.zeros(2), np.zeros((2, 2))]}))
+
+
+def test_unknown_index_in_a_fill(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, idx = seeded
+    bad = [int(idx[0]), 10**9]
+    rejected(store, af.UnknownIndexError, lambda: store.put({"adv": [0.1, 0.2]}, indexes=bad))
+
+
+def test_fill_with_wrong_number_of_indexes(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, idx = seeded
+    rejected(store, af.SchemaError, lambda: store.put({"adv": [0.1]}, indexes=idx))
+
+
+def test_unknown_field_on_read(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, idx = seeded
+    rejected(store, af.UnknownFieldError, lambda: store.read(idx, "nope"))
+
+
+def test_unknown_index_on_read(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.UnknownIndexError, lambda: store.read([12345], "ids"))
+
+
+def test_unknown_task_on_claim(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.UnknownTaskError, lambda: store.claim("nobody", "ids", 1, timeout=0))
+
+
+@pytest.mark.parametrize("size", [0, -3])
+def test_zero_or_negative_batch_size(seeded: tuple[af.Store, np.ndarray], size: int) -> None:
+    store, _ = seeded
+    rejected(store, af.BadRequestError, lambda: store.claim("t", "ids", size, timeout=0))
+
+
+def test_object_arrays(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    objs = np.array([{"a": 1}, None], dtype=object)
+    rejected(store, af.SchemaError, lambda: store.put({"o": objs}), "object")
+
+
+def test_unsupported_dtypes(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.SchemaError, lambda: store.put({"c": np.zeros(2, np.complex64)}))
+    rejected(store, af.SchemaError, lambda: store.put({"s": np.array(["a", "b"])}))
+
+
+def test_a_single_put_larger_than_the_memory_limit(make_store: Callable[..., af.Store]) -> None:
+    store = make_store(memory_limit="1KiB")
+    rejected(store, af.MemoryLimitError, lambda: store.put({"x": [np.zeros(2048, np.uint8)]}))
+
+
+def test_acking_an_unknown_lease(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.LeaseError, lambda: store.ack(987654))
+
+
+def test_acking_rows_the_lease_does_not_hold(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, idx = seeded
+    batch = store.claim("t", "ids", 1, timeout=1)
+    other = [int(i) for i in idx if i not in batch.indexes]
+    rejected(store, af.LeaseError, lambda: store.ack(batch, other), "not held")
+
+
+def test_negative_group_ids_and_bad_versions(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.BadRequestError, lambda: store.put({"x": [1]}, groups=[-1]))
+    rejected(store, af.BadRequestError, lambda: store.put({"x": [1, 2]}, version=[1, 2, 3]))
+
+
+def test_group_overflowing_its_declared_size(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.BadRequestError, lambda: store.put({"x": [1, 1, 1]}, groups=3, group_size=2))
+
+
+def test_empty_puts_and_non_mappings(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.BadRequestError, lambda: store.put({}))
+    rejected(store, af.BadRequestError, lambda: store.put({"x": []}))
+    rejected(store, af.BadRequestError, lambda: store.put([1, 2]))  # type: ignore[arg-type]
+
+
+def test_bad_timeouts(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    rejected(store, af.BadRequestError, lambda: store.claim("t", "ids", 1, timeout=-1))
+    with pytest.raises(af.BadRequestError):
+        af.Store(lease_timeout=0)
