@@ -256,3 +256,16 @@ def test_sizes_are_parsed(text: str | int | None, expected: int | None) -> None:
 def test_bad_sizes_are_rejected() -> None:
     with pytest.raises(af.BadRequestError):
         af.parse_size("lots")
+
+
+def test_a_scoped_task_claims_and_retains_only_its_partitions(store: af.Store) -> None:
+    store.register_task("rollout", partitions=["prompts"])
+    store.register_task("train", partitions=["step-"])
+    store.put({"x": [1]}, partition="prompts")
+    sample = store.put({"x": [2]}, partition="step-0")
+    with store.claim("rollout", "x", 2, timeout=0, allow_partial=True) as batch:
+        assert len(batch) == 1
+    assert store.stats()["live_rows"] == 1, "prompt rows need only the rollout's ack"
+    assert list(store.claim("train", "x", 2, timeout=0, allow_partial=True).indexes) == list(sample)
+    with pytest.raises(af.BadRequestError):
+        store.register_task("train")

@@ -101,9 +101,14 @@ class Store:
         s = self.stats()
         return f"<asyncflow.Store {s['transport']} rows={s['live_rows']} memory={s['memory_used']}>"
 
-    def register_task(self, name: str) -> None:
-        """Declares a consumer. Rows are kept until every registered task has acked them."""
-        self._native.register_task(name)
+    def register_task(self, name: str, partitions: Sequence[str] | None = None) -> None:
+        """Declares a consumer. Rows are kept until every registered task has acked them.
+
+        ``partitions`` limits the task to partitions whose names start with one of these
+        prefixes: it can claim only their rows, and other partitions' rows are not kept for it.
+        Registering the same name again is a no-op (with a different scope, an error).
+        """
+        self._native.register_task(name, None if partitions is None else list(partitions))
 
     def put(
         self,

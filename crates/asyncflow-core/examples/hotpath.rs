@@ -11,7 +11,7 @@ fn main() {
     let rows = args.next().unwrap_or(256);
     let rounds = (256 << 20) / (size * rows).max(1);
     let store = Store::new(StoreConfig::default()).unwrap();
-    store.register_task("bench").unwrap();
+    store.register_task("bench", None).unwrap();
     let payload = vec![7u8; size];
     let cells: Vec<(&[u8], u64)> = (0..rows).map(|_| (payload.as_slice(), size as u64)).collect();
     let target =

@@ -135,8 +135,10 @@ impl Store {
         Ok(Column::pack(name, schema, cells, Some(guard)))
     }
 
-    pub fn register_task(&self, name: &str) -> Result<()> {
-        self.index.lock().register_task(name).map(|_| ())
+    /// Registers a consumer of the partitions starting with one of `scope`'s prefixes (`None`:
+    /// all). Rows are retained until every task whose scope covers them has acked them.
+    pub fn register_task(&self, name: &str, scope: Option<Vec<String>>) -> Result<()> {
+        self.index.lock().register_task(name, scope).map(|_| ())
     }
 
     /// Writes new rows, or fields of existing rows. The rows' fields become ready (claimable)

@@ -15,7 +15,13 @@ use asyncflow_core::{
 use proptest::prelude::*;
 
 const TASKS: [&str; 2] = ["reward", "train"];
+/// Partition prefixes each task consumes (`None`: all).
+const SCOPES: [Option<&str>; 2] = [None, Some("p0")];
 const PARTITIONS: [&str; 3] = ["p0", "p1", "__pinned"];
+
+fn covers(task: usize, partition: usize) -> bool {
+    SCOPES[task].is_none_or(|prefix| PARTITIONS[partition].starts_with(prefix))
+}
 const LEASE: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone)]
@@ -64,8 +70,8 @@ struct Harness {
 impl Harness {
     fn new() -> Self {
         let mut index = Index::new();
-        for t in TASKS {
-            index.register_task(t).unwrap();
+        for (t, scope) in TASKS.iter().zip(SCOPES) {
+            index.register_task(t, scope.map(|p| vec![p.to_owned()])).unwrap();
         }
         Self { index, model: Model::default(), now: Instant::now() }
     }
@@ -153,6 +159,8 @@ impl Harness {
         let Some(id) = claimed.lease else { return };
         assert!(claimed.rows.len() <= batch);
         for &row in &claimed.rows {
+            let partition = self.model.rows.iter().find(|r| r.0 == row).expect("known row").1;
+            assert!(covers(task, partition), "row {row} is outside task {task}'s scope");
             assert!(!self.model.acked.contains(&(task, row)), "row {row} redelivered after ack");
             assert!(self.index.check_readable(&[row], &fields).is_ok(), "row {row} not ready");
             for (t, _, rows, _) in &self.model.leases {
@@ -190,7 +198,9 @@ impl Harness {
 
     fn check_retention(&self) {
         for &(row, partition) in &self.model.rows {
-            let all_acked = (0..TASKS.len()).all(|t| self.model.acked.contains(&(t, row)));
+            let all_acked = (0..TASKS.len())
+                .filter(|&t| covers(t, partition))
+                .all(|t| self.model.acked.contains(&(t, row)));
             let pinned = PARTITIONS[partition].starts_with("__");
             let cleared = self.model.cleared.contains(&row);
             if self.index.is_live(row) {
@@ -225,7 +235,7 @@ proptest! {
     ) {
         let store = Store::new(StoreConfig { memory_limit: Some(1 << 20), ..StoreConfig::default() }).unwrap();
         for t in TASKS {
-            store.register_task(t).unwrap();
+            store.register_task(t, None).unwrap();
         }
         for (rows, len) in puts {
             let payload = vec![7u8; len];

@@ -71,7 +71,7 @@ fn read_ints(store: &Store, rows: &[u64], field: &str) -> Vec<Vec<i64>> {
 #[test]
 fn claim_delivers_ready_rows_oldest_first_and_reads_back_the_bytes() {
     let s = store();
-    s.register_task("gen").unwrap();
+    s.register_task("gen", None).unwrap();
     let idx = put_prompts(&s, 5, "p");
     let c = s.claim(&spec("gen", &["prompt"], 3), false, no_wait()).unwrap();
     assert_eq!(c.rows, idx[..3]);
@@ -83,7 +83,7 @@ fn claim_delivers_ready_rows_oldest_first_and_reads_back_the_bytes() {
 #[test]
 fn a_row_is_claimable_only_once_every_requested_field_is_ready() {
     let s = store();
-    s.register_task("train").unwrap();
+    s.register_task("train", None).unwrap();
     let idx = put_prompts(&s, 2, "p");
     let err = s.claim(&spec("train", &["prompt", "reward"], 1), false, no_wait()).unwrap_err();
     assert!(matches!(err, StoreError::Timeout { ref what, .. } if what.contains("reward")));
@@ -95,7 +95,7 @@ fn a_row_is_claimable_only_once_every_requested_field_is_ready() {
 #[test]
 fn a_blocked_claim_wakes_when_a_put_makes_rows_ready() {
     let s = Arc::new(store());
-    s.register_task("gen").unwrap();
+    s.register_task("gen", None).unwrap();
     let consumer = {
         let s = Arc::clone(&s);
         thread::spawn(move || s.claim(&spec("gen", &["prompt"], 4), false, within(10_000)))
@@ -111,7 +111,7 @@ fn a_blocked_claim_wakes_when_a_put_makes_rows_ready() {
 #[test]
 fn timeout_returns_partial_batches_only_when_allowed() {
     let s = store();
-    s.register_task("gen").unwrap();
+    s.register_task("gen", None).unwrap();
     let idx = put_prompts(&s, 2, "p");
     assert!(matches!(
         s.claim(&spec("gen", &["prompt"], 5), false, within(20)),
@@ -126,7 +126,7 @@ fn timeout_returns_partial_batches_only_when_allowed() {
 #[test]
 fn partition_and_min_version_filter_claims() {
     let s = store();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     put_prompts(&s, 2, "step-0");
     let newer = s
         .put(
@@ -143,7 +143,7 @@ fn partition_and_min_version_filter_claims() {
     assert_eq!(s.claim(&by_partition, true, no_wait()).unwrap().rows, newer);
 
     let s = store();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     put_prompts(&s, 2, "p");
     let v4 = s
         .put(
@@ -163,7 +163,7 @@ fn partition_and_min_version_filter_claims() {
 #[test]
 fn whole_groups_are_delivered_complete_or_not_at_all() {
     let s = store();
-    s.register_task("adv").unwrap();
+    s.register_task("adv", None).unwrap();
     let grouped = |groups: Vec<u64>, size| {
         PutTarget::New(NewRows {
             partition: "p".into(),
@@ -188,7 +188,7 @@ fn whole_groups_are_delivered_complete_or_not_at_all() {
 #[test]
 fn whole_groups_never_split_a_group_to_fill_a_batch() {
     let s = store();
-    s.register_task("adv").unwrap();
+    s.register_task("adv", None).unwrap();
     let target = PutTarget::New(NewRows {
         partition: "p".into(),
         groups: Some(vec![1, 1, 2, 2]),
@@ -211,7 +211,7 @@ fn an_expired_lease_is_redelivered_and_its_ack_fails_without_effect() {
         ..StoreConfig::default()
     })
     .unwrap();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     let idx = put_prompts(&s, 2, "p");
     let first = s.claim(&spec("t", &["prompt"], 2), false, no_wait()).unwrap();
     thread::sleep(Duration::from_millis(60));
@@ -227,7 +227,7 @@ fn an_expired_lease_is_redelivered_and_its_ack_fails_without_effect() {
 #[test]
 fn a_lease_can_be_acked_only_once() {
     let s = store();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     put_prompts(&s, 1, "p");
     let c = s.claim(&spec("t", &["prompt"], 1), false, no_wait()).unwrap();
     s.ack(c.lease.unwrap(), None).unwrap();
@@ -238,7 +238,7 @@ fn a_lease_can_be_acked_only_once() {
 #[test]
 fn release_hands_rows_back_at_once() {
     let s = store();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     let idx = put_prompts(&s, 3, "p");
     let c = s.claim(&spec("t", &["prompt"], 3), false, no_wait()).unwrap();
     s.release(c.lease.unwrap(), Some(&idx[1..2])).unwrap();
@@ -254,7 +254,7 @@ fn renew_keeps_a_lease_alive_past_its_first_deadline() {
         ..StoreConfig::default()
     })
     .unwrap();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     put_prompts(&s, 1, "p");
     let c = s.claim(&spec("t", &["prompt"], 1), false, no_wait()).unwrap();
     s.renew(c.lease.unwrap(), Some(Duration::from_secs(30))).unwrap();
@@ -266,8 +266,8 @@ fn renew_keeps_a_lease_alive_past_its_first_deadline() {
 #[test]
 fn rows_are_freed_once_every_registered_task_has_acked_them() {
     let s = store();
-    s.register_task("reward").unwrap();
-    s.register_task("train").unwrap();
+    s.register_task("reward", None).unwrap();
+    s.register_task("train", None).unwrap();
     put_prompts(&s, 4, "p");
     assert!(s.stats().memory_used > 0);
     let r = s.claim(&spec("reward", &["prompt"], 4), false, no_wait()).unwrap();
@@ -284,7 +284,7 @@ fn rows_are_freed_once_every_registered_task_has_acked_them() {
 #[test]
 fn pinned_partitions_survive_acks_until_cleared() {
     let s = store();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     let idx = put_prompts(&s, 2, "__weights__");
     let c = s.claim(&spec("t", &["prompt"], 2), false, no_wait()).unwrap();
     s.ack(c.lease.unwrap(), None).unwrap();
@@ -328,7 +328,7 @@ fn a_put_waits_for_room_and_then_fails_cleanly() {
     let s = Arc::new(
         Store::new(StoreConfig { memory_limit: Some(1024), ..StoreConfig::default() }).unwrap(),
     );
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     let big = vec![0u8; 900];
     let col = s
         .pack_column("b", FieldSchema::ragged(DType::U8, vec![]), &[(&big, 900)], no_wait())
@@ -359,8 +359,8 @@ fn a_put_waits_for_room_and_then_fails_cleanly() {
 #[test]
 fn tasks_progress_independently_over_the_same_rows() {
     let s = store();
-    s.register_task("a").unwrap();
-    s.register_task("b").unwrap();
+    s.register_task("a", None).unwrap();
+    s.register_task("b", None).unwrap();
     let idx = put_prompts(&s, 3, "p");
     let ca = s.claim(&spec("a", &["prompt"], 3), false, no_wait()).unwrap();
     let cb = s.claim(&spec("b", &["prompt"], 3), false, no_wait()).unwrap();
@@ -371,7 +371,7 @@ fn tasks_progress_independently_over_the_same_rows() {
 #[test]
 fn acked_rows_are_forgotten_from_the_front_of_the_table() {
     let s = store();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     put_prompts(&s, 1000, "p");
     loop {
         let c = s.claim(&spec("t", &["prompt"], 100), true, no_wait()).unwrap();
@@ -390,7 +390,7 @@ fn bad_claims_are_rejected_before_waiting() {
         s.claim(&spec("nobody", &["x"], 1), false, NOW),
         Err(StoreError::UnknownTask(_))
     ));
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     assert!(matches!(s.claim(&spec("t", &["x"], 0), false, NOW), Err(StoreError::BadRequest(_))));
     assert!(matches!(s.claim(&spec("t", &[], 1), false, NOW), Err(StoreError::BadRequest(_))));
 }
@@ -398,9 +398,27 @@ fn bad_claims_are_rejected_before_waiting() {
 #[test]
 fn an_interrupted_claim_returns_promptly() {
     let s = store();
-    s.register_task("t").unwrap();
+    s.register_task("t", None).unwrap();
     let started = Instant::now();
     let wait = Wait { deadline: None, interrupted: &|| true };
     assert_eq!(s.claim(&spec("t", &["x"], 1), false, wait), Err(StoreError::Interrupted));
     assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn a_scoped_task_sees_and_retains_only_its_partitions() {
+    let s = store();
+    s.register_task("rollout", Some(vec!["prompts".into()])).unwrap();
+    s.register_task("train", Some(vec!["step-".into()])).unwrap();
+    let prompts = put_prompts(&s, 2, "prompts");
+    let samples = put_prompts(&s, 2, "step-0");
+    let r = s.claim(&spec("rollout", &["prompt"], 4), true, no_wait()).unwrap();
+    assert_eq!(r.rows, prompts, "rollout sees prompts only");
+    let t = s.claim(&spec("train", &["prompt"], 4), true, no_wait()).unwrap();
+    assert_eq!(t.rows, samples, "train sees step partitions only");
+    s.ack(r.lease.unwrap(), None).unwrap();
+    assert_eq!(s.stats().index.live_rows, 2, "prompts need only the rollout's ack");
+    s.ack(t.lease.unwrap(), None).unwrap();
+    assert_eq!(s.stats().index.live_rows, 0);
+    assert!(matches!(s.register_task("train", None), Err(StoreError::BadRequest(_))));
 }

@@ -68,8 +68,9 @@ impl Store {
         Ok(Self { inner: Arc::new(core::Store::new(config).py_err()?) })
     }
 
-    fn register_task(&self, name: &str) -> PyResult<()> {
-        self.inner.register_task(name).py_err()
+    #[pyo3(signature = (name, partitions = None))]
+    fn register_task(&self, name: &str, partitions: Option<Vec<String>>) -> PyResult<()> {
+        self.inner.register_task(name, partitions).py_err()
     }
 
     /// Writes new rows (`indexes` is None) or fields of existing rows. `fields` holds

@@ -161,7 +161,7 @@ impl Index {
             while m != 0 {
                 let slot = w * 64 + m.trailing_zeros() as usize;
                 m &= m - 1;
-                if !self.passes_filters(slot, partition, spec.min_version) {
+                if !self.passes_filters(slot, r.task, partition, spec.min_version) {
                     continue;
                 }
                 let group = self.rows[slot].group;
@@ -197,12 +197,14 @@ impl Index {
     fn passes_filters(
         &self,
         slot: usize,
+        task: TaskId,
         partition: Option<PartitionId>,
         min_version: Option<u64>,
     ) -> bool {
         let meta = &self.rows[slot];
         partition.is_none_or(|p| meta.partition == p)
             && min_version.is_none_or(|v| meta.version >= v)
+            && self.in_scope(slot, task)
     }
 
     /// The slots of group `g` if the group is complete and every member is claimable now.
@@ -227,7 +229,7 @@ impl Index {
                 let ok = self.live.get(slot)
                     && !t.busy.get(slot)
                     && fields.iter().all(|&f| self.fields[f as usize].ready.get(slot))
-                    && self.passes_filters(slot, partition, spec.min_version);
+                    && self.passes_filters(slot, task, partition, spec.min_version);
                 ok.then_some(slot)
             })
             .collect()

@@ -116,7 +116,6 @@ impl Index {
     pub fn ack(&mut self, id: LeaseId, subset: Option<&[u64]>, now: Instant) -> Result<Vec<u64>> {
         self.check_lease(id, subset, now)?;
         let (task, rows) = self.take_rows(id, subset);
-        let n_tasks = self.tasks.len() as u32;
         let mut freed = Vec::new();
         for index in rows {
             self.tasks[task as usize].leased_rows -= 1;
@@ -129,7 +128,8 @@ impl Index {
             self.counters.rows_acked += 1;
             let meta = &mut self.rows[slot];
             meta.acks += 1;
-            if meta.acks >= n_tasks && !self.partitions[meta.partition as usize].pinned {
+            let part = &self.partitions[meta.partition as usize];
+            if meta.acks >= part.required_acks && !part.pinned {
                 self.free_slot(slot);
                 freed.push(index);
             }
@@ -196,22 +196,29 @@ impl Index {
         }
     }
 
-    /// Moves the task's low-water mark past rows it has acked and rows that are gone.
+    /// Moves the task's low-water mark past rows it has acked, rows that are gone and rows
+    /// outside its scope.
     fn advance_low_water(&mut self, task: TaskId) {
-        let t = &mut self.tasks[task as usize];
+        let t = &self.tasks[task as usize];
         let mut at = t.low_water.max(self.base);
         while at < self.next {
             let slot = (at - self.base) as usize;
             let (w, bit) = (slot / 64, slot % 64);
-            let done = t.acked.word(w) | !self.live.word(w);
-            let pending = !done & (u64::MAX << bit);
+            let mut pending = !(t.acked.word(w) | !self.live.word(w)) & (u64::MAX << bit);
+            while pending != 0 {
+                let s = w * 64 + pending.trailing_zeros() as usize;
+                if self.in_scope(s, task) {
+                    break;
+                }
+                pending &= pending - 1;
+            }
             if pending == 0 {
                 at += 64 - bit as u64;
             } else {
-                at += u64::from(pending.trailing_zeros()) - bit as u64;
+                at = self.base + (w * 64) as u64 + u64::from(pending.trailing_zeros());
                 break;
             }
         }
-        t.low_water = at.min(self.next);
+        self.tasks[task as usize].low_water = at.min(self.next);
     }
 }

@@ -96,6 +96,8 @@ struct FieldState {
 #[derive(Debug)]
 struct TaskState {
     name: String,
+    /// Partition-name prefixes this task consumes; `None` for all.
+    scope: Option<Vec<String>>,
     /// Leased or acked by this task: not claimable by it.
     busy: Bitmap,
     acked: Bitmap,
@@ -113,6 +115,10 @@ struct PartitionState {
     end: u64,
     live_rows: u64,
     pinned: bool,
+    /// Per task: whether the task's scope covers this partition.
+    covered_by: Vec<bool>,
+    /// Acks a row of this partition needs before it is freed.
+    required_acks: u32,
 }
 
 #[derive(Debug)]
@@ -178,17 +184,33 @@ impl Index {
     // ---- tasks -------------------------------------------------------------------------------
 
     /// Registers a consumer. Idempotent: registering a known name returns its id.
-    pub fn register_task(&mut self, name: &str) -> Result<TaskId> {
+    /// Registers a consumer of the partitions whose names start with one of `scope`'s prefixes
+    /// (`None`: every partition). The task can claim only rows in its scope, and rows are
+    /// retained until every task whose scope covers them has acked them. Registering a known name
+    /// again with the same scope returns its id.
+    pub fn register_task(&mut self, name: &str, scope: Option<Vec<String>>) -> Result<TaskId> {
         if name.is_empty() {
             return Err(StoreError::bad_request("a task needs a non-empty name"));
         }
         if let Some(&id) = self.task_ids.get(name) {
+            let known = &self.tasks[id as usize].scope;
+            if *known != scope {
+                return Err(StoreError::bad_request(format!(
+                    "task {name:?} is already registered with partitions {known:?}"
+                )));
+            }
             return Ok(id);
         }
         let id = self.tasks.len() as TaskId;
         let words = self.live.words();
+        for part in &mut self.partitions {
+            let covers = scope_covers(scope.as_deref(), &part.name);
+            part.covered_by.push(covers);
+            part.required_acks += u32::from(covers);
+        }
         self.tasks.push(TaskState {
             name: name.to_owned(),
+            scope,
             busy: Bitmap::with_words(words),
             acked: Bitmap::with_words(words),
             low_water: self.base,
@@ -197,6 +219,12 @@ impl Index {
         });
         self.task_ids.insert(name.to_owned(), id);
         Ok(id)
+    }
+
+    /// Whether the row in `slot` belongs to a partition in the task's scope.
+    #[inline]
+    fn in_scope(&self, slot: usize, task: TaskId) -> bool {
+        self.partitions[self.rows[slot].partition as usize].covered_by[task as usize]
     }
 
     pub fn task_id(&self, name: &str) -> Result<TaskId> {
@@ -421,12 +449,16 @@ impl Index {
             return id;
         }
         let id = self.partitions.len() as PartitionId;
+        let covered_by: Vec<bool> =
+            self.tasks.iter().map(|t| scope_covers(t.scope.as_deref(), name)).collect();
         self.partitions.push(PartitionState {
             name: name.to_owned(),
             first: self.next,
             end: self.next,
             live_rows: 0,
             pinned: name.starts_with(PINNED_PREFIX),
+            required_acks: covered_by.iter().map(|&c| u32::from(c)).sum(),
+            covered_by,
         });
         self.partition_ids.insert(name.to_owned(), id);
         id
@@ -623,6 +655,10 @@ impl Index {
                 .collect(),
         }
     }
+}
+
+fn scope_covers(scope: Option<&[String]>, partition: &str) -> bool {
+    scope.is_none_or(|prefixes| prefixes.iter().any(|p| partition.starts_with(p.as_str())))
 }
 
 /// `(group, rows of it)` in first-seen order.
