@@ -1,15 +1,28 @@
-"""The ``asyncflow`` command line."""
+"""The ``asyncflow`` command line: ``train``, ``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncflow", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="asyncflow", description="Asynchronous streaming RL post-training."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser(
+        "train", help="run RL post-training (no arguments: the embedded default)"
+    )
+    train.add_argument("--config", metavar="FILE", help="YAML config (see examples/)")
+    train.add_argument("--run-dir", metavar="DIR", type=Path, help="write the run here")
+    train.add_argument("--launcher", choices=["local", "ray"], help="where workers run")
+    train.add_argument("--resume", metavar="DIR", type=Path, help="continue the run in DIR")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.max_steps=3")
+
     bench = sub.add_parser("bench", help="run a benchmark suite and write its JSON records")
     bench.add_argument("suite", choices=["store"], help="which suite to run")
     bench.add_argument("--json", metavar="PATH", help="write the records here as JSON")
@@ -17,8 +30,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _train(args: argparse.Namespace) -> int:
+    from asyncflow import config as cfg
+    from asyncflow.train import train
+
+    overrides = list(args.overrides)
+    if args.launcher:
+        overrides.append(f"launcher={args.launcher}")
+    try:
+        if args.resume is not None:
+            saved = args.resume / "config.yaml"
+            if not saved.is_file():
+                raise cfg.ConfigError(
+                    f"--resume {args.resume}: no config.yaml there; is it a run directory?"
+                )
+            config = cfg.load(args.config or saved, overrides)
+        else:
+            config = cfg.load(args.config, overrides)
+    except cfg.ConfigError as e:
+        print(f"asyncflow train: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    summary = train(config, run_dir=args.run_dir, resume=args.resume)
+    print(f"summary written to {summary['run_dir']}/summary.json")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "train":
+        return _train(args)
     if args.command == "bench":
         from asyncflow.bench import run_suite
 

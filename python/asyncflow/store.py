@@ -219,6 +219,10 @@ class Store:
         i, parts, groups, versions, tags = self._native.rows(idx, partition=partition)
         return Rows(i, parts, groups, versions, [dict(t) for t in tags])
 
+    def ready_fields(self, indexes: Indexes) -> list[list[str]]:
+        """The names of the fields ready on each row."""
+        return self._native.ready_fields(_index_array(indexes))  # type: ignore[no-any-return]
+
     def clear(self, partition: str) -> int:
         """Frees every row of ``partition``; returns how many rows were freed."""
         return int(self._native.clear(partition))

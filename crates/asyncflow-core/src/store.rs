@@ -243,6 +243,11 @@ impl Store {
         rows.iter().map(|&i| index.row_info(i)).collect()
     }
 
+    /// Names of the fields ready on each row.
+    pub fn ready_fields(&self, rows: &[u64]) -> Result<Vec<Vec<String>>> {
+        self.index.lock().ready_fields(rows)
+    }
+
     /// Live rows, oldest first, optionally of one partition.
     pub fn rows(&self, partition: Option<&str>) -> Vec<RowInfo> {
         let index = self.index.lock();

@@ -422,3 +422,33 @@ fn a_scoped_task_sees_and_retains_only_its_partitions() {
     assert_eq!(s.stats().index.live_rows, 0);
     assert!(matches!(s.register_task("train", None), Err(StoreError::BadRequest(_))));
 }
+
+#[test]
+fn ready_fields_lists_what_each_row_has() {
+    let s = store();
+    let idx = put_prompts(&s, 2, "p");
+    s.put(vec![scalars(&s, "reward", &[1.0])], &PutTarget::Existing(vec![idx[1]])).unwrap();
+    let ready = s.ready_fields(&idx).unwrap();
+    assert_eq!(ready, vec![vec!["prompt".to_string()], vec!["prompt".into(), "reward".into()]]);
+    assert_eq!(s.ready_fields(&[999]), Err(StoreError::UnknownIndex(999)));
+}
+
+#[test]
+fn group_ids_are_scoped_to_their_partition() {
+    let s = store();
+    s.register_task("t", None).unwrap();
+    let in_partition = |partition: &str, size| {
+        PutTarget::New(NewRows {
+            partition: partition.into(),
+            groups: Some(vec![7; size as usize]),
+            group_size: Some(size),
+            versions: vec![0],
+            ..NewRows::default()
+        })
+    };
+    let one = s.put(vec![ints(&s, "x", &[&[1]])], &in_partition("prompts", 1)).unwrap();
+    let two = s.put(vec![ints(&s, "x", &[&[2], &[2]])], &in_partition("step-0", 2)).unwrap();
+    let mut whole = spec("t", &["x"], 3);
+    whole.whole_groups = true;
+    assert_eq!(s.claim(&whole, false, no_wait()).unwrap().rows, [one, two].concat());
+}

@@ -246,6 +246,11 @@ impl Store {
         ))
     }
 
+    /// Names of the fields ready on each of `indexes`.
+    fn ready_fields(&self, indexes: PyReadonlyArray1<'_, u64>) -> PyResult<Vec<Vec<String>>> {
+        self.inner.ready_fields(indexes.as_slice()?).py_err()
+    }
+
     /// Frees every row of a partition; returns how many were freed.
     fn clear(&self, partition: &str) -> u64 {
         self.inner.clear(partition)

@@ -167,8 +167,11 @@ impl Index {
                 let group = self.rows[slot].group;
                 if !spec.whole_groups || group.is_none() {
                     slots.push(slot);
-                } else if let Some(g) = group.filter(|&g| seen_groups.insert(g)) {
-                    let Some(members) = self.claimable_group(g, r.task, fields, partition, spec)
+                } else if let Some(g) =
+                    group.filter(|&g| seen_groups.insert((self.rows[slot].partition, g)))
+                {
+                    let key = (self.rows[slot].partition, g);
+                    let Some(members) = self.claimable_group(key, r.task, fields, partition, spec)
                     else {
                         continue;
                     };
@@ -210,13 +213,13 @@ impl Index {
     /// The slots of group `g` if the group is complete and every member is claimable now.
     fn claimable_group(
         &self,
-        g: u64,
+        key: (PartitionId, u64),
         task: TaskId,
         fields: &[FieldId],
         partition: Option<PartitionId>,
         spec: &ClaimSpec,
     ) -> Option<Vec<usize>> {
-        let group = self.groups.get(&g)?;
+        let group = self.groups.get(&key)?;
         if group.members.len() != group.size as usize {
             return None;
         }

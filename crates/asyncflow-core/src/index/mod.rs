@@ -171,7 +171,8 @@ pub struct Index {
     task_ids: HashMap<String, TaskId>,
     partitions: Vec<PartitionState>,
     partition_ids: HashMap<String, PartitionId>,
-    groups: HashMap<u64, GroupState>,
+    /// Groups are scoped to their partition: `(partition, group id)`.
+    groups: HashMap<(PartitionId, u64), GroupState>,
     leases: Leases,
     counters: Counters,
 }
@@ -420,8 +421,9 @@ impl Index {
         if new.group_size == Some(0) {
             return Err(StoreError::bad_request("group_size must be at least 1"));
         }
+        let pid = self.partition_ids.get(&new.partition).copied();
         for (group, added) in count_by_group(groups) {
-            let (size, existing) = match self.groups.get(&group) {
+            let (size, existing) = match pid.and_then(|p| self.groups.get(&(p, group))) {
                 Some(g) => {
                     if new.group_size.is_some_and(|s| s != g.size) {
                         return Err(StoreError::bad_request(format!(
@@ -505,12 +507,12 @@ impl Index {
         if let Some(groups) = &new.groups {
             for (group, added) in count_by_group(groups) {
                 let size = new.group_size.map_or(added as u32, |s| s);
-                self.groups.entry(group).or_insert(GroupState { size, members: Vec::new() });
+                self.groups.entry((pid, group)).or_insert(GroupState { size, members: Vec::new() });
             }
             for (k, &group) in groups.iter().enumerate() {
                 // Rows are appended in index order, so members stay sorted.
                 self.groups
-                    .get_mut(&group)
+                    .get_mut(&(pid, group))
                     .expect("registered above")
                     .members
                     .push(start + k as u64);
@@ -557,6 +559,22 @@ impl Index {
         Ok(ids)
     }
 
+    /// Names of the fields ready on each row (e.g. to snapshot rows whatever stage they are at).
+    pub fn ready_fields(&self, indexes: &[u64]) -> Result<Vec<Vec<String>>> {
+        indexes
+            .iter()
+            .map(|&index| {
+                let slot = self.live_slot(index)?;
+                Ok(self
+                    .fields
+                    .iter()
+                    .filter(|f| f.ready.get(slot))
+                    .map(|f| f.name.clone())
+                    .collect())
+            })
+            .collect()
+    }
+
     // ---- freeing -----------------------------------------------------------------------------
 
     fn free_slot(&mut self, slot: usize) {
@@ -571,12 +589,13 @@ impl Index {
         }
         let meta = &self.rows[slot];
         self.partitions[meta.partition as usize].live_rows -= 1;
-        if let Some(group) = meta.group
-            && let Some(g) = self.groups.get_mut(&group)
-        {
-            g.members.retain(|&m| m != index);
-            if g.members.is_empty() {
-                self.groups.remove(&group);
+        if let Some(group) = meta.group {
+            let key = (meta.partition, group);
+            if let Some(g) = self.groups.get_mut(&key) {
+                g.members.retain(|&m| m != index);
+                if g.members.is_empty() {
+                    self.groups.remove(&key);
+                }
             }
         }
         self.counters.rows_freed += 1;

@@ -1,0 +1,1 @@
+"""RL algorithms: group advantages and policy losses."""

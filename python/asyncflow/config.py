@@ -1,0 +1,338 @@
+"""Run configuration: typed sections, loaded from YAML plus dotted ``key=value`` overrides, and
+validated completely before any worker starts.
+
+Every key has a default, so ``Config()`` is the embedded default job. Unknown keys, wrong types
+and impossible sizes raise :class:`ConfigError` naming the key (with a suggestion for typos).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and what is wrong."""
+
+
+@dataclass
+class ModelConfig:
+    #: A Hugging Face model directory; None creates the built-in tiny Qwen2 model locally.
+    path: str | None = None
+    hidden_size: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 512
+    max_positions: int = 64
+    #: Compute dtype of training and rollout.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass
+class DataConfig:
+    #: ``arithmetic`` (built in) or ``parquet`` (``train_file``/``eval_file``, verl-style columns).
+    task: Literal["arithmetic", "parquet"] = "arithmetic"
+    train_file: str | None = None
+    eval_file: str | None = None
+    #: Column of the prompt text, and (dotted path into struct columns) of the ground truth.
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
+    #: Built-in task: operand digits, and held-out problems for evaluation.
+    digits: int = 2
+    eval_size: int = 200
+
+
+@dataclass
+class WarmStartConfig:
+    """A short supervised pass that makes the built-in model sometimes right (pass@k > pass@1)."""
+
+    enabled: bool = True
+    steps: int = 400
+    batch_size: int = 64
+    lr: float = 3e-3
+    #: Fraction of demonstrations showing the classic mistake (a dropped carry).
+    mistake_rate: float = 0.6
+
+
+@dataclass
+class RolloutConfig:
+    #: ``auto`` picks vLLM when installed, else ``hf``; or a registered engine name.
+    engine: str = "auto"
+    #: Responses per prompt (the GRPO group size).
+    n: int = 8
+    temperature: float = 1.0
+    max_tokens: int = 8
+    #: Prompt groups per generation call.
+    groups_per_call: int = 16
+    engines: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    #: ``auto`` picks DeepSpeed when installed, else ``hf``; or a registered engine name.
+    engine: str = "auto"
+    max_steps: int = 40
+    #: Prompt groups per optimizer step.
+    groups_per_step: int = 16
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    #: Token budget of one micro-batch (gradient accumulation splits a step into these).
+    micro_batch_tokens: int = 4096
+    #: Optimisation passes over each step's samples.
+    ppo_epochs: int = 1
+    clip_eps: float = 0.2
+    #: Off-policy correction: ``none`` (PPO ratio against the behaviour policy), ``decoupled``
+    #: (proximal policy clip times the behaviour importance weight) or ``tis`` (the same, weight
+    #: truncated at ``is_cap``).
+    correction: Literal["none", "decoupled", "tis"] = "tis"
+    is_cap: float = 2.0
+    kl_coef: float = 0.0
+    #: Policy versions the trainer may run ahead of the samples it trains on (0: on-policy).
+    max_staleness: int = 1
+    #: Samples older than allowed: ``wait`` (rollout waits for fresh weights, nothing is
+    #: discarded) or ``drop`` (rollout never waits; too-stale samples are discarded).
+    staleness_policy: Literal["wait", "drop"] = "wait"
+    dp_size: int = 1
+    zero_stage: int = 1
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    #: GRPO: divide by the group's reward standard deviation.
+    normalize_std: bool = True
+    #: ``token``: mean over all response tokens of a step; ``sequence``: mean of per-sequence means.
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    #: Compute reference log-probs (needed for ``kl_coef > 0``).
+    reference: bool = False
+
+
+@dataclass
+class RewardConfig:
+    #: A registered reward name, or ``module:function`` taking (response text, ground truth).
+    fn: str = "exact_match"
+
+
+@dataclass
+class StoreSettings:
+    #: ``embedded`` or a daemon URL ``tcp://host:port``.
+    address: str = "embedded"
+    token: str | None = None
+    shards: int = 8
+    memory_limit: str = "2GiB"
+    lease_timeout: float = 60.0
+
+
+@dataclass
+class RunConfig:
+    name: str = "asyncflow"
+    seed: int = 0
+    #: Runs go to ``<output_dir>/<name>`` unless ``--run-dir`` is given.
+    output_dir: str = "runs"
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    #: Seconds any worker may wait for its input before the run fails with a clear error.
+    stall_timeout: float = 300.0
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    run: RunConfig = field(default_factory=RunConfig)
+    launcher: Literal["local", "ray"] = "local"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return str(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Reads ``path`` (YAML; None for the defaults), applies ``key=value`` overrides, and
+    validates the result."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        raw = loaded
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+    config: Config = _build(Config, raw, "")
+    validate(config)
+    return config
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = _build(hint, raw[f.name], f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        else:
+            values[f.name] = _coerce(raw[f.name], hint, f"{prefix}{f.name}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {list(choices)}, not {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, not {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, not {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, not {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string, not {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported setting type {hint}")
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(c: Config) -> None:
+    """Checks sizes and combinations that types alone cannot."""
+    for key, value in [
+        ("model.hidden_size", c.model.hidden_size),
+        ("model.layers", c.model.layers),
+        ("model.heads", c.model.heads),
+        ("model.kv_heads", c.model.kv_heads),
+        ("model.intermediate_size", c.model.intermediate_size),
+        ("model.max_positions", c.model.max_positions),
+        ("data.digits", c.data.digits),
+        ("data.eval_size", c.data.eval_size),
+        ("rollout.n", c.rollout.n),
+        ("rollout.max_tokens", c.rollout.max_tokens),
+        ("rollout.groups_per_call", c.rollout.groups_per_call),
+        ("rollout.engines", c.rollout.engines),
+        ("trainer.max_steps", c.trainer.max_steps),
+        ("trainer.groups_per_step", c.trainer.groups_per_step),
+        ("trainer.micro_batch_tokens", c.trainer.micro_batch_tokens),
+        ("trainer.ppo_epochs", c.trainer.ppo_epochs),
+        ("trainer.dp_size", c.trainer.dp_size),
+        ("store.shards", c.store.shards),
+        ("run.eval_every", c.run.eval_every),
+        ("run.checkpoint_every", c.run.checkpoint_every),
+    ]:
+        _require(value >= 1, f"{key} must be at least 1, not {value}")
+    _require(
+        c.model.hidden_size % c.model.heads == 0,
+        "model.hidden_size must be a multiple of model.heads",
+    )
+    _require(
+        c.model.heads % c.model.kv_heads == 0, "model.heads must be a multiple of model.kv_heads"
+    )
+    _require(c.data.digits <= 9, "data.digits must be at most 9")
+    _require(c.rollout.temperature > 0, "rollout.temperature must be positive")
+    _require(c.rollout.n >= 2, "rollout.n must be at least 2: group advantages need two samples")
+    _require(
+        c.model.max_positions >= 2 * c.data.digits + 3 + c.rollout.max_tokens,
+        "model.max_positions is too small for a prompt plus rollout.max_tokens",
+    )
+    for key, rate in [("trainer.lr", c.trainer.lr), ("warm_start.lr", c.warm_start.lr)]:
+        _require(rate > 0, f"{key} must be positive")
+    _require(c.trainer.max_staleness >= 0, "trainer.max_staleness cannot be negative")
+    _require(0 < c.trainer.clip_eps < 1, "trainer.clip_eps must be in (0, 1)")
+    _require(c.trainer.is_cap >= 1, "trainer.is_cap must be at least 1")
+    _require(c.trainer.kl_coef >= 0, "trainer.kl_coef cannot be negative")
+    _require(
+        c.trainer.kl_coef == 0 or c.algorithm.reference,
+        "trainer.kl_coef > 0 needs algorithm.reference: true",
+    )
+    _require(c.trainer.zero_stage in (0, 1, 2, 3), "trainer.zero_stage must be 0, 1, 2 or 3")
+    _require(
+        c.trainer.groups_per_step % c.trainer.dp_size == 0,
+        "trainer.groups_per_step must be a multiple of trainer.dp_size",
+    )
+    _require(0 <= c.warm_start.mistake_rate <= 1, "warm_start.mistake_rate must be in [0, 1]")
+    _require(c.store.lease_timeout > 0, "store.lease_timeout must be positive")
+    if c.model.path is not None:
+        _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
+    if c.data.task == "parquet":
+        _require(c.data.train_file is not None, "data.task: parquet needs data.train_file")
+        for key, file in [
+            ("data.train_file", c.data.train_file),
+            ("data.eval_file", c.data.eval_file),
+        ]:
+            if file is not None:
+                _require(Path(file).is_file(), f"{key} {file!r} does not exist")
+        _require(c.model.path is not None, "data.task: parquet needs model.path (a tokenizer)")

@@ -1,0 +1,130 @@
+"""The engine interfaces.
+
+A rollout engine generates responses with per-token log-probs under the policy version it holds,
+and swaps in newer weights between generation batches. A train engine computes per-token
+log-probs, accumulates gradients over micro-batches, steps the optimiser, and exports its full
+weights for publication. Log-probs everywhere are of the temperature-scaled distribution the
+responses were sampled from.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int = 1
+    temperature: float = 1.0
+    max_tokens: int = 16
+    #: Greedy decoding (temperature is then ignored).
+    greedy: bool = False
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    #: Log-prob of each generated token under the sampling distribution.
+    logprobs: list[float]
+    text: str
+    #: ``"stop"`` (end of sequence or a stop string) or ``"length"``.
+    finish_reason: str = "stop"
+
+
+class RolloutEngine(ABC):
+    """Generates responses; holds one policy version at a time."""
+
+    name: str = "rollout"
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        """``sampling.n`` completions for each prompt (given as token ids)."""
+
+    @abstractmethod
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replaces the weights in place (no restart) and records ``version``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Frees the engine's resources."""
+
+
+@dataclass
+class TrainBatch:
+    """One micro-batch of prompt+response sequences, right-padded to a common length."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    #: 1 where the token at that position is a response token (its log-prob is trained).
+    response_mask: torch.Tensor
+    #: Extra per-row or per-token tensors the loss needs (advantages, behaviour log-probs, ...).
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+#: Maps the engine's per-token log-probs ``[batch, length]`` and the batch to (loss, stats).
+LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainEngine(ABC):
+    """Trains the policy; ``version`` counts optimiser steps since the start."""
+
+    name: str = "train"
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    @abstractmethod
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token log-probs ``[batch, length]`` without gradients (position ``t`` holds
+        ``log p(input_ids[t] | input_ids[:t])``; position 0 is 0)."""
+
+    @abstractmethod
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Accumulates the gradients of ``loss_fn`` on one micro-batch."""
+
+    @abstractmethod
+    def optimizer_step(self) -> dict[str, float]:
+        """Applies the accumulated gradients (clipped), clears them, bumps ``version``; returns
+        e.g. the gradient norm and learning rate."""
+
+    @abstractmethod
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (gathered) weights by Hugging Face parameter name."""
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Writes a checkpoint (model, optimiser, version)."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> None:
+        """Restores a checkpoint written by :meth:`save`."""
+
+    @abstractmethod
+    def save_pretrained(self, directory: Path) -> None:
+        """Writes the policy as a Hugging Face model directory."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Frees the engine's resources."""
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``log p(input_ids[t] | :t)`` from next-token ``logits`` (``[B, L, V]``), aligned to ``t``
+    (position 0 gets 0)."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))

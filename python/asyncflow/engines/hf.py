@@ -1,0 +1,196 @@
+"""The ``hf`` engine pair: plain transformers + torch. It is the reference implementation of both
+interfaces and the worked example of a custom engine: a new engine implements the same few
+methods and registers a factory under a name (see :mod:`asyncflow.engines.registry`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow.config import Config
+from asyncflow.engines.base import (
+    Completion,
+    LossFn,
+    RolloutEngine,
+    Sampling,
+    TrainBatch,
+    TrainEngine,
+    token_logprobs,
+)
+from asyncflow.models.tokenizer import Tokenizer, load_tokenizer
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "asyncflow_tiny.json",
+)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
+
+
+def load_model(model_dir: Path, dtype: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_dtype(dtype))
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copies the tokenizer files that sit beside a model's weights."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+@torch.no_grad()
+def sample(
+    model: Any, prompts: list[list[int]], sampling: Sampling, tokenizer: Tokenizer
+) -> list[list[Completion]]:
+    """Batched decoding with a KV cache: prompts left-padded, ``sampling.n`` rows per prompt."""
+    rows = [p for p in prompts for _ in range(sampling.n)]
+    width = max(len(p) for p in rows)
+    pad, eos = tokenizer.pad_id, tokenizer.eos_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator().manual_seed(sampling.seed)
+
+    out_ids = torch.full((len(rows), sampling.max_tokens), pad)
+    out_lp = torch.zeros((len(rows), sampling.max_tokens))
+    done = torch.zeros(len(rows), dtype=torch.bool)
+    lengths = torch.full((len(rows),), sampling.max_tokens)
+    cache = None
+    step_ids = input_ids
+    for t in range(sampling.max_tokens):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+        result = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache = result.past_key_values
+        logits = result.logits[:, -1].float()
+        if sampling.greedy:
+            token = logits.argmax(-1)
+            logp = torch.log_softmax(logits, -1)
+        else:
+            logp = torch.log_softmax(logits / sampling.temperature, -1)
+            token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        out_ids[:, t] = token
+        out_lp[:, t] = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        finished_now = ~done & (token == eos)
+        lengths = torch.where(finished_now, torch.full_like(lengths, t + 1), lengths)
+        done |= finished_now
+        if bool(done.all()):
+            break
+        step_ids = token.unsqueeze(-1)
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+
+    completions = []
+    for i in range(len(rows)):
+        ids = out_ids[i, : int(lengths[i])].tolist()
+        text = tokenizer.decode(ids)
+        reason = "stop" if eos in ids else "length"
+        for s in sampling.stop:
+            if s in text:
+                text, reason = text[: text.index(s)], "stop"
+        completions.append(Completion(ids, out_lp[i, : len(ids)].tolist(), text, reason))
+    return [completions[k * sampling.n : (k + 1) * sampling.n] for k in range(len(prompts))]
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Generation with a transformers model and a KV cache."""
+
+    name = "hf"
+
+    def __init__(self, model_dir: Path, config: Config) -> None:
+        super().__init__()
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_model(model_dir, config.model.dtype).eval()
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        return sample(self.model, prompts, sampling, self.tokenizer)
+
+    @torch.no_grad()
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in weights:
+            if name in params:
+                params[name].copy_(tensor)
+        self.version = version
+
+
+class HFTrainEngine(TrainEngine):
+    """AdamW on a transformers model, one process."""
+
+    name = "hf"
+
+    def __init__(self, model_dir: Path, config: Config) -> None:
+        super().__init__()
+        self.model_dir = model_dir
+        self.temperature = config.rollout.temperature
+        self.grad_clip = config.trainer.grad_clip
+        self.model = load_model(model_dir, config.model.dtype).train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.trainer.lr,
+            betas=(0.9, 0.99),
+            weight_decay=config.trainer.weight_decay,
+        )
+
+    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return token_logprobs(logits, batch.input_ids, self.temperature)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._logprobs(batch)
+
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        loss, stats = loss_fn(self._logprobs(batch), batch)
+        loss.backward()
+        return stats
+
+    def optimizer_step(self) -> dict[str, float]:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": float(norm), "lr": float(self.optimizer.param_groups[0]["lr"])}
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+        }
+        torch.save(state, directory / "trainer.pt")
+
+    def load(self, directory: Path) -> None:
+        state = torch.load(directory / "trainer.pt", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
+    def save_pretrained(self, directory: Path) -> None:
+        self.model.save_pretrained(str(directory), safe_serialization=True)
+        copy_tokenizer(self.model_dir, directory)

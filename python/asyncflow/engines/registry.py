@@ -1,0 +1,86 @@
+"""Engines by name. Built-ins register themselves lazily; users add theirs either with
+:func:`register_rollout_engine` / :func:`register_train_engine` or through the entry point groups
+``asyncflow.rollout_engines`` / ``asyncflow.train_engines`` — no change to this package needed.
+
+A factory is called as ``factory(model_dir, config)`` and returns the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from asyncflow.config import Config, ConfigError
+from asyncflow.engines.base import RolloutEngine, TrainEngine
+
+RolloutFactory = Callable[[Path, Config], RolloutEngine]
+TrainFactory = Callable[[Path, Config], TrainEngine]
+
+_ROLLOUT: dict[str, RolloutFactory | str] = {
+    "hf": "asyncflow.engines.hf:HFRolloutEngine",
+    "vllm": "asyncflow.engines.vllm:VLLMRolloutEngine",
+}
+_TRAIN: dict[str, TrainFactory | str] = {
+    "hf": "asyncflow.engines.hf:HFTrainEngine",
+    "deepspeed": "asyncflow.engines.deepspeed:DeepSpeedTrainEngine",
+}
+_GROUPS = {"rollout": "asyncflow.rollout_engines", "train": "asyncflow.train_engines"}
+#: What ``auto`` prefers, when its package is installed, before falling back to ``hf``.
+_PREFERRED = {"rollout": ("vllm", "vllm"), "train": ("deepspeed", "deepspeed")}
+
+
+def register_rollout_engine(name: str, factory: RolloutFactory) -> None:
+    _ROLLOUT[name] = factory
+
+
+def register_train_engine(name: str, factory: TrainFactory) -> None:
+    _TRAIN[name] = factory
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_engine_name(kind: str, name: str) -> str:
+    """``auto`` -> the preferred engine when installed, else ``hf``."""
+    if name != "auto":
+        return name
+    preferred, module = _PREFERRED[kind]
+    return preferred if _available(module) else "hf"
+
+
+def _lookup(kind: str, table: dict[str, Any], name: str) -> Callable[[Path, Config], Any]:
+    entry = table.get(name)
+    if entry is None:
+        for ep in importlib.metadata.entry_points(group=_GROUPS[kind]):
+            if ep.name == name:
+                entry = ep.load()
+                table[name] = entry
+    if entry is None:
+        known = sorted(table) + [
+            ep.name for ep in importlib.metadata.entry_points(group=_GROUPS[kind])
+        ]
+        raise ConfigError(f"unknown {kind} engine {name!r}; known: {', '.join(known)}")
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        table[name] = entry
+    return entry  # type: ignore[no-any-return]
+
+
+def create_rollout_engine(name: str, model_dir: Path, config: Config) -> RolloutEngine:
+    engine = _lookup("rollout", _ROLLOUT, resolve_engine_name("rollout", name))(model_dir, config)
+    if not isinstance(engine, RolloutEngine):
+        raise ConfigError(f"rollout engine {name!r} did not return a RolloutEngine")
+    return engine
+
+
+def create_train_engine(name: str, model_dir: Path, config: Config) -> TrainEngine:
+    engine = _lookup("train", _TRAIN, resolve_engine_name("train", name))(model_dir, config)
+    if not isinstance(engine, TrainEngine):
+        raise ConfigError(f"train engine {name!r} did not return a TrainEngine")
+    return engine

@@ -1,0 +1,1 @@
+"""Launchers place the workers: ``local`` runs them as threads of this process."""

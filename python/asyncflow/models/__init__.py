@@ -1,0 +1,1 @@
+"""Models and tokenizers created locally (nothing is downloaded)."""

@@ -1,0 +1,49 @@
+"""The built-in model: a tiny Qwen2-architecture causal LM created locally, saved as a Hugging
+Face directory (config, safetensors weights, tokenizer) that every engine can load offline."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from asyncflow.config import ModelConfig
+from asyncflow.models.tokenizer import CharTokenizer
+
+
+def create_tiny_model(config: ModelConfig, directory: Path, seed: int) -> Path:
+    """Creates and saves the model; returns its directory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = CharTokenizer()
+    hf_config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.kv_heads,
+        max_position_embeddings=config.max_positions,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_id,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.eos_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(hf_config)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tok.save(directory)
+    (directory / "asyncflow_tiny.json").write_text(json.dumps({"tokenizer": "char"}) + "\n")
+    return directory
+
+
+def parameter_count(directory: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118

@@ -1,0 +1,366 @@
+"""The main job: ``asyncflow train``.
+
+Order of a run: resolve the run directory and write the resolved config; build the task and the
+model (the built-in one is created locally); warm-start it with a short supervised pass; open the
+store; start the engines; measure held-out accuracy; then run the asynchronous RL pipeline
+(feeder -> rollout -> reward -> [reference] -> advantage -> trainer, all through the store) until
+``trainer.max_steps``; measure again; write the final model, ``summary.json``, ``metrics.jsonl``,
+the timeline trace and the summary figure.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncflow import checkpoint, weights
+from asyncflow.config import Config, ConfigError
+from asyncflow.engines.base import RolloutEngine, Sampling, TrainEngine
+from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
+from asyncflow.engines.registry import (
+    create_rollout_engine,
+    create_train_engine,
+    resolve_engine_name,
+)
+from asyncflow.evaluation import accuracy, pass_at_k
+from asyncflow.launch.local import run_threads
+from asyncflow.models.tiny import create_tiny_model, parameter_count
+from asyncflow.models.tokenizer import load_tokenizer
+from asyncflow.progress import Reporter
+from asyncflow.store import Store
+from asyncflow.tasks import Task, load_task
+from asyncflow.telemetry.figure import write_summary_png
+from asyncflow.telemetry.metrics import MetricsLog
+from asyncflow.telemetry.trace import Tracer
+from asyncflow.warm_start import warm_start
+from asyncflow.workers.advantage import AdvantageWorker
+from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
+from asyncflow.workers.batches import to_train_batch
+from asyncflow.workers.feeder import Feeder
+from asyncflow.workers.reference import ReferenceWorker
+from asyncflow.workers.reward import RewardWorker, resolve_reward
+from asyncflow.workers.rollout import Rollout
+from asyncflow.workers.trainer import Ledger, Trainer
+
+SAMPLES = "step-"
+PASS_K = 8
+
+
+@dataclass
+class Phase:
+    """Wall-clock seconds of each phase of the run."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, name: str, since: float) -> None:
+        self.seconds[name] = round(time.monotonic() - since, 2)
+
+
+def resolve_run_dir(config: Config, run_dir: Path | None) -> Path:
+    """``--run-dir``, or ``<output_dir>/<name>`` (with ``-2``, ``-3``... if that exists)."""
+    if run_dir is not None:
+        return run_dir
+    base = Path(config.run.output_dir) / config.run.name
+    candidate, k = base, 2
+    while candidate.exists():
+        candidate, k = base.with_name(f"{base.name}-{k}"), k + 1
+    return candidate
+
+
+def open_store(config: Config) -> Store:
+    s = config.store
+    if s.address == "embedded":
+        return Store(shards=s.shards, memory_limit=s.memory_limit, lease_timeout=s.lease_timeout)
+    import asyncflow
+
+    connect = getattr(asyncflow, "connect", None)
+    if connect is None:
+        raise ConfigError("store.address names a daemon, but this build has no daemon client")
+    return connect(s.address, token=s.token)  # type: ignore[no-any-return]
+
+
+def logprob_agreement(
+    rollout: RolloutEngine,
+    trainer: TrainEngine,
+    prompts: list[list[int]],
+    config: Config,
+    pad_id: int,
+) -> float:
+    """Largest |log-prob difference| between the rollout engine's sampled-token log-probs and the
+    train engine's for the same weights and tokens."""
+    sampling = Sampling(
+        n=1, temperature=config.rollout.temperature, max_tokens=config.rollout.max_tokens, seed=1
+    )
+    outs = [group[0] for group in rollout.generate(prompts, sampling)]
+    responses = [np.array(c.token_ids, np.int64) for c in outs]
+    batch = to_train_batch([np.array(p, np.int64) for p in prompts], responses, pad_id)
+    ours = trainer.logprobs(batch)
+    worst = 0.0
+    for i, (p, c) in enumerate(zip(prompts, outs, strict=True)):
+        theirs = torch.tensor(c.logprobs)
+        mine = ours[i, len(p) : len(p) + len(c.token_ids)].float()
+        worst = max(worst, float((theirs - mine).abs().max()))
+    return worst
+
+
+class Run:
+    """One execution of the main job."""
+
+    def __init__(self, config: Config, run_dir: Path, reporter: Reporter, resume: bool) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.reporter = reporter
+        self.resume = resume
+        self.phases = Phase()
+        self.started = time.monotonic()
+
+    # -- preparation --------------------------------------------------------------------------
+
+    def prepare_model(self, task: Task) -> Path:
+        c = self.config
+        if c.model.path is not None:
+            base = Path(c.model.path)
+        else:
+            base = self.run_dir / "model-init"
+            if not (base / "config.json").exists():
+                self.reporter.line(f"creating the built-in tiny Qwen2 model in {base}")
+                create_tiny_model(c.model, base, c.run.seed)
+        warm = self.run_dir / "warm_start"
+        if not c.warm_start.enabled:
+            return base
+        if (warm / "config.json").exists():
+            return warm
+        since = time.monotonic()
+        tokenizer = load_tokenizer(base)
+        with self.reporter.task("warm start", c.warm_start.steps) as advance:
+            warm_start(
+                c, task, tokenizer, base, warm, lambda step, loss: advance(step, f"loss {loss:.3f}")
+            )
+        self.phases.timed("warm_start", since)
+        return warm
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def execute(self) -> dict[str, Any]:
+        c = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(c.to_yaml())
+        torch.manual_seed(c.run.seed)
+        torch.set_num_threads(2)
+        task = load_task(c.data)
+        model_dir = self.prepare_model(task)
+        tokenizer = load_tokenizer(model_dir)
+        store = open_store(c)
+
+        since = time.monotonic()
+        rollout_name = resolve_engine_name("rollout", c.rollout.engine)
+        train_name = resolve_engine_name("train", c.trainer.engine)
+        self.reporter.line(
+            f"starting engines: rollout={rollout_name} x{c.rollout.engines}, trainer={train_name}"
+        )
+        rollouts = [
+            create_rollout_engine(rollout_name, model_dir, c) for _ in range(c.rollout.engines)
+        ]
+        trainer_engine = create_train_engine(train_name, model_dir, c)
+        evaluator = HFRolloutEngine(model_dir, c)
+        self.phases.timed("engine_start", since)
+
+        eval_set = task.eval_set()
+        max_tokens = c.rollout.max_tokens
+        ckpt = checkpoint.latest(self.run_dir) if self.resume else None
+        if ckpt is not None:
+            saved = checkpoint.read_state(ckpt)
+            before, pass_before = saved["accuracy_before"], saved["pass_at_k_before"]
+        else:
+            since = time.monotonic()
+            before = accuracy(rollouts[0], eval_set, tokenizer, max_tokens)
+            pass_before = pass_at_k(
+                rollouts[0], eval_set, tokenizer, PASS_K, c.rollout.temperature, max_tokens
+            )
+            self.phases.timed("eval_before", since)
+        self.reporter.line(
+            f"held-out accuracy before RL: {before:.3f} (pass@{PASS_K} {pass_before:.3f})"
+        )
+
+        since = time.monotonic()
+        tracer = Tracer()
+        state = RunState()
+        ctx = Context(store, c, tokenizer, tracer, state)
+        metrics = MetricsLog(self.run_dir)
+        ledger = Ledger(self.run_dir / "ledger.jsonl")
+        start_group = 0
+        if ckpt is not None:
+            trainer_engine.load(ckpt / "trainer")
+            restored = checkpoint.restore_rows(ckpt, store, c.rollout.n)
+            ledger.truncate(trainer_engine.version)
+            start_group = int(checkpoint.read_state(ckpt)["issued_groups"])
+            state.trained_steps = trainer_engine.version
+            self.reporter.line(
+                f"resumed from {ckpt.name}: step {trainer_engine.version}, "
+                f"{restored} rows in flight"
+            )
+
+        evals: list[tuple[int, float]] = []
+        figures = {"accuracy_before": before, "pass_at_k_before": pass_before}
+
+        def after_step(step: int) -> dict[str, Any]:
+            extra: dict[str, Any] = {}
+            if step % c.run.eval_every == 0 or step == c.trainer.max_steps:
+                evaluator.load_weights(step, trainer_engine.export_weights())
+                acc = accuracy(evaluator, eval_set, tokenizer, max_tokens)
+                evals.append((step, acc))
+                extra["eval_accuracy"] = acc
+            if step % c.run.checkpoint_every == 0 and step < c.trainer.max_steps:
+                checkpoint.save(self.run_dir, step, trainer_engine, store, state, figures)
+            return extra
+
+        self._register_tasks(store)
+        weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
+        workers = self._workers(
+            ctx, task, rollouts, trainer_engine, model_dir, metrics, ledger, after_step, start_group
+        )
+        trainer = next(w for w in workers if isinstance(w, Trainer))
+        torch.set_num_threads(1)  # one core per concurrently running worker
+        try:
+            with self.reporter.steps(c.trainer.max_steps, state.trained_steps) as tick:
+                run_threads(
+                    workers, ctx.stop, trainer, lambda: tick(state.trained_steps, metrics.history)
+                )
+        finally:
+            metrics.close()
+            tracer.write_chrome_trace(self.run_dir / "trace.json")
+        torch.set_num_threads(2)
+        self.phases.timed("rl", since)
+        busy = tracer.busy_fraction()
+
+        since = time.monotonic()
+        version, final = weights.fetch(store, trainer_engine.version)
+        rollouts[0].load_weights(version, final)
+        after = accuracy(rollouts[0], eval_set, tokenizer, max_tokens)
+        pass_after = pass_at_k(
+            rollouts[0], eval_set, tokenizer, PASS_K, c.rollout.temperature, max_tokens
+        )
+        probe = [tokenizer.encode(p.prompt) for p in eval_set[:64]]
+        diff = logprob_agreement(rollouts[0], trainer_engine, probe, c, tokenizer.pad_id)
+        trainer_engine.save_pretrained(self.run_dir / "final")
+        self.phases.timed("eval_after", since)
+
+        summary = self._summary(
+            before,
+            after,
+            pass_before,
+            pass_after,
+            diff,
+            rollout_name,
+            train_name,
+            state,
+            busy,
+            model_dir,
+        )
+        write_summary_png(self.run_dir / "summary.png", metrics.history, evals, busy)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        for engine in [*rollouts, evaluator]:
+            engine.close()
+        trainer_engine.close()
+        self.reporter.summary(summary)
+        return summary
+
+    def _register_tasks(self, store: Store) -> None:
+        store.register_task("rollout", partitions=[PROMPTS])
+        for task in ["reward", "advantage", "train"]:
+            store.register_task(task, partitions=[SAMPLES])
+        if self.config.algorithm.reference:
+            store.register_task("reference", partitions=[SAMPLES])
+
+    def _workers(
+        self,
+        ctx: Context,
+        task: Task,
+        rollouts: list[RolloutEngine],
+        trainer_engine: TrainEngine,
+        model_dir: Path,
+        metrics: MetricsLog,
+        ledger: Ledger,
+        after_step: Any,
+        start_group: int,
+    ) -> list[Worker]:
+        workers: list[Worker] = [Feeder(ctx, task, start_group)]
+        names = (
+            ["rollout"] if len(rollouts) == 1 else [f"rollout-{i}" for i in range(len(rollouts))]
+        )
+        workers += [
+            Rollout(ctx, engine, name) for engine, name in zip(rollouts, names, strict=True)
+        ]
+        workers.append(RewardWorker(ctx, resolve_reward(self.config.reward.fn)))
+        if self.config.algorithm.reference:
+            workers.append(ReferenceWorker(ctx, HFTrainEngine(model_dir, self.config)))
+        workers.append(AdvantageWorker(ctx))
+        workers.append(Trainer(ctx, trainer_engine, metrics, ledger, after_step))
+        return workers
+
+    def _summary(
+        self,
+        before: float,
+        after: float,
+        pass_before: float,
+        pass_after: float,
+        diff: float,
+        rollout_name: str,
+        train_name: str,
+        state: RunState,
+        busy: dict[str, float],
+        model_dir: Path,
+    ) -> dict[str, Any]:
+        c = self.config
+        return {
+            "accuracy_before": before,
+            "accuracy_after": after,
+            "accuracy_gain": after - before,
+            f"pass_at_{PASS_K}_before": pass_before,
+            f"pass_at_{PASS_K}_after": pass_after,
+            "engines": {"rollout": rollout_name, "trainer": train_name},
+            "logprob_max_abs_diff": diff,
+            "wall_seconds": round(time.monotonic() - self.started, 2),
+            "phase_seconds": self.phases.seconds,
+            "steps": c.trainer.max_steps,
+            "max_staleness": c.trainer.max_staleness,
+            "staleness_histogram": {str(k): v for k, v in sorted(state.staleness.items())},
+            "samples_generated": state.generated_samples,
+            "samples_dropped": state.dropped_samples,
+            "tokens_generated": state.generated_tokens,
+            "busy_fraction": busy,
+            "model_parameters": parameter_count(model_dir),
+            "run_dir": str(self.run_dir),
+        }
+
+
+def quiet_libraries() -> None:
+    """Progress bars of model loading and saving would interleave with ours."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def train(
+    config: Config,
+    run_dir: Path | None = None,
+    resume: Path | None = None,
+    reporter: Reporter | None = None,
+) -> dict[str, Any]:
+    """Runs the main job; returns the summary (also written to ``summary.json``)."""
+    quiet_libraries()
+    directory = resume if resume is not None else resolve_run_dir(config, run_dir)
+    return Run(
+        config, directory, reporter or Reporter(config.run.progress), resume is not None
+    ).execute()

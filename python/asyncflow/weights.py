@@ -1,0 +1,67 @@
+"""Policy weights travel through the store: version ``v`` is one row of the pinned partition
+``__weights__``, with one field per parameter (``weights/<name>``) and a manifest of the names.
+Rollout engines on the same host read the tensors as zero-copy views of store memory, and load
+the newest version between generation batches."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from asyncflow.store import Store
+
+PARTITION = "__weights__"
+PREFIX = "weights/"
+MANIFEST = PREFIX + "__manifest__"
+#: Older versions are deleted once this many newer ones exist (readers may still be loading).
+KEEP_VERSIONS = 2
+
+
+def publish(store: Store, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Puts ``weights`` as version ``version`` and deletes versions older than the last few."""
+    fields: dict[str, object] = {}
+    for name, tensor in weights:
+        fields[PREFIX + name] = tensor.detach().cpu().contiguous().unsqueeze(0)
+    names = "\n".join(f.removeprefix(PREFIX) for f in fields)
+    fields[MANIFEST] = [names.encode()]
+    store.put(fields, partition=PARTITION, version=version)
+    rows = store.rows(partition=PARTITION)
+    keep = sorted(int(v) for v in rows.versions)[-KEEP_VERSIONS:]
+    stale = [int(i) for i, v in zip(rows.indexes, rows.versions, strict=True) if int(v) not in keep]
+    if stale:
+        store.delete(stale)
+
+
+def latest_version(store: Store) -> int | None:
+    """The newest published version, or None before the first publication."""
+    rows = store.rows(partition=PARTITION)
+    return int(rows.versions.max()) if len(rows) else None
+
+
+def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    """``(version, [(name, tensor)])`` of ``version`` (default: the newest). The tensors view
+    store memory (no copy) and must not be written to."""
+    rows = store.rows(partition=PARTITION)
+    if not len(rows):
+        raise LookupError("no policy weights have been published yet")
+    versions = [int(v) for v in rows.versions]
+    wanted = max(versions) if version is None else version
+    if wanted not in versions:
+        raise LookupError(f"weights version {wanted} is not in the store (have {sorted(versions)})")
+    index = rows.indexes[versions.index(wanted)]
+    manifest = store.read([index], MANIFEST)[MANIFEST][0]
+    names = manifest.decode().split("\n")
+    cells = store.read([index], [PREFIX + n for n in names])
+    return wanted, [(n, _as_tensor(cells[PREFIX + n][0])) for n in names]
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # The views are read-only on purpose: engines copy them into their own parameters.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        if array.dtype == np.uint16:  # the store's bfloat16
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)

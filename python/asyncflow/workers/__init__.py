@@ -1,0 +1,1 @@
+"""The RL tasks as independent workers that talk only through the store."""

@@ -1,0 +1,118 @@
+"""What every worker shares: the run context, the claim loop with stall detection, and the run's
+shared progress counters.
+
+Workers never call each other. They communicate only through the store: a worker claims rows
+whose input fields are ready, computes, writes its output fields to the same rows, and acks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncflow.batch import Batch
+from asyncflow.config import Config
+from asyncflow.models.tokenizer import Tokenizer
+from asyncflow.store import Store
+from asyncflow.telemetry.trace import Tracer
+
+#: Seconds a worker waits in one claim before looking at the stop flag again.
+POLL = 0.25
+
+#: Partition of prompts waiting for rollout; samples of training step s go to ``step-<s>``.
+PROMPTS = "prompts"
+
+
+def step_partition(step: int) -> str:
+    return f"step-{step}"
+
+
+class StallError(RuntimeError):
+    """A worker waited longer than ``run.stall_timeout`` for its input."""
+
+
+@dataclass
+class RunState:
+    """Counters the workers share; guarded by ``lock``."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Optimiser steps completed (= the newest policy version).
+    trained_steps: int = 0
+    generated_tokens: int = 0
+    generated_samples: int = 0
+    dropped_samples: int = 0
+    #: Prompt groups the feeder has put (its cursor), read by checkpoints under ``feed_lock``.
+    issued_groups: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)
+    #: Held while the feeder issues prompts, so a checkpoint sees a consistent cursor.
+    feed_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, **deltas: int) -> None:
+        with self.lock:
+            for key, value in deltas.items():
+                setattr(self, key, getattr(self, key) + value)
+
+
+@dataclass
+class Context:
+    store: Store
+    config: Config
+    tokenizer: Tokenizer
+    tracer: Tracer
+    state: RunState
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker(ABC):
+    """A loop of :meth:`step` until the run stops or the worker is done."""
+
+    role: str = "worker"
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.store = ctx.store
+        self.config = ctx.config
+        self._idle_since: float | None = None
+
+    def run(self) -> None:
+        while not self.ctx.stop.is_set():
+            if not self.step():
+                return
+
+    @abstractmethod
+    def step(self) -> bool:
+        """Does one unit of work; returns False once the worker has nothing left to do."""
+
+    def busy(self, name: str) -> Any:
+        return self.ctx.tracer.span(self.role, "busy", name)
+
+    def waiting(self, name: str) -> Any:
+        return self.ctx.tracer.span(self.role, "wait", name)
+
+    def claim(self, task: str, fields: Sequence[str], batch_size: int, **options: Any) -> Batch:
+        """Claims up to ``batch_size`` ready rows, waiting at most one poll interval; raises
+        :class:`StallError` when nothing has come for ``run.stall_timeout`` seconds."""
+        with self.waiting(f"claim {'+'.join(fields)}"):
+            batch = self.store.claim(
+                task, list(fields), batch_size, timeout=POLL, allow_partial=True, **options
+            )
+        self.note_progress(len(batch) > 0, f"rows with {list(fields)} for task {task!r}")
+        return batch
+
+    def note_progress(self, progressed: bool, waiting_for: str) -> None:
+        if progressed:
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since > self.config.run.stall_timeout:
+            raise StallError(
+                f"{self.role} has waited {now - self._idle_since:.0f}s for {waiting_for}; "
+                "is an upstream worker stuck or dead?"
+            )
