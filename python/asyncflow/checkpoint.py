@@ -78,7 +78,7 @@ def save(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     engine.save(tmp / "trainer")
-    with state.feed_lock:  # the feeder's cursor and the prompt rows it has put, together
+    with state.snapshot_lock:
         table, count = _in_flight(store)
         cursor = state.issued_groups
     pq.write_table(table, tmp / "rows.parquet")

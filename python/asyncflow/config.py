@@ -251,6 +251,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be an integer, not {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, not {value!r}")
         return float(value)
@@ -304,10 +309,11 @@ def validate(c: Config) -> None:
     _require(c.data.digits <= 9, "data.digits must be at most 9")
     _require(c.rollout.temperature > 0, "rollout.temperature must be positive")
     _require(c.rollout.n >= 2, "rollout.n must be at least 2: group advantages need two samples")
-    _require(
-        c.model.max_positions >= 2 * c.data.digits + 3 + c.rollout.max_tokens,
-        "model.max_positions is too small for a prompt plus rollout.max_tokens",
-    )
+    if c.model.path is None and c.data.task == "arithmetic":
+        _require(
+            c.model.max_positions >= 2 * c.data.digits + 3 + c.rollout.max_tokens,
+            "model.max_positions is too small for a prompt plus rollout.max_tokens",
+        )
     for key, rate in [("trainer.lr", c.trainer.lr), ("warm_start.lr", c.warm_start.lr)]:
         _require(rate > 0, f"{key} must be positive")
     _require(c.trainer.max_staleness >= 0, "trainer.max_staleness cannot be negative")

@@ -68,7 +68,7 @@ def warm_start(
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         if progress is not None:
-            progress(step + 1, float(loss))
+            progress(step + 1, float(loss.detach()))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     copy_tokenizer(model_dir, out_dir)

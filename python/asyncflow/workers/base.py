@@ -46,11 +46,12 @@ class RunState:
     generated_tokens: int = 0
     generated_samples: int = 0
     dropped_samples: int = 0
-    #: Prompt groups the feeder has put (its cursor), read by checkpoints under ``feed_lock``.
+    #: Prompt groups the feeder has put (its cursor), read by checkpoints under the lock below.
     issued_groups: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
-    #: Held while the feeder issues prompts, so a checkpoint sees a consistent cursor.
-    feed_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Held while prompt rows are added (feeder) or turned into samples (rollout), and while a
+    #: checkpoint snapshots the store: the snapshot then sees each prompt group exactly once.
+    snapshot_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, **deltas: int) -> None:
         with self.lock:

@@ -32,7 +32,7 @@ class Feeder(Worker):
             with self.waiting("trainer progress"):
                 self.ctx.stop.wait(0.05)
             return True
-        with self.ctx.state.feed_lock, self.busy("feed"):
+        with self.ctx.state.snapshot_lock, self.busy("feed"):
             count = min(per_step - self.next_group % per_step, self.total_groups - self.next_group)
             problems = [next(self._problems) for _ in range(count)]
             encode = self.ctx.tokenizer.encode

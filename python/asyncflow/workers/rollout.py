@@ -60,8 +60,9 @@ class Rollout(Worker):
         groups = batch.groups[keep]
         with self.busy(f"generate v{self.engine.version}"):
             outputs = self.engine.generate([p.tolist() for p in prompts], self.sampling)
-        self._put_samples(target, prompts, answers, groups, outputs)
-        batch.ack(batch.indexes[keep])
+        with self.ctx.state.snapshot_lock:
+            self._put_samples(target, prompts, answers, groups, outputs)
+            batch.ack(batch.indexes[keep])
         return True
 
     def _put_samples(

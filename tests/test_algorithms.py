@@ -1,0 +1,118 @@
+"""Advantages and losses against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from asyncflow.algorithms.advantages import group_advantages
+from asyncflow.algorithms.losses import LossSettings, policy_loss
+
+
+def test_grpo_normalises_rewards_within_each_group() -> None:
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 3.0, 3.0])
+    groups = np.array([5, 5, 5, 5, 9, 9])
+    adv = group_advantages(rewards, groups, "grpo")
+    # group 5: mean 0.5, std 0.5; group 9 has no spread
+    np.testing.assert_allclose(adv, [1, -1, -1, 1, 0, 0], atol=1e-5)
+
+
+def test_grpo_without_std_only_centres() -> None:
+    adv = group_advantages(np.array([2.0, 0.0]), np.array([1, 1]), "grpo", normalize_std=False)
+    np.testing.assert_allclose(adv, [1.0, -1.0])
+
+
+def test_rloo_uses_the_mean_of_the_other_samples() -> None:
+    adv = group_advantages(np.array([1.0, 0.0, 0.0, 1.0]), np.zeros(4), "rloo")
+    # 1 - mean(0, 0, 1) = 2/3 and 0 - mean(1, 0, 1) = -2/3
+    np.testing.assert_allclose(adv, [2 / 3, -2 / 3, -2 / 3, 2 / 3], atol=1e-6)
+
+
+def _tokens(*probs: float) -> torch.Tensor:
+    return torch.log(torch.tensor([[p] for p in probs]))
+
+
+def test_ppo_clip_against_the_behaviour_policy() -> None:
+    logp, behaviour = _tokens(0.5, 0.5), _tokens(0.4, 0.4)
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 1)
+    loss, stats = policy_loss(
+        logp, behaviour, adv, mask, LossSettings(clip_eps=0.2, correction="none")
+    )
+    # ratio 1.25: A=+1 -> -min(1.25, 1.2) = -1.2 ; A=-1 -> -min(-1.25, -1.2) = 1.25
+    assert float(loss) == pytest.approx((-1.2 + 1.25) / 2)
+    assert stats["clip_fraction"] == pytest.approx(1.0)
+
+
+def test_truncated_importance_weight_caps_stale_samples() -> None:
+    logp, behaviour = _tokens(0.5, 0.5), _tokens(0.2, 0.2)  # weight 2.5
+    adv, mask = torch.tensor([1.0, 1.0]), torch.ones(2, 1)
+    tis, stats = policy_loss(
+        logp,
+        behaviour,
+        adv,
+        mask,
+        LossSettings(correction="tis", is_cap=2.0),
+        prox_logp=logp.detach(),
+    )
+    decoupled, _ = policy_loss(
+        logp, behaviour, adv, mask, LossSettings(correction="decoupled"), prox_logp=logp.detach()
+    )
+    assert float(tis) == pytest.approx(-2.0)
+    assert float(decoupled) == pytest.approx(-2.5)
+    assert stats["is_weight"] == pytest.approx(2.0)
+
+
+def test_gradient_of_the_decoupled_loss_is_the_weighted_policy_gradient() -> None:
+    logp = torch.log(torch.tensor([[0.5]])).requires_grad_()
+    loss, _ = policy_loss(
+        logp,
+        torch.log(torch.tensor([[0.25]])),
+        torch.tensor([1.0]),
+        torch.ones(1, 1),
+        LossSettings(correction="decoupled"),
+        prox_logp=logp.detach(),
+    )
+    loss.backward()
+    # d/dlogp of -(exp(logp - prox) * A * w) at logp = prox is -A * w = -2
+    assert logp.grad is not None and float(logp.grad) == pytest.approx(-2.0)
+
+
+def test_k3_kl_penalty_is_added() -> None:
+    logp, ref = _tokens(0.5), _tokens(0.25)
+    settings = LossSettings(correction="none", kl_coef=0.5)
+    loss, stats = policy_loss(
+        logp, logp.clone(), torch.tensor([0.0]), torch.ones(1, 1), settings, ref_logp=ref
+    )
+    kl = 0.5 - math.log(0.5) - 1  # exp(d) - d - 1 with d = log(0.25 / 0.5)
+    assert stats["kl"] == pytest.approx(kl, rel=1e-5)
+    assert float(loss) == pytest.approx(0.5 * kl, rel=1e-5)
+
+
+def test_masked_tokens_do_not_count() -> None:
+    logp = torch.log(torch.tensor([[0.5, 0.9]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.1]]))
+    loss, _ = policy_loss(
+        logp,
+        behaviour,
+        torch.tensor([1.0]),
+        torch.tensor([[1.0, 0.0]]),
+        LossSettings(correction="none"),
+    )
+    assert float(loss) == pytest.approx(-1.0)
+
+
+def test_sequence_aggregation_weights_sequences_equally() -> None:
+    logp = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    tok, _ = policy_loss(
+        logp, logp.clone(), adv, mask, LossSettings(correction="none", aggregation="token")
+    )
+    seq, _ = policy_loss(
+        logp, logp.clone(), adv, mask, LossSettings(correction="none", aggregation="sequence")
+    )
+    assert float(tok) == pytest.approx((-3 + 1) / 4)
+    assert float(seq) == pytest.approx(0.0)

@@ -1,0 +1,77 @@
+"""Configuration: YAML plus dotted overrides, validated before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncflow import config as cfg
+
+
+def test_defaults_are_the_embedded_job() -> None:
+    c = cfg.load()
+    assert c.model.path is None and c.data.task == "arithmetic"
+    assert c.trainer.max_staleness == 1 and c.store.address == "embedded"
+
+
+def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  lr: 0.01\n  max_steps: 9\nrollout:\n  n: 4\n")
+    c = cfg.load(path, ["trainer.max_steps=3", "trainer.lr=1e-5", "run.name=exp"])
+    assert (c.trainer.max_steps, c.trainer.lr, c.rollout.n, c.run.name) == (3, 1e-5, 4, "exp")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["trainer.lrr=1"], "did you mean trainer.lr"),
+        (["nosuch.key=1"], "unknown config key nosuch"),
+        (["trainer.max_steps=three"], "trainer.max_steps must be an integer"),
+        (["trainer.max_steps=0"], "trainer.max_steps must be at least 1"),
+        (["trainer.lr=-1"], "trainer.lr must be positive"),
+        (["rollout.n=1"], "rollout.n must be at least 2"),
+        (["trainer.correction=magic"], "trainer.correction must be one of"),
+        (["trainer.kl_coef=0.1"], "needs algorithm.reference"),
+        (["model.hidden_size=100", "model.heads=3"], "multiple of model.heads"),
+        (["model.path=/no/such/model"], "is not a directory"),
+        (["data.task=parquet"], "needs data.train_file"),
+        (["data.task=parquet", "data.train_file=/no/file.parquet"], "does not exist"),
+        (["run.seed"], "not of the form"),
+        (["trainer.groups_per_step=5", "trainer.dp_size=2"], "multiple of trainer.dp_size"),
+    ],
+)
+def test_bad_settings_are_rejected_with_the_key_named(override: list[str], message: str) -> None:
+    with pytest.raises(cfg.ConfigError, match=message):
+        cfg.load(None, override)
+
+
+def test_a_missing_config_file_is_reported() -> None:
+    with pytest.raises(cfg.ConfigError, match="does not exist"):
+        cfg.load("/no/such.yaml")
+
+
+def test_the_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:
+    c = cfg.load(None, ["trainer.max_steps=7", "store.token=abc"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(c.to_yaml())
+    assert cfg.load(path) == c
+
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def test_the_arithmetic_example_is_valid() -> None:
+    assert cfg.load(EXAMPLES / "arithmetic.yaml").run.name == "arithmetic"
+
+
+def test_the_parquet_example_is_valid_once_its_paths_exist(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    for name in ("train.parquet", "test.parquet"):
+        (tmp_path / name).write_bytes(b"")
+    overrides = [
+        f"model.path={tmp_path / 'model'}",
+        f"data.train_file={tmp_path / 'train.parquet'}",
+        f"data.eval_file={tmp_path / 'test.parquet'}",
+    ]
+    assert cfg.load(EXAMPLES / "parquet.yaml", overrides).data.task == "parquet"

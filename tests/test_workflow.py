@@ -1,0 +1,147 @@
+"""End to end: the main job with the hf engines on a small configuration.
+
+One run is shared by the tests that only inspect its outputs, to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from asyncflow import config as cfg
+from asyncflow.engines import register_rollout_engine
+from asyncflow.engines.hf import HFRolloutEngine
+from asyncflow.progress import Reporter
+from asyncflow.train import train
+
+#: Small but real: the warm start must leave room for RL to raise the reward within a minute.
+FAST = [
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    "warm_start.steps=150",
+    "warm_start.batch_size=64",
+    "trainer.max_steps=12",
+    "trainer.groups_per_step=16",
+    "trainer.lr=1e-3",
+    "data.eval_size=100",
+    "run.eval_every=6",
+    "run.checkpoint_every=4",
+    "rollout.engine=hf",
+    "trainer.engine=hf",
+]
+
+
+def run(tmp: Path, *overrides: str) -> dict[str, Any]:
+    config = cfg.load(None, [*FAST, *overrides])
+    return train(config, run_dir=tmp, reporter=Reporter(enabled=False))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("run")
+    return directory, run(directory)
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_run_directory_holds_every_output(finished: tuple[Path, dict[str, Any]]) -> None:
+    run_dir, summary = finished
+    for name in ["config.yaml", "metrics.jsonl", "summary.json", "summary.png", "trace.json"]:
+        assert (run_dir / name).is_file(), name
+    assert any((run_dir / "tensorboard").iterdir()), "TensorBoard event files"
+    for key in [
+        "accuracy_before",
+        "accuracy_after",
+        "engines",
+        "logprob_max_abs_diff",
+        "wall_seconds",
+    ]:
+        assert key in summary
+    assert summary["engines"] == {"rollout": "hf", "trainer": "hf"}
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in trace if e["ph"] == "M"} >= {"rollout", "trainer", "reward"}
+    assert cfg.load(run_dir / "config.yaml").trainer.max_steps == 12
+
+
+def test_every_step_is_logged_with_its_metrics(finished: tuple[Path, dict[str, Any]]) -> None:
+    records = metrics(finished[0])
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ["reward_mean", "accuracy", "pg_loss", "staleness", "tokens_per_s", "busy"]:
+        assert key in records[0], key
+    assert set(records[-1]["busy"]) >= {"rollout", "trainer", "reward", "advantage"}
+
+
+def test_reward_rises_during_rl(finished: tuple[Path, dict[str, Any]]) -> None:
+    rewards = [r["reward_mean"] for r in metrics(finished[0])]
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05, rewards
+
+
+def test_the_final_model_loads_in_transformers(finished: tuple[Path, dict[str, Any]]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = finished[0] / "final"
+    model = AutoModelForCausalLM.from_pretrained(str(final))
+    tokenizer = AutoTokenizer.from_pretrained(str(final))
+    ids = torch.tensor([tokenizer.encode("12+34=", add_special_tokens=False)])
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
+
+
+def test_rollout_and_trainer_log_probs_agree(finished: tuple[Path, dict[str, Any]]) -> None:
+    assert finished[1]["logprob_max_abs_diff"] < 1e-3
+
+
+def test_no_trained_sample_exceeds_the_staleness_bound(
+    finished: tuple[Path, dict[str, Any]],
+) -> None:
+    summary = finished[1]
+    ages = {int(a) for a in summary["staleness_histogram"]}
+    assert ages and max(ages) <= summary["max_staleness"] == 1
+    for record in metrics(finished[0]):
+        assert all(int(a) <= 1 for a in record["staleness"])
+
+
+def test_synchronous_training_is_the_same_pipeline_with_no_staleness(tmp_path: Path) -> None:
+    summary = run(tmp_path, "trainer.max_staleness=0", "trainer.max_steps=3", "warm_start.steps=20")
+    assert set(summary["staleness_histogram"]) == {"0"}
+    assert summary["samples_dropped"] == 0
+
+
+def test_the_drop_policy_discards_only_too_stale_samples(tmp_path: Path) -> None:
+    summary = run(
+        tmp_path,
+        "trainer.max_staleness=0",
+        "trainer.staleness_policy=drop",
+        "trainer.max_steps=4",
+        "warm_start.steps=20",
+    )
+    assert set(summary["staleness_histogram"]) <= {"0"}
+    trained = sum(summary["staleness_histogram"].values())
+    assert trained + summary["samples_dropped"] == 4 * 16 * 8
+
+
+class CountingEngine(HFRolloutEngine):
+    calls = 0
+
+    def generate(self, prompts, sampling):  # type: ignore[no-untyped-def]
+        CountingEngine.calls += 1
+        return super().generate(prompts, sampling)
+
+
+def test_a_custom_engine_registered_by_name_is_used(tmp_path: Path) -> None:
+    register_rollout_engine("counting", CountingEngine)
+    summary = run(tmp_path, "rollout.engine=counting", "trainer.max_steps=2", "warm_start.steps=10")
+    assert summary["engines"]["rollout"] == "counting"
+    assert CountingEngine.calls > 0
+
+
+def test_an_unknown_engine_name_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(cfg.ConfigError, match="unknown rollout engine"):
+        run(tmp_path, "rollout.engine=nope", "warm_start.enabled=false")
