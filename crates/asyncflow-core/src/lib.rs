@@ -8,6 +8,7 @@ pub mod error;
 pub mod index;
 pub mod memory;
 pub mod payload;
+pub mod scheduler;
 pub mod schema;
 pub mod shards;
 pub mod store;
