@@ -15,7 +15,9 @@ pub mod store;
 pub mod wait;
 
 pub use error::{Result, StoreError};
-pub use index::{ClaimSpec, Claimed, Index, LeaseId, NewRows, PutTarget, RowInfo};
+pub use index::{
+    ClaimSpec, Claimed, Index, LeaseId, NewRows, PutTarget, RowInfo, Share, TokenLengths,
+};
 pub use memory::{MemoryBudget, MemoryGuard};
 pub use payload::{Cell, Chunk, ChunkLayout, copy_into_chunk};
 pub use schema::{DType, FieldSchema};

@@ -5,13 +5,16 @@
 
 mod claim;
 mod lease;
+mod shared;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-pub use claim::{ClaimSpec, Claimed};
+pub use claim::{ClaimSpec, Claimed, TokenLengths};
 pub use lease::LeaseId;
 use lease::Leases;
+pub use shared::Share;
+use shared::SharedClaims;
 
 use crate::bitmap::Bitmap;
 use crate::error::{Result, StoreError};
@@ -167,6 +170,7 @@ pub struct Index {
     partition_ids: HashMap<String, PartitionId>,
     groups: HashMap<u64, GroupState>,
     leases: Leases,
+    shared: SharedClaims,
     counters: Counters,
 }
 
