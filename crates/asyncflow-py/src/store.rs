@@ -3,7 +3,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use asyncflow_core::scheduler::CostModel;
 use asyncflow_core::{
     self as core, ClaimSpec, Column, NewRows, PutTarget, Share, StoreConfig, StoreError,
 };
@@ -14,6 +13,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::arrays::{CellViews, PendingColumn};
 use crate::blocking::{deadline, detached};
 use crate::errors::{IntoPy, to_py};
+use crate::scheduler::cost_model;
 
 /// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
 /// versions and groups (-1: no group), and seconds until the lease expires.
@@ -131,7 +131,7 @@ impl Store {
     /// Leases up to `batch_size` rows ready for all `fields` and free for `task`. With `step`,
     /// the claim is shared: this caller gets its part (`dp_rank` of `dp_size`) of the step's
     /// batch, the same part as the other `replica_size` peers of its replica group.
-    #[pyo3(signature = (task, fields, batch_size, *, timeout = None, partition = None, min_version = None, whole_groups = false, allow_partial = false, step = None, replica = 0, dp_rank = 0, dp_size = 1, replica_rank = 0, replica_size = 1, balance_field = None, cost = "tokens", linear_weight = CostModel::DEFAULT_LINEAR_WEIGHT, equal_count = false))]
+    #[pyo3(signature = (task, fields, batch_size, *, timeout = None, partition = None, min_version = None, whole_groups = false, allow_partial = false, step = None, replica = 0, dp_rank = 0, dp_size = 1, replica_rank = 0, replica_size = 1, balance_field = None, cost = "tokens", linear_weight = None, equal_count = false))]
     #[allow(clippy::too_many_arguments)]
     fn claim<'py>(
         &self,
@@ -152,7 +152,7 @@ impl Store {
         replica_size: u32,
         balance_field: Option<String>,
         cost: &str,
-        linear_weight: f64,
+        linear_weight: Option<f64>,
         equal_count: bool,
     ) -> PyResult<ClaimResult<'py>> {
         let batch_size = usize::try_from(batch_size).map_err(|_| {
@@ -169,7 +169,7 @@ impl Store {
                 replica_rank,
                 replica_size,
                 balance_field,
-                cost: CostModel::from_name(cost, linear_weight).py_err()?,
+                cost: cost_model(cost, linear_weight)?,
                 equal_count,
             }),
             None if (replica, dp_rank, dp_size, replica_rank, replica_size) != (0, 0, 1, 0, 1)
