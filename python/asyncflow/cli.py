@@ -6,12 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from asyncflow.bench import SUITES
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run a benchmark suite and write its JSON records")
-    bench.add_argument("suite", choices=["store"], help="which suite to run")
+    bench.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
     bench.add_argument("--json", metavar="PATH", help="write the records here as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
     return parser
