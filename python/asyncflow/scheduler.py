@@ -20,6 +20,7 @@ from typing import Literal
 import numpy as np
 
 from asyncflow import _native
+from asyncflow.columns import uint64_array
 from asyncflow.errors import BadRequestError
 
 __all__ = [
@@ -42,12 +43,7 @@ DEFAULT_LINEAR_WEIGHT: float = _native.DEFAULT_LINEAR_WEIGHT
 
 
 def _lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
-        raise BadRequestError("lengths must be a 1-D sequence of token counts")
-    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
-        raise BadRequestError("token counts cannot be negative")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
+    return uint64_array(lengths, "token lengths")
 
 
 def costs(

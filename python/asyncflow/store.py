@@ -17,7 +17,7 @@ import numpy as np
 
 from asyncflow import _native
 from asyncflow.batch import Batch
-from asyncflow.columns import to_native
+from asyncflow.columns import to_native, uint64_array
 from asyncflow.errors import BadRequestError
 from asyncflow.scheduler import DEFAULT_LINEAR_WEIGHT, Cost
 from asyncflow.units import parse_size
@@ -43,12 +43,7 @@ class Rows:
 
 
 def _index_array(indexes: Indexes) -> np.ndarray:
-    arr = np.asarray(indexes)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
-        raise BadRequestError("indexes must be a 1-D sequence of row indexes")
-    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
-        raise BadRequestError("row indexes cannot be negative")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
+    return uint64_array(indexes, "row indexes")
 
 
 def _per_row(value: int | Indexes | None, dtype: type) -> np.ndarray | None:
