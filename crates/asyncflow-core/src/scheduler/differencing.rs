@@ -42,6 +42,9 @@ struct Differencing<'a> {
     tuples: Vec<Tuple>,
     free: Vec<usize>,
     heap: BinaryHeap<(u64, Reverse<usize>)>,
+    /// The tuple merged last, kept out of the heap: it is usually the next widest (a tuple
+    /// still filling its parts keeps its spread), which saves a heap push and pop per merge.
+    last: Option<(u64, usize)>,
     scratch: Tuple,
 }
 
@@ -60,6 +63,7 @@ pub(super) fn differencing(costs: &[f64], order: &[u32], k: usize, balanced: boo
         tuples: Vec::new(),
         free: Vec::new(),
         heap: BinaryHeap::new(),
+        last: None,
         scratch: Vec::with_capacity(k),
     };
     if balanced {
@@ -69,7 +73,7 @@ pub(super) fn differencing(costs: &[f64], order: &[u32], k: usize, balanced: boo
         }
         state.unit_at = order.len();
     }
-    while state.heap.len() + (order.len() - state.unit_at) > 1 {
+    while state.tuples_left() > 1 {
         let (a, b) = (state.pop(), state.pop());
         state.merge(a, b);
     }
@@ -100,7 +104,11 @@ impl Differencing<'_> {
         (t[0].load - lightest).max(0.0).to_bits()
     }
 
-    fn store(&mut self, tuple: Tuple) -> usize {
+    fn tuples_left(&self) -> usize {
+        self.heap.len() + usize::from(self.last.is_some()) + (self.order.len() - self.unit_at)
+    }
+
+    fn store(&mut self, tuple: Tuple) {
         let key = self.spread_key(&tuple);
         let slot = if let Some(slot) = self.free.pop() {
             self.tuples[slot] = tuple;
@@ -109,23 +117,39 @@ impl Differencing<'_> {
             self.tuples.push(tuple);
             self.tuples.len() - 1
         };
-        self.heap.push((key, Reverse(slot)));
-        slot
+        if let Some((key, slot)) = self.last.replace((key, slot)) {
+            self.heap.push((key, Reverse(slot)));
+        }
     }
 
+    /// The widest of: the next single unit, the last merged tuple, the heap's widest. Ties go
+    /// to merged tuples, then to the last merged one, so the result is deterministic.
     fn pop(&mut self) -> Widest {
-        let unit = self.order.get(self.unit_at).copied();
-        let unit_key = unit.map(|u| self.costs[u as usize].to_bits());
-        match (unit, self.heap.peek()) {
-            (Some(u), Some(&(key, _))) if unit_key > Some(key) => {
+        let unit = self.order.get(self.unit_at).map(|&u| (self.costs[u as usize].to_bits(), u));
+        let top = self.heap.peek().map(|&(key, Reverse(slot))| (key, slot));
+        let merged = match (self.last, top) {
+            (Some(last), Some(top)) if top.0 > last.0 => Some((top, false)),
+            (Some(last), _) => Some((last, true)),
+            (None, top) => top.map(|t| (t, false)),
+        };
+        match (unit, merged) {
+            (Some((key, u)), Some(((widest, _), _))) if key > widest => {
                 self.unit_at += 1;
                 Widest::Unit(u)
             }
-            (Some(u), None) => {
+            (Some((_, u)), None) => {
                 self.unit_at += 1;
                 Widest::Unit(u)
             }
-            _ => Widest::Merged(self.heap.pop().expect("a tuple is left").1.0),
+            (_, Some(((_, slot), true))) => {
+                self.last = None;
+                Widest::Merged(slot)
+            }
+            (_, Some(((_, slot), false))) => {
+                self.heap.pop();
+                Widest::Merged(slot)
+            }
+            (None, None) => unreachable!("pop is only called while tuples are left"),
         }
     }
 
