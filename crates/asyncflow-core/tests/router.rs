@@ -135,3 +135,98 @@ fn routing_the_same_work_twice_or_completing_unknown_work_is_a_bad_request() {
     assert!(matches!(r.report("zz", load(0, 0), t0), Err(StoreError::BadRequest(_))));
     assert!(matches!(r.add_engine("a", t0), Err(StoreError::BadRequest(_))));
 }
+
+mod invariants {
+    use std::collections::{HashMap, HashSet};
+    use std::time::{Duration, Instant};
+
+    use asyncflow_core::scheduler::{EngineLoad, Router};
+    use proptest::prelude::*;
+
+    use super::HEARTBEAT;
+
+    const ENGINES: [&str; 3] = ["e0", "e1", "e2"];
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Report { engine: usize, tokens: u64 },
+        Route { tokens: u64 },
+        Complete { pick: usize },
+        Expire,
+        Advance { ms: u64 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            2 => (0..3usize, 0..5_000u64).prop_map(|(engine, tokens)| Op::Report { engine, tokens }),
+            4 => (1..2_000u64).prop_map(|tokens| Op::Route { tokens }),
+            2 => any::<usize>().prop_map(|pick| Op::Complete { pick }),
+            1 => Just(Op::Expire),
+            1 => (1..4_000u64).prop_map(|ms| Op::Advance { ms }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn routed_work_is_never_lost_and_only_goes_to_live_least_loaded_engines(
+            ops in prop::collection::vec(op(), 1..80)
+        ) {
+            let mut now = Instant::now();
+            let mut router = Router::new(HEARTBEAT).unwrap();
+            let mut last_heard: HashMap<&str, Instant> = HashMap::new();
+            for name in ENGINES {
+                router.add_engine(name, now).unwrap();
+                last_heard.insert(name, now);
+            }
+            let mut outstanding: HashSet<u64> = HashSet::new();
+            let mut next_work = 0u64;
+            for op in ops {
+                match op {
+                    Op::Report { engine, tokens } => {
+                        router.report(ENGINES[engine], EngineLoad { tokens, requests: 1 }, now).unwrap();
+                        last_heard.insert(ENGINES[engine], now);
+                    }
+                    Op::Route { tokens } => {
+                        let live: Vec<_> = router.engines().into_iter()
+                            .filter(|e| e.in_rotation && now < last_heard[e.name.as_str()] + HEARTBEAT)
+                            .collect();
+                        next_work += 1;
+                        let chosen = router.route(next_work, EngineLoad { tokens, requests: 1 }, now).unwrap();
+                        match chosen {
+                            None => prop_assert!(live.is_empty()),
+                            Some(name) => {
+                                let least = live.iter().map(|e| e.estimated.tokens).min().unwrap();
+                                let picked = live.iter().find(|e| e.name == name);
+                                prop_assert_eq!(picked.map(|e| e.estimated.tokens), Some(least));
+                                outstanding.insert(next_work);
+                            }
+                        }
+                    }
+                    Op::Complete { pick } => {
+                        let mut work: Vec<u64> = outstanding.iter().copied().collect();
+                        work.sort_unstable();
+                        if let Some(&w) = work.get(pick % work.len().max(1)) {
+                            router.complete(w).unwrap();
+                            outstanding.remove(&w);
+                        }
+                    }
+                    Op::Expire => {
+                        for moved in router.expire(now) {
+                            match moved.to {
+                                None => prop_assert!(outstanding.remove(&moved.work)),
+                                Some(to) => prop_assert!(now < last_heard[to.as_str()] + HEARTBEAT),
+                            }
+                        }
+                        for e in router.engines().iter().filter(|e| !e.in_rotation) {
+                            prop_assert_eq!(e.assigned, 0, "an engine out of rotation holds no work");
+                        }
+                    }
+                    Op::Advance { ms } => now += Duration::from_millis(ms),
+                }
+                for w in 1..=next_work {
+                    prop_assert_eq!(router.assigned_to(w).is_some(), outstanding.contains(&w));
+                }
+            }
+        }
+    }
+}

@@ -433,3 +433,219 @@ fn ranks_and_peers_in_threads_share_every_step_and_lose_nothing() {
     let stats = store.stats();
     assert_eq!((stats.index.live_rows, stats.memory_used), (0, 0), "every row committed");
 }
+
+// ---- invariants under any sequence of operations ---------------------------------------------
+
+mod invariants {
+    use std::collections::{BTreeSet, HashMap, HashSet};
+    use std::time::Duration;
+
+    use asyncflow_core::{Share, StoreError};
+    use proptest::prelude::*;
+
+    use super::{Harness, LEASE, shared};
+
+    const DP: u32 = 2;
+    const PEERS: u32 = 2;
+
+    /// A part: (step, dp rank).
+    type PartKey = (u64, u32);
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Put { lengths: Vec<u64> },
+        Claim { step: u64, dp_rank: u32, peer: u32, partial: bool },
+        Ack { pick: usize, half: bool },
+        Release { pick: usize },
+        Advance { ms: u64 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            2 => prop::collection::vec(1..50u64, 1..5).prop_map(|lengths| Op::Put { lengths }),
+            5 => (0..3u64, 0..DP, 0..PEERS, any::<bool>())
+                .prop_map(|(step, dp_rank, peer, partial)| Op::Claim { step, dp_rank, peer, partial }),
+            5 => (any::<usize>(), any::<bool>()).prop_map(|(pick, half)| Op::Ack { pick, half }),
+            1 => any::<usize>().prop_map(|pick| Op::Release { pick }),
+            1 => (1..4_000u64).prop_map(|ms| Op::Advance { ms }),
+        ]
+    }
+
+    /// What the test knows of a part once one of its peers has seen it.
+    #[derive(Debug, Default)]
+    struct PartModel {
+        /// Rows the part still holds: delivered, not committed, not handed back.
+        held: BTreeSet<u64>,
+        acked: HashMap<u32, HashSet<u64>>,
+        seats: HashMap<u32, u64>,
+        deadline: Option<std::time::Instant>,
+        ended: bool,
+    }
+
+    #[derive(Default)]
+    struct Model {
+        rows: Vec<u64>,
+        parts: HashMap<PartKey, PartModel>,
+        /// The part holding each leased row the test knows of.
+        held_by: HashMap<u64, PartKey>,
+        committed: HashSet<u64>,
+    }
+
+    struct Run {
+        h: Harness,
+        m: Model,
+    }
+
+    impl Run {
+        fn claim(&mut self, step: u64, dp_rank: u32, peer: u32, partial: bool) {
+            let share = Share {
+                step,
+                dp_rank,
+                dp_size: DP,
+                replica_rank: peer,
+                replica_size: PEERS,
+                ..Share::default()
+            };
+            let lengths = &self.h.lengths;
+            let measure = |rows: &[u64], _| Ok(rows.iter().map(|r| lengths[r]).collect());
+            let spec = shared(4, share);
+            let claimed =
+                match self.h.index.try_claim_with(&spec, self.h.now, LEASE, partial, &measure) {
+                    Ok(Some(claimed)) => claimed,
+                    Ok(None) | Err(StoreError::Lease { .. }) => return,
+                    Err(e) => panic!("unexpected claim error {e}"),
+                };
+            let Some(seat) = claimed.lease else { return };
+            let key = (step, dp_rank);
+            let part = self.m.parts.entry(key).or_default();
+            if part.deadline.is_some() {
+                let mut expected: Vec<u64> = part.held.iter().copied().collect();
+                let mine = part.acked.entry(peer).or_default();
+                expected.retain(|r| !mine.contains(r));
+                assert_eq!(claimed.rows, expected, "a peer sees the part's rows less its own acks");
+            } else {
+                part.held = claimed.rows.iter().copied().collect();
+                part.deadline = claimed.deadline;
+            }
+            part.seats.insert(peer, seat);
+            for &row in &claimed.rows {
+                let holder = *self.m.held_by.entry(row).or_insert(key);
+                assert_eq!(holder, key, "row {row} leased to two parts at once");
+            }
+        }
+
+        fn seat(&self, pick: usize) -> Option<(PartKey, u32, u64)> {
+            let mut seats: Vec<(PartKey, u32, u64)> = self
+                .m
+                .parts
+                .iter()
+                .flat_map(|(&key, p)| p.seats.iter().map(move |(&peer, &id)| (key, peer, id)))
+                .collect();
+            seats.sort_unstable();
+            (!seats.is_empty()).then(|| seats[pick % seats.len()])
+        }
+
+        fn alive(&self, key: PartKey) -> bool {
+            // A part ends when handed back, when it expires, or once every row is committed.
+            let part = &self.m.parts[&key];
+            !part.ended && !part.held.is_empty() && part.deadline.is_some_and(|d| d > self.h.now)
+        }
+
+        fn ack(&mut self, pick: usize, half: bool) {
+            let Some((key, peer, seat)) = self.seat(pick) else { return };
+            let alive = self.alive(key);
+            let part = self.m.parts.get_mut(&key).unwrap();
+            let mine = part.acked.entry(peer).or_default();
+            let mut pending: Vec<u64> =
+                part.held.iter().copied().filter(|r| !mine.contains(r)).collect();
+            if half {
+                pending.truncate(pending.len().div_ceil(2));
+            }
+            let result = self.h.index.ack(seat, Some(&pending), self.h.now);
+            if !alive || pending.is_empty() {
+                assert!(matches!(result, Err(StoreError::Lease { .. })), "{result:?}");
+                return;
+            }
+            let freed: HashSet<u64> =
+                result.expect("a live part accepts a fresh ack").into_iter().collect();
+            mine.extend(&pending);
+            for row in pending {
+                let everyone =
+                    part.acked.values().filter(|a| a.contains(&row)).count() == PEERS as usize;
+                assert_eq!(
+                    freed.contains(&row),
+                    everyone,
+                    "row {row} commits exactly when every peer has acked it"
+                );
+                if everyone {
+                    part.held.remove(&row);
+                    self.m.held_by.remove(&row);
+                    assert!(self.m.committed.insert(row), "row {row} committed twice");
+                }
+            }
+        }
+
+        fn release(&mut self, pick: usize) {
+            let Some((key, _, seat)) = self.seat(pick) else { return };
+            let alive = self.alive(key);
+            let result = self.h.index.release(seat, None, self.h.now);
+            if !alive {
+                assert!(result.is_err());
+                return;
+            }
+            result.unwrap();
+            self.end(key);
+        }
+
+        fn end(&mut self, key: PartKey) {
+            let part = self.m.parts.get_mut(&key).unwrap();
+            part.ended = true;
+            for row in std::mem::take(&mut part.held) {
+                self.m.held_by.remove(&row);
+            }
+        }
+
+        fn advance(&mut self, ms: u64) {
+            self.h.advance(Duration::from_millis(ms));
+            let expired: Vec<PartKey> =
+                self.m.parts.keys().copied().filter(|&k| !self.alive(k)).collect();
+            for key in expired {
+                self.end(key);
+            }
+        }
+
+        fn check_retention(&self) {
+            for &row in &self.m.rows {
+                assert_eq!(
+                    !self.h.index.is_live(row),
+                    self.m.committed.contains(&row),
+                    "row {row} is freed exactly when committed"
+                );
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn shared_claims_keep_their_promises_under_any_operation_sequence(
+            ops in prop::collection::vec(op(), 1..60)
+        ) {
+            let mut run = Run { h: Harness::new(), m: Model::default() };
+            for op in ops {
+                match op {
+                    Op::Put { lengths } => {
+                        let rows = run.h.put(&lengths, None);
+                        run.m.rows.extend(rows);
+                    }
+                    Op::Claim { step, dp_rank, peer, partial } => run.claim(step, dp_rank, peer, partial),
+                    Op::Ack { pick, half } => run.ack(pick, half),
+                    Op::Release { pick } => run.release(pick),
+                    Op::Advance { ms } => run.advance(ms),
+                }
+                run.check_retention();
+            }
+        }
+    }
+}
