@@ -15,7 +15,8 @@
 //!   extends its part. A part not fully acked by then is handed back, and acks some of its peers
 //!   recorded are void; other parts are unaffected.
 //! - A caller whose part has ended (committed, released or expired) gets a lease error, not rows,
-//!   and a step whose parts have all ended is never claimed afresh under the same name.
+//!   and a step whose parts have all ended is not claimed afresh under the same name (the last
+//!   `RETIRED_KEPT` ended steps are remembered).
 //! - A partial batch may leave parts empty; their ranks get an empty claim with no lease.
 
 use std::collections::{HashMap, VecDeque};
