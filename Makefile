@@ -7,7 +7,7 @@
 UV := python3 -m uv
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-rust test-python lint bench-store
+.PHONY: setup train test test-rust test-python lint bench-store bench-sched
 
 setup:
 	@python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
@@ -34,3 +34,6 @@ test-python:
 
 bench-store: setup
 	$(UV) run asyncflow bench store --json bench-out/store.json
+
+bench-sched: setup
+	$(UV) run asyncflow bench sched --json bench-out/sched.json

@@ -4,6 +4,7 @@
 >>> store = af.Store(shards=8, memory_limit="1GiB")
 """
 
+from asyncflow import scheduler
 from asyncflow._native import __version__
 from asyncflow.batch import Batch
 from asyncflow.errors import (
@@ -41,4 +42,5 @@ __all__ = [
     "UnknownTaskError",
     "__version__",
     "parse_size",
+    "scheduler",
 ]

@@ -4,9 +4,19 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ChunkOwner", "Store", "__version__"]
+__all__ = [
+    "DEFAULT_LINEAR_WEIGHT",
+    "ChunkOwner",
+    "Router",
+    "Store",
+    "__version__",
+    "costs",
+    "micro_batches",
+    "partition",
+]
 
 __version__: str
+DEFAULT_LINEAR_WEIGHT: float
 
 @final
 class ChunkOwner:
@@ -41,6 +51,16 @@ class Store:
         min_version: int | None = None,
         whole_groups: bool = False,
         allow_partial: bool = False,
+        step: int | None = None,
+        replica: int = 0,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        replica_rank: int = 0,
+        replica_size: int = 1,
+        balance_field: str | None = None,
+        cost: str = "tokens",
+        linear_weight: float | None = None,
+        equal_count: bool = False,
     ) -> tuple[
         int | None,
         npt.NDArray[np.uint64],
@@ -66,3 +86,34 @@ class Store:
     def delete(self, indexes: npt.NDArray[np.uint64]) -> None: ...
     def schema(self, field: str) -> tuple[str, list[int] | None]: ...
     def stats(self) -> dict[str, Any]: ...
+
+def costs(
+    lengths: npt.NDArray[np.uint64], cost: str = "tokens", linear_weight: float | None = None
+) -> npt.NDArray[np.float64]: ...
+def partition(
+    lengths: npt.NDArray[np.uint64],
+    k: int,
+    cost: str = "tokens",
+    linear_weight: float | None = None,
+    groups: npt.NDArray[np.int64] | None = None,
+    equal_count: bool = False,
+    method: str = "balanced",
+) -> list[list[int]]: ...
+def micro_batches(
+    lengths: npt.NDArray[np.uint64],
+    max_tokens: int,
+    cost: str = "tokens",
+    linear_weight: float | None = None,
+    min_count: int = 1,
+) -> list[list[int]]: ...
+
+@final
+class Router:
+    def __new__(cls, heartbeat_timeout: float) -> Router: ...
+    def add_engine(self, name: str, now: float) -> None: ...
+    def report(self, engine: str, tokens: int, requests: int, now: float) -> None: ...
+    def route(self, work: int, tokens: int, requests: int, now: float) -> str | None: ...
+    def complete(self, work: int) -> str: ...
+    def expire(self, now: float) -> list[tuple[int, str, str | None]]: ...
+    def engines(self) -> list[tuple[str, int, int, bool, int]]: ...
+    def assigned_to(self, work: int) -> str | None: ...

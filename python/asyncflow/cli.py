@@ -7,6 +7,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from asyncflow.bench import SUITES
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -24,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.max_steps=3")
 
     bench = sub.add_parser("bench", help="run a benchmark suite and write its JSON records")
-    bench.add_argument("suite", choices=["store"], help="which suite to run")
+    bench.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
     bench.add_argument("--json", metavar="PATH", help="write the records here as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
     return parser

@@ -37,6 +37,17 @@ def to_native(data: Mapping[str, Any]) -> list[NativeField]:
     return [(name, *_column(name, value)) for name, value in data.items()]
 
 
+def uint64_array(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    """A 1-D sequence of non-negative integers (row indexes, token counts) as a contiguous uint64
+    array, or ``BadRequestError`` naming ``what``."""
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
+        raise BadRequestError(f"{what} must be a 1-D sequence of integers")
+    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
+        raise BadRequestError(f"{what} cannot be negative")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
 def _is_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)

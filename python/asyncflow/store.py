@@ -17,8 +17,9 @@ import numpy as np
 
 from asyncflow import _native
 from asyncflow.batch import Batch
-from asyncflow.columns import to_native
+from asyncflow.columns import to_native, uint64_array
 from asyncflow.errors import BadRequestError
+from asyncflow.scheduler import DEFAULT_LINEAR_WEIGHT, Cost
 from asyncflow.units import parse_size
 
 Indexes = Sequence[int] | np.ndarray
@@ -42,12 +43,7 @@ class Rows:
 
 
 def _index_array(indexes: Indexes) -> np.ndarray:
-    arr = np.asarray(indexes)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
-        raise BadRequestError("indexes must be a 1-D sequence of row indexes")
-    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
-        raise BadRequestError("row indexes cannot be negative")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
+    return uint64_array(indexes, "row indexes")
 
 
 def _per_row(value: int | Indexes | None, dtype: type) -> np.ndarray | None:
@@ -153,6 +149,16 @@ class Store:
         min_version: int | None = None,
         whole_groups: bool = False,
         allow_partial: bool = False,
+        step: int | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        replica: int = 0,
+        replica_rank: int = 0,
+        replica_size: int = 1,
+        balance_field: str | None = None,
+        cost: Cost = "tokens",
+        linear_weight: float = DEFAULT_LINEAR_WEIGHT,
+        equal_count: bool = False,
     ) -> Batch:
         """Leases up to ``batch_size`` rows ready for all ``fields`` and not yet taken by ``task``,
         oldest first.
@@ -161,6 +167,19 @@ class Store:
         ready if ``allow_partial`` (possibly nothing), else raises ``TimeoutError``. ``partition``
         and ``min_version`` filter rows; ``whole_groups`` delivers a GRPO group all together or not
         at all. A field no put has written yet simply has no ready rows.
+
+        With ``step``, the claim is shared by the consumers of one training step: the first to ask
+        claims the step's whole batch (``batch_size`` rows) and splits it into ``dp_size`` parts
+        balanced by the token length (first dimension) of ``balance_field`` (default: the first of
+        ``fields``) under ``cost``; data-parallel rank ``dp_rank`` gets part ``dp_rank``. The
+        ``replica_size`` peers of a replica group (tensor/pipeline ranks, ``replica_rank`` each)
+        get the same part, and its rows are committed once every peer has acked them. Every
+        caller of a step repeats the same options; ``replica`` names independent groups that
+        each claim their own batch per step. With ``whole_groups`` a GRPO group stays on one
+        rank; ``equal_count`` gives ranks equally many rows (±1). Each part has its own lease:
+        ranks commit independently; a release by any peer, or expiry, hands the part back for
+        all its peers; a caller whose part has ended gets ``LeaseError``, and an ended step is
+        never claimed afresh.
         """
         names = (fields,) if isinstance(fields, str) else tuple(fields)
         lease, idx, versions, groups, left = self._native.claim(
@@ -172,6 +191,16 @@ class Store:
             min_version=min_version,
             whole_groups=whole_groups,
             allow_partial=allow_partial,
+            step=step,
+            replica=replica,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            replica_rank=replica_rank,
+            replica_size=replica_size,
+            balance_field=balance_field,
+            cost=cost,
+            linear_weight=linear_weight,
+            equal_count=equal_count,
         )
         return Batch(self, task, names, lease, idx, versions, groups, left)
 

@@ -23,6 +23,7 @@ fn main() {
         partition: None,
         min_version: None,
         whole_groups: false,
+        share: None,
     };
     let (mut put, mut claim, mut read, mut ack) = (0.0, 0.0, 0.0, 0.0);
     for _ in 0..rounds {

@@ -8,13 +8,16 @@ pub mod error;
 pub mod index;
 pub mod memory;
 pub mod payload;
+pub mod scheduler;
 pub mod schema;
 pub mod shards;
 pub mod store;
 pub mod wait;
 
 pub use error::{Result, StoreError};
-pub use index::{ClaimSpec, Claimed, Index, LeaseId, NewRows, PutTarget, RowInfo};
+pub use index::{
+    ClaimSpec, Claimed, Index, LeaseId, NewRows, PutTarget, RowInfo, Share, TokenLengths,
+};
 pub use memory::{MemoryBudget, MemoryGuard};
 pub use payload::{Cell, Chunk, ChunkLayout, copy_into_chunk};
 pub use schema::{DType, FieldSchema};

@@ -90,6 +90,25 @@ impl Shards {
             .collect()
     }
 
+    /// The first dimension of field `field` on each of `rows` (its token count, for a sequence).
+    pub fn first_dims(&self, rows: &[u64], field: FieldId) -> Result<Vec<u64>> {
+        let mut out = vec![0; rows.len()];
+        for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let map = self.shards[shard].lock();
+            for k in positions {
+                let cell = map
+                    .get(&rows[k])
+                    .and_then(|cells| cells.iter().find(|(f, _)| *f == field))
+                    .ok_or(StoreError::UnknownIndex(rows[k]))?;
+                out[k] = cell.1.first_dim;
+            }
+        }
+        Ok(out)
+    }
+
     /// Drops the payloads of `rows`.
     pub fn remove(&self, rows: &[u64]) {
         for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {

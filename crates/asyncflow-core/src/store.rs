@@ -164,17 +164,28 @@ impl Store {
     }
 
     /// Leases up to `spec.batch_size` rows, waiting for a full batch until the wait's deadline;
-    /// then returns what is ready if `allow_partial`, else fails with `Timeout`.
+    /// then returns what is ready if `allow_partial`, else fails with `Timeout`. A shared claim
+    /// (`spec.share`) returns the caller's part of its step's batch, claiming the batch if the
+    /// caller is the first to ask.
     pub fn claim(&self, spec: &ClaimSpec, allow_partial: bool, wait: Wait<'_>) -> Result<Claimed> {
         self.index.lock().check_claim(spec)?;
         let started = Instant::now();
         let lease_timeout = self.config.lease_timeout;
+        // Shard locks are taken under the index lock here, never the other way round.
+        let lengths = |rows: &[u64], field| self.shards.first_dims(rows, field);
         let outcome = block_on(&self.index, &self.changed, wait, |index, now, last_try| {
             if index.expire_leases(now) > 0 {
                 self.changed.notify_all();
             }
-            match index.try_claim(spec, now, lease_timeout, last_try && allow_partial) {
-                Ok(Some(claimed)) => Attempt::Done(Ok(claimed)),
+            let partial = last_try && allow_partial;
+            match index.try_claim_with(spec, now, lease_timeout, partial, &lengths) {
+                Ok(Some(claimed)) => {
+                    if spec.share.is_some() {
+                        // The other consumers of a shared batch may be waiting for it to exist.
+                        self.changed.notify_all();
+                    }
+                    Attempt::Done(Ok(claimed))
+                }
                 Ok(None) => Attempt::Pending { wake_at: index.next_lease_deadline() },
                 Err(e) => Attempt::Done(Err(e)),
             }

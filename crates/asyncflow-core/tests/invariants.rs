@@ -150,6 +150,7 @@ impl Harness {
             partition: None,
             min_version: None,
             whole_groups,
+            share: None,
         };
         let claimed = match self.index.try_claim(&spec, self.now, LEASE, true) {
             Ok(claimed) => claimed.expect("a partial claim always answers"),
@@ -251,7 +252,7 @@ proptest! {
         for task in TASKS {
             let spec = ClaimSpec {
                 task: task.into(), fields: vec!["x".into()], batch_size: batch,
-                partition: None, min_version: None, whole_groups: false,
+                partition: None, min_version: None, whole_groups: false, share: None,
             };
             loop {
                 let c = store.claim(&spec, true, Wait::timeout(Some(Duration::ZERO))).unwrap();

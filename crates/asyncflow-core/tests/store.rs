@@ -56,6 +56,7 @@ fn spec(task: &str, fields: &[&str], batch_size: usize) -> ClaimSpec {
         partition: None,
         min_version: None,
         whole_groups: false,
+        share: None,
     }
 }
 

@@ -7,6 +7,7 @@
 mod arrays;
 mod blocking;
 mod errors;
+mod scheduler;
 mod store;
 
 use pyo3::prelude::*;
@@ -14,7 +15,12 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DEFAULT_LINEAR_WEIGHT", asyncflow_core::scheduler::CostModel::DEFAULT_LINEAR_WEIGHT)?;
     m.add_class::<store::Store>()?;
     m.add_class::<arrays::ChunkOwner>()?;
+    m.add_class::<scheduler::Router>()?;
+    m.add_function(wrap_pyfunction!(scheduler::costs, m)?)?;
+    m.add_function(wrap_pyfunction!(scheduler::partition, m)?)?;
+    m.add_function(wrap_pyfunction!(scheduler::micro_batches, m)?)?;
     Ok(())
 }

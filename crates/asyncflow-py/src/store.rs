@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use asyncflow_core::{
-    self as core, ClaimSpec, Column, NewRows, PutTarget, StoreConfig, StoreError,
+    self as core, ClaimSpec, Column, NewRows, PutTarget, Share, StoreConfig, StoreError,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -13,6 +13,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::arrays::{CellViews, PendingColumn};
 use crate::blocking::{deadline, detached};
 use crate::errors::{IntoPy, to_py};
+use crate::scheduler::cost_model;
 
 /// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
 /// versions and groups (-1: no group), and seconds until the lease expires.
@@ -128,8 +129,10 @@ impl Store {
         Ok(rows.into_pyarray(py))
     }
 
-    /// Leases up to `batch_size` rows ready for all `fields` and free for `task`.
-    #[pyo3(signature = (task, fields, batch_size, *, timeout = None, partition = None, min_version = None, whole_groups = false, allow_partial = false))]
+    /// Leases up to `batch_size` rows ready for all `fields` and free for `task`. With `step`,
+    /// the claim is shared: this caller gets its part (`dp_rank` of `dp_size`) of the step's
+    /// batch, the same part as the other `replica_size` peers of its replica group.
+    #[pyo3(signature = (task, fields, batch_size, *, timeout = None, partition = None, min_version = None, whole_groups = false, allow_partial = false, step = None, replica = 0, dp_rank = 0, dp_size = 1, replica_rank = 0, replica_size = 1, balance_field = None, cost = "tokens", linear_weight = None, equal_count = false))]
     #[allow(clippy::too_many_arguments)]
     fn claim<'py>(
         &self,
@@ -142,13 +145,47 @@ impl Store {
         min_version: Option<u64>,
         whole_groups: bool,
         allow_partial: bool,
+        step: Option<u64>,
+        replica: u64,
+        dp_rank: u32,
+        dp_size: u32,
+        replica_rank: u32,
+        replica_size: u32,
+        balance_field: Option<String>,
+        cost: &str,
+        linear_weight: Option<f64>,
+        equal_count: bool,
     ) -> PyResult<ClaimResult<'py>> {
         let batch_size = usize::try_from(batch_size).map_err(|_| {
             to_py(StoreError::bad_request(format!(
                 "batch_size must be at least 1, not {batch_size}"
             )))
         })?;
-        let spec = ClaimSpec { task, fields, batch_size, partition, min_version, whole_groups };
+        let share = match step {
+            Some(step) => Some(Share {
+                step,
+                replica,
+                dp_rank,
+                dp_size,
+                replica_rank,
+                replica_size,
+                balance_field,
+                cost: cost_model(cost, linear_weight)?,
+                equal_count,
+            }),
+            None if (replica, dp_rank, dp_size, replica_rank, replica_size) != (0, 0, 1, 0, 1)
+                || balance_field.is_some()
+                || equal_count =>
+            {
+                return Err(to_py(StoreError::bad_request(
+                    "replica, dp_*, replica_*, balance_field and equal_count share a step's \
+                     batch; they need step",
+                )));
+            }
+            None => None,
+        };
+        let spec =
+            ClaimSpec { task, fields, batch_size, partition, min_version, whole_groups, share };
         let store = &self.inner;
         let claimed =
             detached(py, deadline(timeout)?, |wait| store.claim(&spec, allow_partial, wait))?;

@@ -12,7 +12,7 @@ from pathlib import Path
 from asyncflow.bench.records import Report
 
 #: Suite name -> module exposing ``run(report, quick)``.
-SUITES = {"store": "asyncflow.bench.store_suite"}
+SUITES = {"store": "asyncflow.bench.store_suite", "sched": "asyncflow.bench.sched_suite"}
 
 
 def run_suite(name: str, json_path: str | None = None, quick: bool = False) -> int:

@@ -1,16 +1,22 @@
 //! Claiming: find rows ready for every requested field and free for the task, oldest first,
 //! honouring the partition, version and whole-group options, and lease them in one step.
-//! The scan walks 64 rows per machine word, starting at the task's low-water mark.
+//! The scan walks 64 rows per machine word, starting at the task's low-water mark. Claims
+//! shared by several consumers (`ClaimSpec::share`) are delivered by `shared.rs`.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use super::shared::Share;
 use super::{FieldId, Index, PartitionId, TaskId};
 use crate::error::{Result, StoreError};
 use crate::index::lease::LeaseId;
 
+/// Token lengths of `rows` in a field (the first dimension of each row's cell). The index holds
+/// no payloads, so whoever does (the store's shards) measures them for balanced shared claims.
+pub type TokenLengths<'a> = &'a dyn Fn(&[u64], FieldId) -> Result<Vec<u64>>;
+
 /// What a claim asks for.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ClaimSpec {
     pub task: String,
     pub fields: Vec<String>,
@@ -19,8 +25,13 @@ pub struct ClaimSpec {
     pub partition: Option<String>,
     /// Skip rows produced by an older policy version.
     pub min_version: Option<u64>,
-    /// Deliver a group's rows all together or not at all.
+    /// Deliver a group's rows all together or not at all. With `share`, a group also stays on
+    /// one data-parallel rank.
     pub whole_groups: bool,
+    /// Share one claimed batch among several consumers: the data-parallel ranks of a training
+    /// step (each gets its token-balanced part) and the peers of a replica group (each gets the
+    /// same part). `batch_size` is then the whole step's batch. `None`: an ordinary claim.
+    pub share: Option<Share>,
 }
 
 /// Rows leased by one claim. An empty claim holds no lease.
@@ -66,6 +77,9 @@ impl Index {
         if spec.fields.is_empty() {
             return Err(StoreError::bad_request("a claim needs at least one field"));
         }
+        if let Some(share) = &spec.share {
+            share.check(&spec.fields)?;
+        }
         Ok(())
     }
 
@@ -88,7 +102,8 @@ impl Index {
     }
 
     /// Leases a full batch if one is ready, or (with `accept_partial`) whatever is ready, possibly
-    /// nothing. Returns `None` when the caller should keep waiting.
+    /// nothing. Returns `None` when the caller should keep waiting. A shared claim that must be
+    /// balanced by token length fails here: use [`Index::try_claim_with`] and measure them.
     pub fn try_claim(
         &mut self,
         spec: &ClaimSpec,
@@ -96,27 +111,67 @@ impl Index {
         lease_timeout: Duration,
         accept_partial: bool,
     ) -> Result<Option<Claimed>> {
+        let unmeasured: TokenLengths<'_> = &|_, _| {
+            Err(StoreError::bad_request(
+                "this index holds no payloads to measure token lengths with; use try_claim_with",
+            ))
+        };
+        self.try_claim_with(spec, now, lease_timeout, accept_partial, unmeasured)
+    }
+
+    /// [`Index::try_claim`], measuring token lengths with `lengths` for shared claims.
+    pub fn try_claim_with(
+        &mut self,
+        spec: &ClaimSpec,
+        now: Instant,
+        lease_timeout: Duration,
+        accept_partial: bool,
+        lengths: TokenLengths<'_>,
+    ) -> Result<Option<Claimed>> {
+        if let Some(share) = &spec.share {
+            return self.try_claim_shared(spec, share, now, lease_timeout, accept_partial, lengths);
+        }
+        let Some(found) = self.find(spec, accept_partial)? else {
+            return Ok(None);
+        };
+        let task = self.task_id(&spec.task)?;
+        Ok(Some(self.lease_slots(task, &found, now + lease_timeout)))
+    }
+
+    /// The slots a claim would lease now: `None` if the batch is not full and the caller would
+    /// rather wait.
+    pub(super) fn find(
+        &self,
+        spec: &ClaimSpec,
+        accept_partial: bool,
+    ) -> Result<Option<Vec<usize>>> {
         let resolved = self.resolve(spec)?;
         let found = self.scan(spec, &resolved)?;
-        if !found.full && !accept_partial {
-            return Ok(None);
+        Ok((found.full || accept_partial).then_some(found.slots))
+    }
+
+    /// Leases `slots` to `task` until `deadline`; an empty set holds no lease.
+    pub(super) fn lease_slots(
+        &mut self,
+        task: TaskId,
+        slots: &[usize],
+        deadline: Instant,
+    ) -> Claimed {
+        if slots.is_empty() {
+            return Claimed::default();
         }
-        if found.slots.is_empty() {
-            return Ok(Some(Claimed::default()));
+        let rows: Vec<u64> = slots.iter().map(|&s| self.base + s as u64).collect();
+        let versions = slots.iter().map(|&s| self.rows[s].version).collect();
+        let groups = slots.iter().map(|&s| self.rows[s].group).collect();
+        let t = &mut self.tasks[task as usize];
+        for &slot in slots {
+            t.busy.set(slot);
         }
-        let rows: Vec<u64> = found.slots.iter().map(|&s| self.base + s as u64).collect();
-        let versions = found.slots.iter().map(|&s| self.rows[s].version).collect();
-        let groups = found.slots.iter().map(|&s| self.rows[s].group).collect();
-        let task = &mut self.tasks[resolved.task as usize];
-        for &slot in &found.slots {
-            task.busy.set(slot);
-        }
-        task.leased_rows += rows.len() as u64;
+        t.leased_rows += rows.len() as u64;
         self.counters.claims += 1;
         self.counters.rows_claimed += rows.len() as u64;
-        let deadline = now + lease_timeout;
-        let lease = self.leases.grant(resolved.task, rows.clone(), deadline);
-        Ok(Some(Claimed { lease: Some(lease), rows, versions, groups, deadline: Some(deadline) }))
+        let lease = self.leases.grant(task, rows.clone(), deadline);
+        Claimed { lease: Some(lease), rows, versions, groups, deadline: Some(deadline) }
     }
 
     fn scan(&self, spec: &ClaimSpec, r: &Resolved) -> Result<Found> {

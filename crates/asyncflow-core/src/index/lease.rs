@@ -44,6 +44,17 @@ impl Leases {
         self.active.len()
     }
 
+    /// A fresh id from the lease id space, for holders that share a lease (see `shared.rs`).
+    pub(super) fn reserve_id(&mut self) -> LeaseId {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// Rows an active lease still holds, and its deadline.
+    pub(super) fn holding(&self, id: LeaseId) -> Option<(&[u64], Instant)> {
+        self.active.get(&id).map(|l| (l.rows.as_slice(), l.deadline))
+    }
+
     fn remember_expired(&mut self, id: LeaseId) {
         if self.expired.len() == REMEMBERED_EXPIRIES
             && let Some(old) = self.expired.pop_front()
@@ -54,7 +65,7 @@ impl Leases {
         self.expired_set.insert(id);
     }
 
-    fn missing(&self, id: LeaseId) -> StoreError {
+    pub(super) fn missing(&self, id: LeaseId) -> StoreError {
         let reason = if self.expired_set.contains(&id) {
             "expired before it was acked; its rows were handed out again"
         } else {
@@ -90,7 +101,12 @@ impl Index {
     }
 
     /// Checks that a lease is active at `now` and that `subset` (if given) lies inside it.
-    fn check_lease(&mut self, id: LeaseId, subset: Option<&[u64]>, now: Instant) -> Result<()> {
+    pub(super) fn check_lease(
+        &mut self,
+        id: LeaseId,
+        subset: Option<&[u64]>,
+        now: Instant,
+    ) -> Result<()> {
         let Some(lease) = self.leases.active.get(&id) else {
             return Err(self.leases.missing(id));
         };
@@ -114,6 +130,9 @@ impl Index {
     /// has now acked are freed (unless pinned); their indexes are returned so the caller can drop
     /// their payloads.
     pub fn ack(&mut self, id: LeaseId, subset: Option<&[u64]>, now: Instant) -> Result<Vec<u64>> {
+        if self.shared.is_seat(id) {
+            return self.ack_seat(id, subset, now);
+        }
         self.check_lease(id, subset, now)?;
         let (task, rows) = self.take_rows(id, subset);
         let mut freed = Vec::new();
@@ -143,6 +162,9 @@ impl Index {
 
     /// Hands rows of a lease (all, or `subset`) back at once, to be delivered again.
     pub fn release(&mut self, id: LeaseId, subset: Option<&[u64]>, now: Instant) -> Result<()> {
+        if self.shared.is_seat(id) {
+            return self.release_seat(id, subset, now);
+        }
         self.check_lease(id, subset, now)?;
         let (task, rows) = self.take_rows(id, subset);
         self.return_rows(task, &rows);
@@ -152,6 +174,9 @@ impl Index {
 
     /// Moves a lease's deadline to `now + timeout`.
     pub fn renew(&mut self, id: LeaseId, now: Instant, timeout: Duration) -> Result<Instant> {
+        if self.shared.is_seat(id) {
+            return self.renew_seat(id, now, timeout);
+        }
         self.check_lease(id, None, now)?;
         let deadline = now + timeout;
         self.leases.active.get_mut(&id).expect("checked above").deadline = deadline;

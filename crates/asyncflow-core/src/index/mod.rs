@@ -5,13 +5,16 @@
 
 mod claim;
 mod lease;
+mod shared;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-pub use claim::{ClaimSpec, Claimed};
+pub use claim::{ClaimSpec, Claimed, TokenLengths};
 pub use lease::LeaseId;
 use lease::Leases;
+pub use shared::Share;
+use shared::SharedClaims;
 
 use crate::bitmap::Bitmap;
 use crate::error::{Result, StoreError};
@@ -174,6 +177,7 @@ pub struct Index {
     /// Groups are scoped to their partition: `(partition, group id)`.
     groups: HashMap<(PartitionId, u64), GroupState>,
     leases: Leases,
+    shared: SharedClaims,
     counters: Counters,
 }
 
