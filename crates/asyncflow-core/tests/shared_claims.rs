@@ -26,7 +26,7 @@ struct Harness {
 impl Harness {
     fn new() -> Self {
         let mut index = Index::new();
-        index.register_task("train").unwrap();
+        index.register_task("train", None).unwrap();
         Self { index, lengths: HashMap::new(), now: Instant::now() }
     }
 
@@ -378,7 +378,7 @@ fn put_sequences(store: &Store, lengths: &[usize]) -> Vec<u64> {
 #[test]
 fn ranks_and_peers_in_threads_share_every_step_and_lose_nothing() {
     let store = Arc::new(Store::new(StoreConfig::default()).unwrap());
-    store.register_task("train").unwrap();
+    store.register_task("train", None).unwrap();
     let seen: Arc<Mutex<Deliveries>> = Arc::default();
     let mut workers = Vec::new();
     for dp_rank in 0..DP {
