@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# As the CLI does: one OpenMP thread per worker, set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from collections.abc import Callable, Iterator
 from typing import Any
 

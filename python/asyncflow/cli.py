@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,7 +58,16 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_thread_per_worker() -> None:
+    """Each worker (rollout, trainer, ...) computes on its own core. Several OpenMP threads per
+    kernel oversubscribe small machines badly (measured 7x slower on 2 cores), and vLLM's CPU
+    worker ignores later changes, so this is set before torch is imported."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _one_thread_per_worker()
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)

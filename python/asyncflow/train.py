@@ -152,7 +152,6 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(c.to_yaml())
         torch.manual_seed(c.run.seed)
-        torch.set_num_threads(2)
         task = load_task(c.data)
         model_dir = self.prepare_model(task)
         tokenizer = load_tokenizer(model_dir)
@@ -226,7 +225,6 @@ class Run:
             ctx, task, rollouts, trainer_engine, model_dir, metrics, ledger, after_step, start_group
         )
         trainer = next(w for w in workers if isinstance(w, Trainer))
-        torch.set_num_threads(1)  # one core per concurrently running worker
         try:
             with self.reporter.steps(c.trainer.max_steps, state.trained_steps) as tick:
                 run_threads(
@@ -235,7 +233,6 @@ class Run:
         finally:
             metrics.close()
             tracer.write_chrome_trace(self.run_dir / "trace.json")
-        torch.set_num_threads(2)
         self.phases.timed("rl", since)
         busy = tracer.busy_fraction()
 
