@@ -269,3 +269,9 @@ def test_a_scoped_task_claims_and_retains_only_its_partitions(store: af.Store) -
     assert list(store.claim("train", "x", 2, timeout=0, allow_partial=True).indexes) == list(sample)
     with pytest.raises(af.BadRequestError):
         store.register_task("train")
+
+
+def test_zero_dimensional_arrays_are_scalar_cells(store: af.Store) -> None:
+    idx = store.put({"t": [np.asarray(5, np.int64), np.asarray(6, np.int64)]})
+    assert store.schema("t") == ("i64", None)
+    assert [v.shape for v in store.read(idx, "t")["t"]] == [(), ()]

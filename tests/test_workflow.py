@@ -145,3 +145,53 @@ def test_a_custom_engine_registered_by_name_is_used(tmp_path: Path) -> None:
 def test_an_unknown_engine_name_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(cfg.ConfigError, match="unknown rollout engine"):
         run(tmp_path, "rollout.engine=nope", "warm_start.enabled=false")
+
+
+def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "killed"
+    args = [
+        *FAST,
+        "trainer.max_steps=8",
+        "run.checkpoint_every=2",
+        "warm_start.steps=20",
+        "run.progress=false",
+    ]
+    command = [sys.executable, "-m", "asyncflow.cli", "train", "--run-dir", str(run_dir), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoints" / "step-000004").is_dir():
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "summary.json").exists(), "the run was killed before it finished"
+
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncflow.cli",
+            "train",
+            "--resume",
+            str(run_dir),
+            "run.progress=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step-00000" in resumed.stderr
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in ledger] == list(range(8))
+    trained = [g for entry in ledger for g in entry["trained"]]
+    assert sorted(trained) == list(range(8 * 16)), "every prompt group trained exactly once"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8

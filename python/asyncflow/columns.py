@@ -70,7 +70,8 @@ def _from_array(name: str, arr: np.ndarray) -> np.ndarray:
         )
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    return np.ascontiguousarray(arr)
+    # Not np.ascontiguousarray: it turns 0-d arrays (scalar cells) into 1-d ones.
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
 def _as_bytes(name: str, row: int, value: Any) -> bytes:
