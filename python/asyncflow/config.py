@@ -48,7 +48,7 @@ class DataConfig:
     answer_key: str = "reward_model.ground_truth"
     #: Built-in task: operand digits, and held-out problems for evaluation.
     digits: int = 2
-    eval_size: int = 200
+    eval_size: int = 500
 
 
 @dataclass
@@ -56,8 +56,8 @@ class WarmStartConfig:
     """A short supervised pass that makes the built-in model sometimes right (pass@k > pass@1)."""
 
     enabled: bool = True
-    steps: int = 400
-    batch_size: int = 64
+    steps: int = 600
+    batch_size: int = 256
     lr: float = 3e-3
     #: Fraction of demonstrations showing the classic mistake (a dropped carry).
     mistake_rate: float = 0.6
@@ -68,7 +68,7 @@ class RolloutConfig:
     #: ``auto`` picks vLLM when installed, else ``hf``; or a registered engine name.
     engine: str = "auto"
     #: Responses per prompt (the GRPO group size).
-    n: int = 8
+    n: int = 16
     temperature: float = 1.0
     max_tokens: int = 8
     #: Prompt groups per generation call.
@@ -80,10 +80,10 @@ class RolloutConfig:
 class TrainerConfig:
     #: ``auto`` picks DeepSpeed when installed, else ``hf``; or a registered engine name.
     engine: str = "auto"
-    max_steps: int = 40
+    max_steps: int = 30
     #: Prompt groups per optimizer step.
-    groups_per_step: int = 16
-    lr: float = 2e-3
+    groups_per_step: int = 32
+    lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     #: Token budget of one micro-batch (gradient accumulation splits a step into these).
@@ -139,7 +139,7 @@ class RunConfig:
     seed: int = 0
     #: Runs go to ``<output_dir>/<name>`` unless ``--run-dir`` is given.
     output_dir: str = "runs"
-    eval_every: int = 10
+    eval_every: int = 5
     checkpoint_every: int = 10
     #: Seconds any worker may wait for its input before the run fails with a clear error.
     stall_timeout: float = 300.0
