@@ -14,7 +14,9 @@ pub mod store;
 pub mod wait;
 
 pub use error::{Result, StoreError};
-pub use index::{ClaimSpec, Claimed, Index, LeaseId, NewRows, PutTarget, RowInfo};
+pub use index::{
+    Admitted, ClaimSpec, Claimed, ColumnSpec, FieldId, Index, LeaseId, NewRows, PutTarget, RowInfo,
+};
 pub use memory::{MemoryBudget, MemoryGuard};
 pub use payload::{Cell, Chunk, ChunkLayout, copy_into_chunk};
 pub use schema::{DType, FieldSchema};
