@@ -26,6 +26,8 @@ struct Free {
 struct PoolInner {
     next_id: AtomicU64,
     free: Mutex<Free>,
+    /// Every live segment by the address it is mapped at, to find the segment of a cell.
+    live: Mutex<BTreeMap<usize, Weak<Segment>>>,
     /// Free segments beyond this many bytes are destroyed rather than kept.
     max_cached: usize,
 }
@@ -49,6 +51,7 @@ impl SegmentPool {
             inner: Arc::new(PoolInner {
                 next_id: AtomicU64::new(1),
                 free: Mutex::new(Free { by_size: BTreeMap::new(), bytes: 0 }),
+                live: Mutex::new(BTreeMap::new()),
                 max_cached,
             }),
         }
@@ -69,9 +72,20 @@ impl SegmentPool {
             s
         } else {
             let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-            Arc::new(Segment::create(id, size)?)
+            let segment = Arc::new(Segment::create(id, size)?);
+            self.inner.live.lock().insert(segment.as_ptr() as usize, Arc::downgrade(&segment));
+            segment
         };
         Ok(Region { segment: Some(segment), len, pool: Arc::downgrade(&self.inner) })
+    }
+
+    /// The pool's segment that holds the byte at `ptr`, and the byte's offset in it.
+    pub fn locate(&self, ptr: *const u8) -> Option<(Arc<Segment>, usize)> {
+        let addr = ptr as usize;
+        let live = self.inner.live.lock();
+        let (&base, weak) = live.range(..=addr).next_back()?;
+        let segment = weak.upgrade()?;
+        (addr < base + segment.len()).then_some((segment, addr - base))
     }
 
     /// Bytes of free segments kept for reuse.
@@ -109,6 +123,8 @@ impl Drop for Region {
         if free.bytes + segment.len() <= pool.max_cached {
             free.bytes += segment.len();
             free.by_size.entry(segment.len()).or_default().push(segment);
+        } else {
+            pool.live.lock().remove(&(segment.as_ptr() as usize));
         }
     }
 }
@@ -128,6 +144,16 @@ mod tests {
         let again = pool.allocate(120_000).unwrap();
         assert_eq!(again.segment().id(), id);
         assert_eq!(pool.cached_bytes(), 0);
+    }
+
+    #[test]
+    fn a_cell_pointer_leads_back_to_its_segment_and_offset() {
+        let pool = SegmentPool::new(1 << 30);
+        let region = pool.allocate(1000).unwrap();
+        let inside = region.as_bytes()[100..].as_ptr();
+        let (segment, offset) = pool.locate(inside).unwrap();
+        assert_eq!((segment.id(), offset), (region.segment().id(), 100));
+        assert!(pool.locate([0u8; 4].as_ptr()).is_none());
     }
 
     #[test]
