@@ -12,6 +12,7 @@ pub mod error;
 pub mod frame;
 pub mod message;
 pub mod reply;
+pub mod untrusted;
 pub mod wire;
 
 pub use error::ProtoError;

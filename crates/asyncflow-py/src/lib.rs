@@ -6,7 +6,9 @@
 
 mod arrays;
 mod blocking;
+mod convert;
 mod errors;
+mod remote;
 mod store;
 
 use pyo3::prelude::*;
@@ -15,6 +17,8 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<store::Store>()?;
+    m.add_class::<remote::RemoteStore>()?;
     m.add_class::<arrays::ChunkOwner>()?;
+    m.add_function(wrap_pyfunction!(remote::serve, m)?)?;
     Ok(())
 }

@@ -435,8 +435,11 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        // Wakes the reader thread, which fails whatever still waits and exits.
-        self.stream.shutdown();
+        // Wakes the reader thread, which fails whatever still waits and exits. A forked child
+        // must not: shutting the shared socket down would cut off its parent.
+        if std::process::id() == self.inner.pid {
+            self.stream.shutdown();
+        }
     }
 }
 

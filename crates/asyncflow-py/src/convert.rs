@@ -1,0 +1,178 @@
+//! Conversions shared by every backend's Python class, so the embedded store and a daemon
+//! connection take the same arguments and return the same shapes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use asyncflow_core::{Cell, FieldSchema, NewRows, PutTarget, RowInfo, StoreError, StoreStats};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::arrays::CellViews;
+use crate::errors::to_py;
+
+/// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
+/// versions and groups (-1: no group), and seconds until the lease expires.
+pub type ClaimResult<'py> = (
+    Option<u64>,
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<i64>>,
+    Option<f64>,
+);
+
+/// Row metadata: `(indexes, partitions, groups, versions, tags)`.
+pub type RowsResult<'py> = (
+    Bound<'py, PyArray1<u64>>,
+    Vec<String>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<u64>>,
+    Vec<Vec<(String, String)>>,
+);
+
+pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
+    if value.is_finite() && value > 0.0 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(to_py(StoreError::bad_request(format!(
+            "{what} must be a positive number of seconds, not {value}"
+        ))))
+    }
+}
+
+pub fn claim_size(value: i64) -> PyResult<usize> {
+    usize::try_from(value).map_err(|_| {
+        to_py(StoreError::bad_request(format!("batch_size must be at least 1, not {value}")))
+    })
+}
+
+fn groups_to_core(groups: &[i64]) -> PyResult<Vec<u64>> {
+    groups
+        .iter()
+        .map(|&g| {
+            u64::try_from(g).map_err(|_| {
+                to_py(StoreError::bad_request(format!("group ids must be >= 0, got {g}")))
+            })
+        })
+        .collect()
+}
+
+fn group_to_py(group: Option<u64>) -> i64 {
+    group.map_or(-1, |g| g as i64)
+}
+
+/// The rows a put writes: existing `indexes`, or new rows described by the rest.
+pub fn put_target(
+    partition: Option<String>,
+    indexes: Option<PyReadonlyArray1<'_, u64>>,
+    groups: Option<PyReadonlyArray1<'_, i64>>,
+    group_size: Option<u32>,
+    versions: Option<PyReadonlyArray1<'_, u64>>,
+    tags: Option<Vec<Vec<(String, String)>>>,
+) -> PyResult<PutTarget> {
+    if let Some(indexes) = indexes {
+        if partition.is_some() || groups.is_some() || versions.is_some() || tags.is_some() {
+            return Err(to_py(StoreError::bad_request(
+                "partition, groups, versions and tags describe new rows; they cannot be given with indexes",
+            )));
+        }
+        return Ok(PutTarget::Existing(indexes.as_slice()?.to_vec()));
+    }
+    Ok(PutTarget::New(NewRows {
+        partition: partition.unwrap_or_else(|| "default".to_owned()),
+        groups: groups.map(|g| groups_to_core(g.as_slice()?)).transpose()?,
+        group_size,
+        versions: versions.map_or_else(|| Ok(vec![0]), |v| v.as_slice().map(<[u64]>::to_vec))?,
+        tags: tags.unwrap_or_default().into_iter().map(Arc::new).collect(),
+    }))
+}
+
+pub fn claim_result<'py>(
+    py: Python<'py>,
+    lease: Option<u64>,
+    rows: Vec<u64>,
+    versions: Vec<u64>,
+    groups: &[Option<u64>],
+    expires_in: Option<Duration>,
+) -> ClaimResult<'py> {
+    let groups: Vec<i64> = groups.iter().map(|&g| group_to_py(g)).collect();
+    (
+        lease,
+        rows.into_pyarray(py),
+        versions.into_pyarray(py),
+        groups.into_pyarray(py),
+        expires_in.map(|d| d.as_secs_f64()),
+    )
+}
+
+pub fn rows_result<'py>(py: Python<'py>, infos: &[RowInfo]) -> RowsResult<'py> {
+    (
+        infos.iter().map(|i| i.index).collect::<Vec<_>>().into_pyarray(py),
+        infos.iter().map(|i| i.partition.clone()).collect(),
+        infos.iter().map(|i| group_to_py(i.group)).collect::<Vec<_>>().into_pyarray(py),
+        infos.iter().map(|i| i.version).collect::<Vec<_>>().into_pyarray(py),
+        infos.iter().map(|i| i.tags.as_ref().clone()).collect(),
+    )
+}
+
+/// `{field: [one value per row]}`: read-only NumPy views of the cells, `bytes` for bytes fields.
+pub fn columns_dict<'py, 'c>(
+    py: Python<'py>,
+    columns: impl IntoIterator<Item = (&'c str, &'c FieldSchema, &'c [Cell])>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    let mut views = CellViews::new(py);
+    for (name, schema, cells) in columns {
+        let values = cells.iter().map(|c| views.view(schema, c)).collect::<PyResult<Vec<_>>>()?;
+        out.set_item(name, PyList::new(py, values)?)?;
+    }
+    Ok(out)
+}
+
+/// Counters and gauges of a store, as the Python `stats()` dict.
+pub fn stats_dict<'py>(
+    py: Python<'py>,
+    s: &StoreStats,
+    transport: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let c = &s.index.counters;
+    let d = PyDict::new(py);
+    d.set_item("transport", transport)?;
+    d.set_item("shards", s.shards)?;
+    d.set_item("lease_timeout", s.lease_timeout.as_secs_f64())?;
+    d.set_item("memory_used", s.memory_used)?;
+    d.set_item("memory_limit", s.memory_limit)?;
+    d.set_item("live_rows", s.index.live_rows)?;
+    d.set_item("resident_slots", s.index.resident_slots)?;
+    d.set_item("payload_rows", s.payload_rows)?;
+    d.set_item("active_leases", s.index.active_leases)?;
+    for (k, v) in [
+        ("puts", c.puts),
+        ("rows_put", c.rows_put),
+        ("field_ready_updates", c.field_ready_updates),
+        ("claims", c.claims),
+        ("rows_claimed", c.rows_claimed),
+        ("rows_acked", c.rows_acked),
+        ("rows_released", c.rows_released),
+        ("rows_freed", c.rows_freed),
+        ("leases_expired", c.leases_expired),
+    ] {
+        d.set_item(k, v)?;
+    }
+    let fields = PyDict::new(py);
+    for (name, schema, ready) in &s.index.fields {
+        fields.set_item(name, (schema.to_string(), ready))?;
+    }
+    d.set_item("fields", fields)?;
+    let tasks = PyDict::new(py);
+    for (name, leased, acked) in &s.index.tasks {
+        tasks.set_item(name, (leased, acked))?;
+    }
+    d.set_item("tasks", tasks)?;
+    d.set_item(
+        "partitions",
+        PyDict::from_sequence(&PyList::new(py, &s.index.partitions)?.into_any())?,
+    )?;
+    Ok(d)
+}
