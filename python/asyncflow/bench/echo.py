@@ -47,7 +47,7 @@ class EchoPeer:
 
     def round_trips(self, block: np.ndarray, rounds: int) -> float:
         """Seconds to send ``block`` and receive it back ``rounds`` times."""
-        data = memoryview(block).cast("B")
+        data = block.data.cast("B")
         back = bytearray(len(data))
         view = memoryview(back)
         head = len(data).to_bytes(8, "little")
