@@ -177,6 +177,7 @@ def test_garbage_on_one_connection_does_not_disturb_another(daemons: Daemons) ->
     for junk in (b"\x00" * 24, b"GET / HTTP/1.1\r\n\r\n", os.urandom(4096)):
         with socket.create_connection((host, int(port)), timeout=10) as bad:
             bad.sendall(junk)
+            bad.shutdown(socket.SHUT_WR)
             bad.settimeout(10)
             try:
                 while bad.recv(4096):

@@ -10,15 +10,17 @@ use std::time::{Duration, Instant};
 
 use asyncflow_core::{StoreError, Wait};
 use asyncflow_proto::{
-    Failure, FrameHeader, HEADER_LEN, Limits, ProtoError, Reply, Request, ServerHello,
+    Failure, FrameHeader, HEADER_LEN, Limits, PayloadSource, ProtoError, Reply, Request,
+    ServerHello,
 };
 use asyncflow_shm::send_with_fds;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest};
 use tokio::net::{TcpStream, UnixStream, tcp, unix};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinSet;
 
 use super::Daemon;
+use super::metadata::Outcome;
 use super::outgoing::{Answer, Outgoing, Part};
 use super::session::{Session, ShmSession};
 use crate::auth::token_matches;
@@ -127,22 +129,34 @@ impl FrameWriter {
     }
 }
 
+/// Sends replies of requests that ran on the blocking pool (and greetings), in the order they
+/// finish; replies of requests answered on the spot are written by the reader itself.
 async fn write_loop(
     daemon: Arc<Daemon>,
-    mut w: FrameWriter,
+    writer: Arc<Mutex<FrameWriter>>,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     while let Some(out) = rx.recv().await {
-        daemon.metrics.bytes_out.fetch_add(out.bytes() as u64, Ordering::Relaxed);
-        if w.write_frame(&out).await.is_err() {
-            return;
-        }
-        drop(out);
-        if rx.is_empty() && w.flush().await.is_err() {
+        let mut w = writer.lock().await;
+        if write_out(&daemon, &mut w, &out, rx.is_empty()).await.is_err() {
             return;
         }
     }
-    let _ = w.flush().await;
+    let _ = writer.lock().await.flush().await;
+}
+
+async fn write_out(
+    daemon: &Daemon,
+    w: &mut FrameWriter,
+    out: &Outgoing,
+    flush: bool,
+) -> std::io::Result<()> {
+    daemon.metrics.bytes_out.fetch_add(out.bytes() as u64, Ordering::Relaxed);
+    w.write_frame(out).await?;
+    if flush {
+        w.flush().await?;
+    }
+    Ok(())
 }
 
 /// Reads the hello and checks the token; `None` if the connection must be closed.
@@ -183,21 +197,21 @@ async fn greet<R: AsyncRead + Unpin>(
     Some(())
 }
 
-/// Runs one request on the blocking pool and queues its reply (none for notices).
+/// Runs one request: on the spot if it cannot wait (its reply is returned, for the reader to
+/// write), otherwise on the blocking pool (its reply is queued for the writer task).
 fn dispatch(
     daemon: &Arc<Daemon>,
     session: &Arc<Session>,
     tx: &mpsc::UnboundedSender<Outgoing>,
     tasks: &mut JoinSet<()>,
     frame: Frame,
-) {
+) -> Option<Outgoing> {
     let id = frame.header.request_id;
     let req = match Request::decode(frame.header.op, &frame.meta, frame.payload.len() as u64) {
         Ok(req) => req,
         Err(e) => {
             daemon.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
-            let _ = tx.send(Outgoing::failure(id, &Failure::Protocol(e.to_string())));
-            return;
+            return Some(Outgoing::failure(id, &Failure::Protocol(e.to_string())));
         }
     };
     match req {
@@ -205,18 +219,18 @@ fn dispatch(
             if let Some(shm) = &session.shm {
                 shm.unpin(&pins);
             }
-            return;
+            return None;
         }
-        Request::Cancel { request } => return session.cancel(request),
+        Request::Cancel { request } => {
+            session.cancel(request);
+            return None;
+        }
         Request::Hello(_) => {
             let e = StoreError::bad_request("this connection already said hello");
-            let _ = tx.send(Outgoing::failure(id, &Failure::Store(e)));
-            return;
+            return Some(Outgoing::failure(id, &Failure::Store(e)));
         }
         _ => {}
     }
-    let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
-    let cancelled = session.track(id);
     let notice = frame.header.op.is_notice();
     let deadline = match &req {
         Request::Claim { timeout, .. } | Request::Stage { timeout, .. } => {
@@ -226,36 +240,70 @@ fn dispatch(
         Request::StoreCells(s) => s.timeout.map(|t| Instant::now() + t),
         _ => None,
     };
+    let answer = |out: Outgoing| (!notice).then_some(out);
+    // What cannot wait runs right here: handing it to another thread would cost more than it.
+    if !may_wait(&req, daemon) {
+        let never = || false;
+        let wait = Wait { deadline, interrupted: &never };
+        let outcome = daemon.roles.execute(session, req, frame.payload, wait);
+        return answer(outgoing(daemon, session, id, outcome));
+    }
+    // A claim first looks once without waiting: most find their rows already there.
+    if let Request::Claim { allow_partial, timeout, .. } = &req
+        && (!allow_partial || *timeout == Some(Duration::ZERO))
+    {
+        let never = || false;
+        let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
+        match daemon.roles.execute(session, req.clone(), Vec::new(), now) {
+            Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
+            outcome => return answer(outgoing(daemon, session, id, outcome)),
+        }
+    }
+    let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
+    let cancelled = session.track(id);
     tasks.spawn_blocking(move || {
         let interrupted = || {
             cancelled.load(Ordering::Relaxed)
                 || session.closed.load(Ordering::Relaxed)
                 || daemon.stopping.load(Ordering::Relaxed)
         };
-        let op = req.op();
-        let outcome = daemon.roles.execute(
-            &session,
-            req,
-            frame.payload,
-            Wait { deadline, interrupted: &interrupted },
-        );
+        let wait = Wait { deadline, interrupted: &interrupted };
+        let outcome = daemon.roles.execute(&session, req, frame.payload, wait);
         session.untrack(id);
-        daemon.metrics.requests.fetch_add(1, Ordering::Relaxed);
-        let out = match outcome {
-            Ok((reply, answer)) => Outgoing::reply(id, &reply, answer),
-            Err(StoreError::Interrupted) if daemon.stopping.load(Ordering::Relaxed) => {
-                Outgoing::failure(id, &Failure::Unavailable("the daemon is shutting down".into()))
-            }
-            Err(e) => {
-                daemon.metrics.request_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(peer = %session.peer, ?op, error = %e, "request failed");
-                Outgoing::failure(id, &Failure::Store(e))
-            }
-        };
         if !notice {
-            let _ = tx.send(out);
+            let _ = tx.send(outgoing(&daemon, &session, id, outcome));
         }
     });
+    None
+}
+
+/// Whether a request can block: claims wait for rows, and under a memory limit puts (and the
+/// staging of their shared memory) wait for room.
+fn may_wait(req: &Request, daemon: &Daemon) -> bool {
+    match req {
+        Request::Claim { .. } => true,
+        Request::Stage { .. } | Request::StoreCells(_) => daemon.config.memory_limit.is_some(),
+        Request::Put(p) => {
+            daemon.config.memory_limit.is_some() && p.source == PayloadSource::Inline
+        }
+        _ => false,
+    }
+}
+
+/// The reply frame for a request's outcome.
+fn outgoing(daemon: &Daemon, session: &Session, id: u64, outcome: Outcome) -> Outgoing {
+    daemon.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    match outcome {
+        Ok((reply, answer)) => Outgoing::reply(id, &reply, answer),
+        Err(StoreError::Interrupted) if daemon.stopping.load(Ordering::Relaxed) => {
+            Outgoing::failure(id, &Failure::Unavailable("the daemon is shutting down".into()))
+        }
+        Err(e) => {
+            daemon.metrics.request_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(peer = %session.peer, error = %e, "request failed");
+            Outgoing::failure(id, &Failure::Store(e))
+        }
+    }
 }
 
 /// Serves one connection until the client leaves, breaks the protocol, or the daemon stops.
@@ -279,7 +327,8 @@ pub async fn serve(
     };
     let mut reader = BufReader::with_capacity(BUFFER, read_half);
     let (tx, rx) = mpsc::unbounded_channel();
-    let writer = tokio::spawn(write_loop(Arc::clone(&daemon), writer, rx));
+    let writer = Arc::new(Mutex::new(writer));
+    let writer_task = tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx));
     if greet(&daemon, &mut reader, &tx).await.is_some() {
         let session = Arc::new(Session::new(peer.clone(), shm.map(ShmSession::new)));
         tracing::info!(peer = %peer, transport = session.transport(), "client connected");
@@ -296,7 +345,12 @@ pub async fn serve(
                         (HEADER_LEN + frame.header.body_len()) as u64,
                         Ordering::Relaxed,
                     );
-                    dispatch(&daemon, &session, &tx, &mut tasks, frame);
+                    if let Some(out) = dispatch(&daemon, &session, &tx, &mut tasks, frame) {
+                        let mut w = writer.lock().await;
+                        if write_out(&daemon, &mut w, &out, true).await.is_err() {
+                            break;
+                        }
+                    }
                 }
                 Err(ReadError::Closed) => break,
                 Err(ReadError::Proto(e)) => {
@@ -313,5 +367,5 @@ pub async fn serve(
         tracing::info!(peer = %peer, "client disconnected");
     }
     drop(tx);
-    let _ = writer.await;
+    let _ = writer_task.await;
 }
