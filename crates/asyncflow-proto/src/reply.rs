@@ -186,25 +186,12 @@ fn get_row_info(r: &mut Reader<'_>) -> Result<RowInfo, ProtoError> {
     })
 }
 
-fn counter_values(c: &Counters) -> [u64; 9] {
-    [
-        c.puts,
-        c.rows_put,
-        c.field_ready_updates,
-        c.claims,
-        c.rows_claimed,
-        c.rows_acked,
-        c.rows_released,
-        c.rows_freed,
-        c.leases_expired,
-    ]
-}
-
 fn put_stats(w: &mut Writer, s: &StoreStats) {
     let i = &s.index;
     w.u64(i.live_rows).u64(i.resident_slots).u64(i.active_leases);
-    w.list(&counter_values(&i.counters), |w, &v| {
-        w.u64(v);
+    // By name, so either side may know counters the other does not.
+    w.list(&i.counters.named(), |w, &(name, value)| {
+        w.str(name).u64(value);
     });
     w.list(&i.fields, |w, (name, schema, ready)| {
         w.str(name).schema(schema).u64(*ready);
@@ -224,32 +211,10 @@ fn put_stats(w: &mut Writer, s: &StoreStats) {
 
 fn get_stats(r: &mut Reader<'_>) -> Result<StoreStats, ProtoError> {
     let (live_rows, resident_slots, active_leases) = (r.u64()?, r.u64()?, r.u64()?);
-    let c = r.u64s()?;
-    let [
-        puts,
-        rows_put,
-        field_ready_updates,
-        claims,
-        rows_claimed,
-        rows_acked,
-        rows_released,
-        rows_freed,
-        leases_expired,
-    ] = c[..]
-    else {
-        return Err(ProtoError::malformed(format!("{} counters, expected 9", c.len())));
-    };
-    let counters = Counters {
-        puts,
-        rows_put,
-        field_ready_updates,
-        claims,
-        rows_claimed,
-        rows_acked,
-        rows_released,
-        rows_freed,
-        leases_expired,
-    };
+    let mut counters = Counters::default();
+    for (name, value) in r.list(12, |r| Ok((r.string()?, r.u64()?)))? {
+        counters.set(&name, value);
+    }
     let index = IndexStats {
         live_rows,
         resident_slots,

@@ -4,12 +4,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use asyncflow_core::{Cell, FieldSchema, NewRows, PutTarget, RowInfo, StoreError, StoreStats};
+use asyncflow_core::{
+    Cell, ClaimSpec, FieldSchema, NewRows, PutTarget, RowInfo, StoreError, StoreStats,
+};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::arrays::CellViews;
+use crate::arrays::{CellViews, PendingColumn};
 use crate::errors::to_py;
 
 /// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
@@ -41,10 +43,29 @@ pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
     }
 }
 
-pub fn claim_size(value: i64) -> PyResult<usize> {
-    usize::try_from(value).map_err(|_| {
-        to_py(StoreError::bad_request(format!("batch_size must be at least 1, not {value}")))
-    })
+/// A claim's options, checked.
+pub fn claim_spec(
+    task: String,
+    fields: Vec<String>,
+    batch_size: i64,
+    partition: Option<String>,
+    min_version: Option<u64>,
+    whole_groups: bool,
+) -> PyResult<ClaimSpec> {
+    let batch_size = usize::try_from(batch_size).map_err(|_| {
+        to_py(StoreError::bad_request(format!("batch_size must be at least 1, not {batch_size}")))
+    })?;
+    Ok(ClaimSpec { task, fields, batch_size, partition, min_version, whole_groups })
+}
+
+/// Reads a put's `(name, value, dtype)` fields off their Python values (GIL held).
+pub fn inspect_fields(
+    fields: &[(String, Bound<'_, PyAny>, Option<String>)],
+) -> PyResult<Vec<PendingColumn>> {
+    fields
+        .iter()
+        .map(|(name, value, dtype)| PendingColumn::inspect(name, value, dtype.as_deref()))
+        .collect()
 }
 
 fn groups_to_core(groups: &[i64]) -> PyResult<Vec<u64>> {
@@ -136,7 +157,6 @@ pub fn stats_dict<'py>(
     s: &StoreStats,
     transport: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let c = &s.index.counters;
     let d = PyDict::new(py);
     d.set_item("transport", transport)?;
     d.set_item("shards", s.shards)?;
@@ -147,17 +167,7 @@ pub fn stats_dict<'py>(
     d.set_item("resident_slots", s.index.resident_slots)?;
     d.set_item("payload_rows", s.payload_rows)?;
     d.set_item("active_leases", s.index.active_leases)?;
-    for (k, v) in [
-        ("puts", c.puts),
-        ("rows_put", c.rows_put),
-        ("field_ready_updates", c.field_ready_updates),
-        ("claims", c.claims),
-        ("rows_claimed", c.rows_claimed),
-        ("rows_acked", c.rows_acked),
-        ("rows_released", c.rows_released),
-        ("rows_freed", c.rows_freed),
-        ("leases_expired", c.leases_expired),
-    ] {
+    for (k, v) in s.index.counters.named() {
         d.set_item(k, v)?;
     }
     let fields = PyDict::new(py);

@@ -4,18 +4,17 @@
 
 use std::sync::Arc;
 
-use asyncflow_core::ClaimSpec;
+use asyncflow_core::Wait;
 use asyncflow_server::client::{Client, Preference, PutColumn};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::arrays::PendingColumn;
 use crate::blocking::{detached, timeout as duration};
 use crate::convert::{
-    ClaimResult, RowsResult, claim_result, claim_size, columns_dict, put_target, rows_result,
-    seconds, stats_dict,
+    ClaimResult, RowsResult, claim_result, claim_spec, columns_dict, inspect_fields, put_target,
+    rows_result, seconds, stats_dict,
 };
 use crate::errors::BadRequestError;
 
@@ -40,6 +39,18 @@ impl RemoteStore {
             *slot = (std::process::id(), Arc::new(fresh));
         }
         Ok(Arc::clone(&slot.1))
+    }
+
+    /// Acks or releases (`f`) a lease, or only `indexes` of it.
+    fn settle(
+        &self,
+        py: Python<'_>,
+        indexes: Option<PyReadonlyArray1<'_, u64>>,
+        f: impl FnOnce(&Client, Option<&[u64]>, Wait<'_>) -> asyncflow_server::Result<()> + Send,
+    ) -> PyResult<()> {
+        let subset = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
+        let client = self.client(py)?;
+        detached(py, None, |wait| f(&client, subset, wait))
     }
 }
 
@@ -83,10 +94,7 @@ impl RemoteStore {
         tags: Option<Vec<Vec<(String, String)>>>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-        let pending = fields
-            .iter()
-            .map(|(name, value, dtype)| PendingColumn::inspect(name, value, dtype.as_deref()))
-            .collect::<PyResult<Vec<_>>>()?;
+        let pending = inspect_fields(&fields)?;
         let target = put_target(partition, indexes, groups, group_size, versions, tags)?;
         let timeout = duration(timeout.or(Some(60.0)))?;
         let client = self.client(py)?;
@@ -113,14 +121,7 @@ impl RemoteStore {
         whole_groups: bool,
         allow_partial: bool,
     ) -> PyResult<ClaimResult<'py>> {
-        let spec = ClaimSpec {
-            task,
-            fields,
-            batch_size: claim_size(batch_size)?,
-            partition,
-            min_version,
-            whole_groups,
-        };
+        let spec = claim_spec(task, fields, batch_size, partition, min_version, whole_groups)?;
         let timeout = duration(timeout)?;
         let client = self.client(py)?;
         let c = detached(py, None, |wait| client.claim(&spec, allow_partial, timeout, wait))?;
@@ -134,9 +135,7 @@ impl RemoteStore {
         lease: u64,
         indexes: Option<PyReadonlyArray1<'_, u64>>,
     ) -> PyResult<()> {
-        let subset = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
-        let client = self.client(py)?;
-        detached(py, None, |wait| client.ack(lease, subset, wait))
+        self.settle(py, indexes, |client, subset, wait| client.ack(lease, subset, wait))
     }
 
     #[pyo3(signature = (lease, indexes = None))]
@@ -146,9 +145,7 @@ impl RemoteStore {
         lease: u64,
         indexes: Option<PyReadonlyArray1<'_, u64>>,
     ) -> PyResult<()> {
-        let subset = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
-        let client = self.client(py)?;
-        detached(py, None, |wait| client.release(lease, subset, wait))
+        self.settle(py, indexes, |client, subset, wait| client.release(lease, subset, wait))
     }
 
     #[pyo3(signature = (lease, timeout = None))]

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use asyncflow_core::{self as core, ClaimSpec, Column, StoreConfig, StoreError};
+use asyncflow_core::{self as core, Column, StoreConfig, StoreError};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -11,8 +11,8 @@ use pyo3::types::PyDict;
 use crate::arrays::PendingColumn;
 use crate::blocking::{deadline, detached};
 use crate::convert::{
-    ClaimResult, RowsResult, claim_result, claim_size, columns_dict, put_target, rows_result,
-    seconds, stats_dict,
+    ClaimResult, RowsResult, claim_result, claim_spec, columns_dict, inspect_fields, put_target,
+    rows_result, seconds, stats_dict,
 };
 use crate::errors::IntoPy;
 
@@ -55,10 +55,7 @@ impl Store {
         tags: Option<Vec<Vec<(String, String)>>>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-        let pending = fields
-            .iter()
-            .map(|(name, value, dtype)| PendingColumn::inspect(name, value, dtype.as_deref()))
-            .collect::<PyResult<Vec<_>>>()?;
+        let pending = inspect_fields(&fields)?;
         let target = put_target(partition, indexes, groups, group_size, versions, tags)?;
         let total: u64 = pending.iter().map(PendingColumn::bytes_needed).sum();
         let store = &self.inner;
@@ -92,14 +89,7 @@ impl Store {
         whole_groups: bool,
         allow_partial: bool,
     ) -> PyResult<ClaimResult<'py>> {
-        let spec = ClaimSpec {
-            task,
-            fields,
-            batch_size: claim_size(batch_size)?,
-            partition,
-            min_version,
-            whole_groups,
-        };
+        let spec = claim_spec(task, fields, batch_size, partition, min_version, whole_groups)?;
         let store = &self.inner;
         let claimed =
             detached(py, deadline(timeout)?, |wait| store.claim(&spec, allow_partial, wait))?;

@@ -66,7 +66,7 @@ fn daemon_and_good_client(flags: &[&str], token: Option<&str>) -> (Daemon, Clien
 fn random_bytes_close_only_that_connection() {
     let (daemon, good) = daemon_and_good_client(&[], None);
     let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-    for round in 0..20 {
+    for round in 0..20_i32 {
         let garbage: Vec<u8> = (0..64 + round * 37)
             .map(|_| {
                 seed ^= seed << 13;
@@ -79,7 +79,7 @@ fn random_bytes_close_only_that_connection() {
         let _ = bad.write_all(&garbage);
         assert!(matches!(answer(&mut bad), None | Some(Err(_))));
         assert!(closed(&mut bad));
-        still_serves(&good, round as i64);
+        still_serves(&good, i64::from(round));
     }
 }
 

@@ -75,37 +75,24 @@ fn bind_shm_socket(path: &Path) -> Result<UnixListener> {
     Ok(listener)
 }
 
-async fn accept_tcp(
-    daemon: Arc<Daemon>,
-    listener: TcpListener,
-    stop: watch::Receiver<bool>,
-    conns: Arc<parking_lot::Mutex<JoinSet<()>>>,
-) {
-    let mut stopped = stop.clone();
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = stopped.wait_for(|s| *s) => return,
-        };
-        match accepted {
-            Ok((stream, peer)) => {
-                daemon.metrics.connections.fetch_add(1, Ordering::Relaxed);
-                let task = connection::serve(
-                    Arc::clone(&daemon),
-                    Link::Tcp(stream),
-                    peer.to_string(),
-                    stop.clone(),
-                );
-                conns.lock().spawn(task);
-            }
-            Err(e) => tracing::warn!(error = %e, "accept failed"),
+/// A socket clients connect to: TCP, or the Unix socket of the shared-memory path.
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+impl Listener {
+    async fn accept(&self) -> std::io::Result<(Link, String)> {
+        match self {
+            Listener::Tcp(l) => l.accept().await.map(|(s, peer)| (Link::Tcp(s), peer.to_string())),
+            Listener::Unix(l) => l.accept().await.map(|(s, _)| (Link::Unix(s), "unix".into())),
         }
     }
 }
 
-async fn accept_unix(
+async fn accept_loop(
     daemon: Arc<Daemon>,
-    listener: UnixListener,
+    listener: Listener,
     stop: watch::Receiver<bool>,
     conns: Arc<parking_lot::Mutex<JoinSet<()>>>,
 ) {
@@ -116,14 +103,9 @@ async fn accept_unix(
             _ = stopped.wait_for(|s| *s) => return,
         };
         match accepted {
-            Ok((stream, _)) => {
+            Ok((link, peer)) => {
                 daemon.metrics.connections.fetch_add(1, Ordering::Relaxed);
-                let task = connection::serve(
-                    Arc::clone(&daemon),
-                    Link::Unix(stream),
-                    "unix".into(),
-                    stop.clone(),
-                );
+                let task = connection::serve(Arc::clone(&daemon), link, peer, stop.clone());
                 conns.lock().spawn(task);
             }
             Err(e) => tracing::warn!(error = %e, "accept failed"),
@@ -181,11 +163,11 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let conns = Arc::new(parking_lot::Mutex::new(JoinSet::new()));
     let mut acceptors = JoinSet::new();
-    acceptors.spawn(accept_tcp(Arc::clone(&daemon), tcp, stop_rx.clone(), Arc::clone(&conns)));
-    if let Some(unix) = unix {
-        acceptors.spawn(accept_unix(
+    let listeners = std::iter::once(Listener::Tcp(tcp)).chain(unix.map(Listener::Unix));
+    for listener in listeners {
+        acceptors.spawn(accept_loop(
             Arc::clone(&daemon),
-            unix,
+            listener,
             stop_rx.clone(),
             Arc::clone(&conns),
         ));
