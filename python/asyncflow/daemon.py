@@ -57,12 +57,18 @@ class DaemonProcess:
     port unless ``flags`` say otherwise. ``url`` is where it listens; ``stop()`` sends SIGTERM,
     as an operator would, and returns the exit code (0 when it stopped cleanly).
 
-    Used by tests and benchmarks; also a context manager.
+    ``prefix`` runs it under another command (e.g. ``ip netns exec NAME``). Used by tests and
+    benchmarks; also a context manager.
     """
 
-    def __init__(self, *flags: str, startup_timeout: float = 60.0) -> None:
-        command = [sys.executable, "-m", "asyncflow.cli", "store", "serve"]
-        defaults = ["--listen", "127.0.0.1:0", "--log-level", "warn"]
+    def __init__(
+        self, *flags: str, startup_timeout: float = 60.0, prefix: Sequence[str] = ()
+    ) -> None:
+        command = [*prefix, sys.executable, "-m", "asyncflow.cli", "store", "serve"]
+        defaults = [
+            *(["--listen", "127.0.0.1:0"] if "--listen" not in flags else []),
+            *(["--log-level", "warn"] if "--log-level" not in flags else []),
+        ]
         self.proc = subprocess.Popen(
             [*command, *defaults, *flags], stdout=subprocess.PIPE, text=True
         )
