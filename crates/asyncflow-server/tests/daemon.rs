@@ -99,3 +99,19 @@ fn a_wrong_or_missing_token_is_refused() {
             .unwrap();
     ok.register_task("t", NOW).unwrap();
 }
+
+#[test]
+fn a_staged_put_larger_than_a_frame_is_refused() {
+    let daemon = Daemon::start(&["--max-frame", "64KiB"]);
+    let client = daemon.connect(Preference::Shm);
+    let big: Vec<i64> = (0..10_000).collect();
+    let bytes: Vec<u8> = big.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let column = asyncflow_server::client::PutColumn {
+        name: "x".into(),
+        schema: asyncflow_core::FieldSchema::ragged(asyncflow_core::DType::I64, vec![]),
+        cells: vec![(&bytes, 10_000)],
+    };
+    let err = client.put(&[column], support::new_rows(), None, NOW).unwrap_err();
+    assert!(matches!(err, Error::Store(StoreError::BadRequest(m)) if m.contains("max-frame")));
+    put_ints(&client, "y", &[1]);
+}

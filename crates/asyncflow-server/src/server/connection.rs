@@ -229,6 +229,14 @@ fn dispatch(
             let e = StoreError::bad_request("this connection already said hello");
             return Some(Outgoing::failure(id, &Failure::Store(e)));
         }
+        // A staged put may be no larger than an inline one.
+        Request::Stage { bytes, .. } if bytes > u64::from(daemon.config.limits.max_payload) => {
+            let e = StoreError::bad_request(format!(
+                "a put of {bytes} bytes exceeds the daemon's --max-frame of {}",
+                daemon.config.limits.max_payload
+            ));
+            return Some(Outgoing::failure(id, &Failure::Store(e)));
+        }
         _ => {}
     }
     let notice = frame.header.op.is_notice();
