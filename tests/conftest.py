@@ -1,4 +1,6 @@
-"""Shared fixtures. The store suites run against every backend through `make_store`."""
+"""Shared fixtures. The store suites run against every backend through `make_store`:
+`embedded` (in this process) and `daemon` (a daemon subprocess on a free loopback port, reached
+through shared memory since it runs on this machine)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,35 @@ from typing import Any
 import pytest
 
 import asyncflow as af
+from asyncflow.daemon import DaemonProcess
 
-BACKENDS = ["embedded"]
+BACKENDS = ["embedded", "daemon"]
+
+#: The data path each backend reports in ``stats()["transport"]``.
+TRANSPORTS = {"embedded": "inproc", "daemon": "shm"}
+
+
+def daemon_flags(
+    shards: int = 8, memory_limit: int | str | None = None, lease_timeout: float = 30.0
+) -> list[str]:
+    """Daemon flags for the embedded store's settings."""
+    flags = ["--shards", str(shards), "--lease-timeout", str(lease_timeout)]
+    limit = af.parse_size(memory_limit)
+    return flags if limit is None else [*flags, "--memory-limit", str(limit)]
+
+
+@pytest.fixture
+def daemons() -> Iterator[Callable[..., DaemonProcess]]:
+    """Starts daemons with the given flags; each is stopped, and must exit 0, at teardown."""
+    started: list[DaemonProcess] = []
+
+    def start(*flags: str) -> DaemonProcess:
+        started.append(DaemonProcess(*flags))
+        return started[-1]
+
+    yield start
+    codes = [d.stop() for d in started]
+    assert codes == [0] * len(codes), "every daemon stops cleanly on SIGTERM"
 
 
 @pytest.fixture(params=BACKENDS)
@@ -23,12 +52,22 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_store(backend: str) -> Iterator[Callable[..., af.Store]]:
+def transport(backend: str) -> str:
+    """What ``stats()["transport"]`` says on this backend."""
+    return TRANSPORTS[backend]
+
+
+@pytest.fixture
+def make_store(
+    backend: str, daemons: Callable[..., DaemonProcess]
+) -> Iterator[Callable[..., af.Store]]:
     """Builds stores of the parametrised backend with the given settings."""
 
     def make(**settings: Any) -> af.Store:
         if backend == "embedded":
             return af.Store(**settings)
+        if backend == "daemon":
+            return af.connect(daemons(*daemon_flags(**settings)).url)
         raise AssertionError(f"unknown backend {backend}")
 
     yield make

@@ -235,11 +235,11 @@ def test_async_twins_interleave_with_asyncio(store: af.Store) -> None:
     assert store.stats()["rows_acked"] == 2
 
 
-def test_stats_report_fields_tasks_and_transport(store: af.Store) -> None:
+def test_stats_report_fields_tasks_and_transport(store: af.Store, transport: str) -> None:
     store.register_task("t")
     store.put({"x": [1, 2]}, partition="p")
     s = store.stats()
-    assert s["transport"] == "inproc"
+    assert s["transport"] == transport
     assert s["fields"]["x"][1] == 2
     assert s["tasks"]["t"] == (0, 0)
     assert s["partitions"] == {"p": 2}

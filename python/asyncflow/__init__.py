@@ -1,12 +1,14 @@
 """AsyncFlow: asynchronous streaming RL post-training for LLMs, on a Rust sample store.
 
 >>> import asyncflow as af
->>> store = af.Store(shards=8, memory_limit="1GiB")
+>>> store = af.Store(shards=8, memory_limit="1GiB")          # embedded, in this process
+>>> remote = af.connect("tcp://127.0.0.1:7379")              # a daemon: same methods
 """
 
 from asyncflow import scheduler
 from asyncflow._native import __version__
 from asyncflow.batch import Batch
+from asyncflow.daemon import connect
 from asyncflow.errors import (
     AuthError,
     BadRequestError,
@@ -41,6 +43,7 @@ __all__ = [
     "UnknownIndexError",
     "UnknownTaskError",
     "__version__",
+    "connect",
     "parse_size",
     "scheduler",
 ]

@@ -7,12 +7,14 @@ import numpy.typing as npt
 __all__ = [
     "DEFAULT_LINEAR_WEIGHT",
     "ChunkOwner",
+    "RemoteStore",
     "Router",
     "Store",
     "__version__",
     "costs",
     "micro_batches",
     "partition",
+    "serve",
 ]
 
 __version__: str
@@ -22,11 +24,9 @@ DEFAULT_LINEAR_WEIGHT: float
 class ChunkOwner:
     def __len__(self) -> int: ...
 
-@final
-class Store:
-    def __new__(
-        cls, shards: int = 8, memory_limit: int | None = None, lease_timeout: float = 30.0
-    ) -> Store: ...
+# Stub-only: both backends have exactly these methods (the Python ``Store`` wraps either), but
+# share no base class at run time.
+class _Backend:
     def register_task(self, name: str, partitions: list[str] | None = None) -> None: ...
     def put(
         self,
@@ -117,3 +117,17 @@ class Router:
     def expire(self, now: float) -> list[tuple[int, str, str | None]]: ...
     def engines(self) -> list[tuple[str, int, int, bool, int]]: ...
     def assigned_to(self, work: int) -> str | None: ...
+
+@final
+class Store(_Backend):
+    def __new__(
+        cls, shards: int = 8, memory_limit: int | None = None, lease_timeout: float = 30.0
+    ) -> Store: ...
+
+@final
+class RemoteStore(_Backend):
+    def __new__(
+        cls, url: str, *, token: str | None = None, transport: str = "auto"
+    ) -> RemoteStore: ...
+
+def serve(args: list[str]) -> int: ...

@@ -30,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
     bench.add_argument("--json", metavar="PATH", help="write the records here as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
+    store = sub.add_parser("store", help="the store daemon")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    serve = store_sub.add_parser(
+        "serve",
+        help="run the store daemon (same code and flags as asyncflow-store)",
+        add_help=False,
+    )
+    serve.add_argument("flags", nargs=argparse.REMAINDER, help="asyncflow-store flags (--help)")
     return parser
 
 
@@ -68,6 +76,12 @@ def _one_thread_per_worker() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _one_thread_per_worker()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["store", "serve"]:
+        # The daemon parses its own flags (the very parser of the asyncflow-store binary).
+        from asyncflow.daemon import serve
+
+        return serve(argv[2:])
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)

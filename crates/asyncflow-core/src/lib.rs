@@ -16,7 +16,8 @@ pub mod wait;
 
 pub use error::{Result, StoreError};
 pub use index::{
-    ClaimSpec, Claimed, Index, LeaseId, NewRows, PutTarget, RowInfo, Share, TokenLengths,
+    Admitted, ClaimSpec, Claimed, ColumnSpec, FieldId, Index, LeaseId, NewRows, PutTarget, RowInfo,
+    Share, TokenLengths,
 };
 pub use memory::{MemoryBudget, MemoryGuard};
 pub use payload::{Cell, Chunk, ChunkLayout, copy_into_chunk};

@@ -2,15 +2,17 @@
 //! waiting claims, the payload shards (data plane) under their own locks, and the memory budget.
 //! Every operation either completes or leaves the store as it was.
 
+use std::fmt;
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Result, StoreError};
 use crate::index::{
-    ClaimSpec, Claimed, ColumnSpec, Index, IndexStats, LeaseId, PutTarget, RowInfo,
+    Admitted, ClaimSpec, Claimed, ColumnSpec, FieldId, Index, IndexStats, LeaseId, PutTarget,
+    RowInfo,
 };
 use crate::memory::{MemoryBudget, MemoryGuard};
 use crate::payload::{Cell, ChunkLayout, copy_into_chunk};
@@ -86,6 +88,10 @@ pub struct StoreStats {
     pub lease_timeout: Duration,
 }
 
+/// Told which rows were freed, for a store whose payloads also live elsewhere (a controller
+/// whose storage daemons must drop them).
+type FreeHook = Box<dyn Fn(&[u64]) + Send + Sync>;
+
 #[derive(Debug)]
 pub struct Store {
     config: StoreConfig,
@@ -94,6 +100,16 @@ pub struct Store {
     changed: Condvar,
     shards: Shards,
     memory: Arc<MemoryBudget>,
+    on_free: OnceHook,
+}
+
+#[derive(Default)]
+struct OnceHook(OnceLock<FreeHook>);
+
+impl fmt::Debug for OnceHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.get().is_some() { "OnceHook(set)" } else { "OnceHook(unset)" })
+    }
 }
 
 impl Store {
@@ -109,8 +125,25 @@ impl Store {
             changed: Condvar::new(),
             shards: Shards::new(config.shards),
             memory: MemoryBudget::new(config.memory_limit),
+            on_free: OnceHook::default(),
             config,
         })
+    }
+
+    /// Calls `hook` with the rows of every later free (ack by all tasks, clear, delete). Only
+    /// the first hook set counts.
+    pub fn on_free(&self, hook: impl Fn(&[u64]) + Send + Sync + 'static) {
+        let _ = self.on_free.0.set(Box::new(hook));
+    }
+
+    fn free_payloads(&self, rows: &[u64]) {
+        if rows.is_empty() {
+            return;
+        }
+        self.shards.remove(rows);
+        if let Some(hook) = self.on_free.0.get() {
+            hook(rows);
+        }
     }
 
     pub fn config(&self) -> &StoreConfig {
@@ -155,12 +188,21 @@ impl Store {
         drop(specs);
         let cells = admitted.fields.iter().copied().zip(columns.into_iter().map(|c| c.cells));
         self.shards.insert(&admitted.rows, &cells.collect::<Vec<_>>());
-        let gone = self.index.lock().commit_ready(&admitted.rows, &admitted.fields);
-        self.changed.notify_all();
-        if !gone.is_empty() {
-            self.shards.remove(&gone);
-        }
+        self.commit(&admitted.rows, &admitted.fields);
         Ok(admitted.rows)
+    }
+
+    /// The first half of a put whose payloads are kept elsewhere: checks the columns and
+    /// creates (or selects) the rows, with nothing ready until [`Store::commit`].
+    pub fn admit(&self, columns: &[ColumnSpec<'_>], target: &PutTarget) -> Result<Admitted> {
+        self.index.lock().admit_put(columns, target)
+    }
+
+    /// Makes `fields` ready on `rows` now that their payloads are in place.
+    pub fn commit(&self, rows: &[u64], fields: &[FieldId]) {
+        let gone = self.index.lock().commit_ready(rows, fields);
+        self.changed.notify_all();
+        self.free_payloads(&gone);
     }
 
     /// Leases up to `spec.batch_size` rows, waiting for a full batch until the wait's deadline;
@@ -214,7 +256,7 @@ impl Store {
     /// Commits a lease (or `subset` of its rows); frees rows every task has now acked.
     pub fn ack(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
         let freed = self.index.lock().ack(lease, subset, Instant::now())?;
-        self.shards.remove(&freed);
+        self.free_payloads(&freed);
         Ok(())
     }
 
@@ -233,13 +275,8 @@ impl Store {
 
     /// The cells of `fields` on `rows`, one column per field.
     pub fn read(&self, rows: &[u64], fields: &[String]) -> Result<Vec<ReadColumn>> {
-        let (ids, schemas) = {
-            let index = self.index.lock();
-            let ids = index.check_readable(rows, fields)?;
-            let schemas: Vec<FieldSchema> =
-                ids.iter().map(|&f| index.field_schema(f).clone()).collect();
-            (ids, schemas)
-        };
+        let (ids, schemas): (Vec<FieldId>, Vec<FieldSchema>) =
+            self.locate(rows, fields)?.into_iter().unzip();
         let cells = self.shards.get(rows, &ids)?;
         Ok(fields
             .iter()
@@ -247,6 +284,13 @@ impl Store {
             .zip(cells)
             .map(|((name, schema), cells)| ReadColumn { name: name.clone(), schema, cells })
             .collect())
+    }
+
+    /// Checks that `fields` are ready on every one of `rows`; returns their ids and schemas.
+    pub fn locate(&self, rows: &[u64], fields: &[String]) -> Result<Vec<(FieldId, FieldSchema)>> {
+        let index = self.index.lock();
+        let ids = index.check_readable(rows, fields)?;
+        Ok(ids.into_iter().map(|f| (f, index.field_schema(f).clone())).collect())
     }
 
     pub fn row_info(&self, rows: &[u64]) -> Result<Vec<RowInfo>> {
@@ -272,14 +316,14 @@ impl Store {
     /// Frees every row of a partition; returns how many.
     pub fn clear(&self, partition: &str) -> u64 {
         let freed = self.index.lock().clear_partition(partition);
-        self.shards.remove(&freed);
+        self.free_payloads(&freed);
         freed.len() as u64
     }
 
     /// Frees the given rows; fails, freeing none, if any is unknown.
     pub fn delete(&self, rows: &[u64]) -> Result<()> {
         self.index.lock().delete(rows)?;
-        self.shards.remove(rows);
+        self.free_payloads(rows);
         Ok(())
     }
 

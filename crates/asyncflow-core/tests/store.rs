@@ -453,3 +453,22 @@ fn group_ids_are_scoped_to_their_partition() {
     whole.whole_groups = true;
     assert_eq!(s.claim(&whole, false, no_wait()).unwrap().rows, [one, two].concat());
 }
+
+#[test]
+fn an_admitted_put_is_claimable_only_after_commit_and_frees_are_reported() {
+    let s = store();
+    s.register_task("t", None).unwrap();
+    let freed = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let sink = Arc::clone(&freed);
+    s.on_free(move |rows| sink.lock().extend_from_slice(rows));
+    let schema = FieldSchema::scalar(DType::F32);
+    let column = asyncflow_core::ColumnSpec { name: "x", schema: &schema, rows: 2 };
+    let admitted = s.admit(&[column], &new_rows("p")).unwrap();
+    let claim = spec("t", &["x"], 2);
+    assert!(s.claim(&claim, false, no_wait()).is_err(), "nothing is ready before commit");
+    s.commit(&admitted.rows, &admitted.fields);
+    let claimed = s.claim(&claim, false, no_wait()).unwrap();
+    assert_eq!(s.locate(&claimed.rows, &["x".into()]).unwrap(), vec![(0, schema)]);
+    s.ack(claimed.lease.unwrap(), None).unwrap();
+    assert_eq!(*freed.lock(), admitted.rows);
+}

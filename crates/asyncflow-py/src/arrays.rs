@@ -10,6 +10,7 @@ use std::sync::Arc;
 use asyncflow_core::{
     Cell, Chunk, ChunkLayout, Column, DType, FieldSchema, MemoryGuard, StoreError,
 };
+use asyncflow_server::client::PutColumn;
 use numpy::npyffi::{self, NPY_ARRAY_CARRAY_RO, NpyTypes, PY_ARRAY_API, npy_intp};
 use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -203,6 +204,27 @@ impl PendingColumn {
             first_dims: sources.iter().map(|s| s.len as u64).collect(),
             sources,
         })
+    }
+
+    /// The column's cells as byte slices, for sending to a daemon.
+    ///
+    /// # Safety
+    /// The Python objects inspected by [`PendingColumn::inspect`] must stay alive and unmodified
+    /// while the returned column is used.
+    pub unsafe fn as_put_column(&self) -> PutColumn<'_> {
+        let cells = if let [whole] = self.sources.as_slice() {
+            // SAFETY: forwarded from the caller.
+            let bytes = unsafe { whole.as_slice() };
+            self.layout.spans.iter().map(|&(offset, len)| &bytes[offset..offset + len]).collect()
+        } else {
+            // SAFETY: forwarded from the caller.
+            self.sources.iter().map(|s| unsafe { s.as_slice() }).collect::<Vec<_>>()
+        };
+        PutColumn {
+            name: self.name.clone(),
+            schema: self.schema.clone(),
+            cells: cells.into_iter().zip(self.first_dims.iter().copied()).collect(),
+        }
     }
 
     /// Bytes this column will occupy in the store.

@@ -6,27 +6,30 @@ use std::time::{Duration, Instant};
 use asyncflow_core::{StoreError, Wait};
 use pyo3::prelude::*;
 
-use crate::errors::to_py;
+use crate::errors::{BlockingError, to_py};
 
-/// Turns a Python timeout in seconds (`None`: for ever) into a deadline.
-pub fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
+/// Turns a Python timeout in seconds (`None`: for ever) into a duration.
+pub fn timeout(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     match timeout {
         None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => {
-            Ok(Some(Instant::now() + Duration::from_secs_f64(t)))
-        }
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
         Some(t) => Err(to_py(StoreError::bad_request(format!(
             "timeout must be a non-negative number of seconds or None, not {t}"
         )))),
     }
 }
 
+/// Turns a Python timeout in seconds (`None`: for ever) into a deadline.
+pub fn deadline(seconds: Option<f64>) -> PyResult<Option<Instant>> {
+    Ok(timeout(seconds)?.map(|t| Instant::now() + t))
+}
+
 /// Runs `f` without the GIL, giving it a `Wait` that ends at `deadline` or when a signal handler
 /// raises; the handler's exception (e.g. `KeyboardInterrupt`) is what the caller sees then.
-pub fn detached<T: Send>(
+pub fn detached<T: Send, E: BlockingError>(
     py: Python<'_>,
     deadline: Option<Instant>,
-    f: impl FnOnce(Wait<'_>) -> Result<T, StoreError> + Send,
+    f: impl FnOnce(Wait<'_>) -> Result<T, E> + Send,
 ) -> PyResult<T> {
     let raised: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
     let interrupted = || {
@@ -41,11 +44,9 @@ pub fn detached<T: Send>(
     let result = py.detach(|| f(Wait { deadline, interrupted: &interrupted }));
     match result {
         Ok(v) => Ok(v),
-        Err(StoreError::Interrupted) => Err(raised
-            .into_inner()
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| to_py(StoreError::Interrupted))),
-        Err(e) => Err(to_py(e)),
+        Err(e) if e.is_interrupted() => {
+            Err(raised.into_inner().ok().flatten().unwrap_or_else(|| e.into_py()))
+        }
+        Err(e) => Err(e.into_py()),
     }
 }

@@ -1,8 +1,9 @@
 //! The one place where Rust errors become Python exceptions, variant by variant. The exception
 //! classes live in `asyncflow/errors.py` so they can also derive from the matching builtins
-//! (`TimeoutError`, `ValueError`, `LookupError`).
+//! (`TimeoutError`, `ValueError`, `LookupError`, `ConnectionError`).
 
 use asyncflow_core::StoreError;
+use asyncflow_server::Error as ClientError;
 use pyo3::PyErr;
 use pyo3::exceptions::PyKeyboardInterrupt;
 
@@ -14,6 +15,8 @@ pyo3::import_exception!(asyncflow.errors, UnknownIndexError);
 pyo3::import_exception!(asyncflow.errors, UnknownTaskError);
 pyo3::import_exception!(asyncflow.errors, LeaseError);
 pyo3::import_exception!(asyncflow.errors, BadRequestError);
+pyo3::import_exception!(asyncflow.errors, ConnectionError);
+pyo3::import_exception!(asyncflow.errors, AuthError);
 
 pub fn to_py(err: StoreError) -> PyErr {
     let msg = err.to_string();
@@ -30,13 +33,53 @@ pub fn to_py(err: StoreError) -> PyErr {
     }
 }
 
+/// Errors of a daemon connection: store errors exactly as the embedded store raises them,
+/// everything about reaching the daemon as `ConnectionError` (or `AuthError`).
+pub fn client_to_py(err: ClientError) -> PyErr {
+    match err {
+        ClientError::Store(e) => to_py(e),
+        ClientError::Auth(_) => AuthError::new_err(err.to_string()),
+        ClientError::Config(m) => BadRequestError::new_err(m),
+        ClientError::Connection(_)
+        | ClientError::Protocol(_)
+        | ClientError::Shm(_)
+        | ClientError::Io(_) => ConnectionError::new_err(err.to_string()),
+    }
+}
+
+/// An error a blocking call can end with: whether it means "interrupted", and its exception.
+pub trait BlockingError: Send {
+    fn is_interrupted(&self) -> bool;
+    fn into_py(self) -> PyErr;
+}
+
+impl BlockingError for StoreError {
+    fn is_interrupted(&self) -> bool {
+        matches!(self, StoreError::Interrupted)
+    }
+
+    fn into_py(self) -> PyErr {
+        to_py(self)
+    }
+}
+
+impl BlockingError for ClientError {
+    fn is_interrupted(&self) -> bool {
+        matches!(self, ClientError::Store(StoreError::Interrupted))
+    }
+
+    fn into_py(self) -> PyErr {
+        client_to_py(self)
+    }
+}
+
 /// `?`-friendly conversion for results of core calls.
 pub trait IntoPy<T> {
     fn py_err(self) -> pyo3::PyResult<T>;
 }
 
-impl<T> IntoPy<T> for Result<T, StoreError> {
+impl<T, E: BlockingError> IntoPy<T> for Result<T, E> {
     fn py_err(self) -> pyo3::PyResult<T> {
-        self.map_err(to_py)
+        self.map_err(BlockingError::into_py)
     }
 }

@@ -6,7 +6,9 @@
 
 mod arrays;
 mod blocking;
+mod convert;
 mod errors;
+mod remote;
 mod scheduler;
 mod store;
 
@@ -17,10 +19,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_LINEAR_WEIGHT", asyncflow_core::scheduler::CostModel::DEFAULT_LINEAR_WEIGHT)?;
     m.add_class::<store::Store>()?;
+    m.add_class::<remote::RemoteStore>()?;
     m.add_class::<arrays::ChunkOwner>()?;
     m.add_class::<scheduler::Router>()?;
     m.add_function(wrap_pyfunction!(scheduler::costs, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::partition, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::micro_batches, m)?)?;
+    m.add_function(wrap_pyfunction!(remote::serve, m)?)?;
     Ok(())
 }

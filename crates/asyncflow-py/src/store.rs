@@ -1,54 +1,20 @@
 //! The embedded store as a Python class. Conversions only: every rule lives in the core.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use asyncflow_core::{
-    self as core, ClaimSpec, Column, NewRows, PutTarget, Share, StoreConfig, StoreError,
-};
+use asyncflow_core::{self as core, Column, StoreConfig, StoreError};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::PyDict;
 
-use crate::arrays::{CellViews, PendingColumn};
+use crate::arrays::PendingColumn;
 use crate::blocking::{deadline, detached};
-use crate::errors::{IntoPy, to_py};
-use crate::scheduler::cost_model;
-
-/// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
-/// versions and groups (-1: no group), and seconds until the lease expires.
-type ClaimResult<'py> = (
-    Option<u64>,
-    Bound<'py, PyArray1<u64>>,
-    Bound<'py, PyArray1<u64>>,
-    Bound<'py, PyArray1<i64>>,
-    Option<f64>,
-);
-
-fn seconds(value: f64, what: &str) -> PyResult<Duration> {
-    if value.is_finite() && value > 0.0 {
-        Ok(Duration::from_secs_f64(value))
-    } else {
-        Err(to_py(StoreError::bad_request(format!(
-            "{what} must be a positive number of seconds, not {value}"
-        ))))
-    }
-}
-
-fn groups_to_core(groups: &[i64]) -> PyResult<Vec<u64>> {
-    groups
-        .iter()
-        .map(|&g| {
-            u64::try_from(g).map_err(|_| {
-                to_py(StoreError::bad_request(format!("group ids must be >= 0, got {g}")))
-            })
-        })
-        .collect()
-}
-
-fn group_to_py(group: Option<u64>) -> i64 {
-    group.map_or(-1, |g| g as i64)
-}
+use crate::convert::{
+    ClaimResult, RowsResult, ShareArgs, claim_result, claim_spec, columns_dict, inspect_fields,
+    put_target, rows_result, seconds, stats_dict,
+};
+use crate::errors::IntoPy;
 
 /// The in-process sample store.
 #[pyclass(module = "asyncflow._native", frozen)]
@@ -90,28 +56,8 @@ impl Store {
         tags: Option<Vec<Vec<(String, String)>>>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-        let pending = fields
-            .iter()
-            .map(|(name, value, dtype)| PendingColumn::inspect(name, value, dtype.as_deref()))
-            .collect::<PyResult<Vec<_>>>()?;
-        let target = match indexes {
-            Some(indexes) => {
-                if partition.is_some() || groups.is_some() || versions.is_some() || tags.is_some() {
-                    return Err(to_py(StoreError::bad_request(
-                        "partition, groups, versions and tags describe new rows; they cannot be given with indexes",
-                    )));
-                }
-                PutTarget::Existing(indexes.as_slice()?.to_vec())
-            }
-            None => PutTarget::New(NewRows {
-                partition: partition.unwrap_or_else(|| "default".to_owned()),
-                groups: groups.map(|g| groups_to_core(g.as_slice()?)).transpose()?,
-                group_size,
-                versions: versions
-                    .map_or_else(|| Ok(vec![0]), |v| v.as_slice().map(<[u64]>::to_vec))?,
-                tags: tags.unwrap_or_default().into_iter().map(Arc::new).collect(),
-            }),
-        };
+        let pending = inspect_fields(&fields)?;
+        let target = put_target(partition, indexes, groups, group_size, versions, tags)?;
         let total: u64 = pending.iter().map(PendingColumn::bytes_needed).sum();
         let store = &self.inner;
         let rows = detached(py, deadline(timeout.or(Some(60.0)))?, |wait| {
@@ -156,49 +102,25 @@ impl Store {
         linear_weight: Option<f64>,
         equal_count: bool,
     ) -> PyResult<ClaimResult<'py>> {
-        let batch_size = usize::try_from(batch_size).map_err(|_| {
-            to_py(StoreError::bad_request(format!(
-                "batch_size must be at least 1, not {batch_size}"
-            )))
-        })?;
-        let share = match step {
-            Some(step) => Some(Share {
-                step,
-                replica,
-                dp_rank,
-                dp_size,
-                replica_rank,
-                replica_size,
-                balance_field,
-                cost: cost_model(cost, linear_weight)?,
-                equal_count,
-            }),
-            None if (replica, dp_rank, dp_size, replica_rank, replica_size) != (0, 0, 1, 0, 1)
-                || balance_field.is_some()
-                || equal_count =>
-            {
-                return Err(to_py(StoreError::bad_request(
-                    "replica, dp_*, replica_*, balance_field and equal_count share a step's \
-                     batch; they need step",
-                )));
-            }
-            None => None,
+        let share = ShareArgs {
+            step,
+            replica,
+            dp_rank,
+            dp_size,
+            replica_rank,
+            replica_size,
+            balance_field,
+            cost,
+            linear_weight,
+            equal_count,
         };
         let spec =
-            ClaimSpec { task, fields, batch_size, partition, min_version, whole_groups, share };
+            claim_spec(task, fields, batch_size, partition, min_version, whole_groups, share)?;
         let store = &self.inner;
         let claimed =
             detached(py, deadline(timeout)?, |wait| store.claim(&spec, allow_partial, wait))?;
-        let left =
-            claimed.deadline.map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64());
-        let groups: Vec<i64> = claimed.groups.iter().map(|&g| group_to_py(g)).collect();
-        Ok((
-            claimed.lease,
-            claimed.rows.into_pyarray(py),
-            claimed.versions.into_pyarray(py),
-            groups.into_pyarray(py),
-            left,
-        ))
+        let left = claimed.deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        Ok(claim_result(py, claimed.lease, claimed.rows, claimed.versions, &claimed.groups, left))
     }
 
     /// Commits a lease, or only `indexes` of it.
@@ -241,46 +163,23 @@ impl Store {
         let indexes = indexes.as_slice()?;
         let store = &self.inner;
         let columns = py.detach(|| store.read(indexes, &fields)).py_err()?;
-        let out = PyDict::new(py);
-        let mut views = CellViews::new(py);
-        for column in &columns {
-            let values = column
-                .cells
-                .iter()
-                .map(|c| views.view(&column.schema, c))
-                .collect::<PyResult<Vec<_>>>()?;
-            out.set_item(&column.name, PyList::new(py, values)?)?;
-        }
-        Ok(out)
+        columns_dict(py, columns.iter().map(|c| (c.name.as_str(), &c.schema, c.cells.as_slice())))
     }
 
     /// Metadata of rows: `(indexes, partitions, groups, versions, tags)`; all live rows (of one
     /// partition) when `indexes` is None.
     #[pyo3(signature = (indexes = None, *, partition = None))]
-    #[allow(clippy::type_complexity)]
     fn rows<'py>(
         &self,
         py: Python<'py>,
         indexes: Option<PyReadonlyArray1<'py, u64>>,
         partition: Option<String>,
-    ) -> PyResult<(
-        Bound<'py, PyArray1<u64>>,
-        Vec<String>,
-        Bound<'py, PyArray1<i64>>,
-        Bound<'py, PyArray1<u64>>,
-        Vec<Vec<(String, String)>>,
-    )> {
+    ) -> PyResult<RowsResult<'py>> {
         let infos = match indexes {
             Some(indexes) => self.inner.row_info(indexes.as_slice()?).py_err()?,
             None => self.inner.rows(partition.as_deref()),
         };
-        Ok((
-            infos.iter().map(|i| i.index).collect::<Vec<_>>().into_pyarray(py),
-            infos.iter().map(|i| i.partition.clone()).collect(),
-            infos.iter().map(|i| group_to_py(i.group)).collect::<Vec<_>>().into_pyarray(py),
-            infos.iter().map(|i| i.version).collect::<Vec<_>>().into_pyarray(py),
-            infos.iter().map(|i| i.tags.as_ref().clone()).collect(),
-        ))
+        Ok(rows_result(py, &infos))
     }
 
     /// Names of the fields ready on each of `indexes`.
@@ -306,45 +205,6 @@ impl Store {
 
     /// Counters and gauges of the store.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let c = &s.index.counters;
-        let d = PyDict::new(py);
-        d.set_item("transport", "inproc")?;
-        d.set_item("shards", s.shards)?;
-        d.set_item("lease_timeout", s.lease_timeout.as_secs_f64())?;
-        d.set_item("memory_used", s.memory_used)?;
-        d.set_item("memory_limit", s.memory_limit)?;
-        d.set_item("live_rows", s.index.live_rows)?;
-        d.set_item("resident_slots", s.index.resident_slots)?;
-        d.set_item("payload_rows", s.payload_rows)?;
-        d.set_item("active_leases", s.index.active_leases)?;
-        for (k, v) in [
-            ("puts", c.puts),
-            ("rows_put", c.rows_put),
-            ("field_ready_updates", c.field_ready_updates),
-            ("claims", c.claims),
-            ("rows_claimed", c.rows_claimed),
-            ("rows_acked", c.rows_acked),
-            ("rows_released", c.rows_released),
-            ("rows_freed", c.rows_freed),
-            ("leases_expired", c.leases_expired),
-        ] {
-            d.set_item(k, v)?;
-        }
-        let fields = PyDict::new(py);
-        for (name, schema, ready) in &s.index.fields {
-            fields.set_item(name, (schema.to_string(), ready))?;
-        }
-        d.set_item("fields", fields)?;
-        let tasks = PyDict::new(py);
-        for (name, leased, acked) in &s.index.tasks {
-            tasks.set_item(name, (leased, acked))?;
-        }
-        d.set_item("tasks", tasks)?;
-        d.set_item(
-            "partitions",
-            PyDict::from_sequence(&PyList::new(py, &s.index.partitions)?.into_any())?,
-        )?;
-        Ok(d)
+        stats_dict(py, &self.inner.stats(), "inproc")
     }
 }

@@ -12,52 +12,23 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 import asyncflow as af
+from asyncflow.bench import daemon_cases, peer_cases
 from asyncflow.bench.records import Report
+from asyncflow.bench.workload import CLAIM_BATCH, Rounds, best_of, memcpy_seconds, store_seconds
 
 SIZES = {"1KiB": 1 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
-CLAIM_BATCH = 64
-
-
-def best_of(repeats: int, fn: Callable[[], float]) -> float:
-    """The fastest of ``repeats`` timings (seconds): the least disturbed by a noisy machine."""
-    return min(fn() for _ in range(repeats))
 
 
 def throughput(report: Report, label: str, size: int, quick: bool) -> None:
-    rows_per_put = max(1, min(256, (4 << 20) // size))
-    volume = (64 << 20) if quick else (512 << 20)
-    rounds = max(4, volume // (rows_per_put * size))
-    block = np.random.default_rng(0).integers(0, 255, (rows_per_put, size), dtype=np.uint8)
-    moved = rounds * rows_per_put * size
-
-    store = af.Store(shards=8)
-    store.register_task("bench")
-
-    def ours() -> float:
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            store.put({"payload": block}, partition="bench")
-            batch = store.claim("bench", "payload", rows_per_put, timeout=10)
-            batch.read()
-            batch.ack()
-        return time.perf_counter() - t0
-
-    dst = np.empty_like(block)
-
-    def memcpy() -> float:
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            np.copyto(dst, block)
-        return time.perf_counter() - t0
-
+    work = Rounds.of(size, quick)
     repeats = 2 if quick else 3
-    base = moved / best_of(repeats, memcpy) / 1e9
-    value = moved / best_of(repeats, ours) / 1e9
+    base = work.moved / best_of(repeats, lambda: memcpy_seconds(work)) / 1e9
+    store = af.Store(shards=8)
+    value = work.moved / best_of(repeats, lambda: store_seconds(store, work)) / 1e9
     report.add(f"inproc/{label}", "throughput", value, "GB/s", "memcpy", base)
 
 
@@ -124,3 +95,6 @@ def run(report: Report, quick: bool = False) -> None:
     report.progress("field-ready updates from batched fills")
     ours, baseline = ready_updates(quick)
     report.add("inproc/1KiB", "ready_updates", ours, "1/s", "python-set-index", baseline)
+
+    daemon_cases.run(report, SIZES, quick)
+    peer_cases.run(report, SIZES, quick)

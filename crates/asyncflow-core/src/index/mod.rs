@@ -145,6 +145,41 @@ pub struct Counters {
     pub leases_expired: u64,
 }
 
+impl Counters {
+    /// Every counter with its name, in a fixed order (for reports and the wire).
+    pub fn named(&self) -> [(&'static str, u64); 9] {
+        [
+            ("puts", self.puts),
+            ("rows_put", self.rows_put),
+            ("field_ready_updates", self.field_ready_updates),
+            ("claims", self.claims),
+            ("rows_claimed", self.rows_claimed),
+            ("rows_acked", self.rows_acked),
+            ("rows_released", self.rows_released),
+            ("rows_freed", self.rows_freed),
+            ("leases_expired", self.leases_expired),
+        ]
+    }
+
+    /// Sets the counter called `name`; returns false if there is none (a newer peer's counter).
+    pub fn set(&mut self, name: &str, value: u64) -> bool {
+        let slot = match name {
+            "puts" => &mut self.puts,
+            "rows_put" => &mut self.rows_put,
+            "field_ready_updates" => &mut self.field_ready_updates,
+            "claims" => &mut self.claims,
+            "rows_claimed" => &mut self.rows_claimed,
+            "rows_acked" => &mut self.rows_acked,
+            "rows_released" => &mut self.rows_released,
+            "rows_freed" => &mut self.rows_freed,
+            "leases_expired" => &mut self.leases_expired,
+            _ => return false,
+        };
+        *slot = value;
+        true
+    }
+}
+
 /// A point-in-time summary of the index.
 #[derive(Debug, Clone, Default)]
 pub struct IndexStats {

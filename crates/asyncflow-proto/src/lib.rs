@@ -1,0 +1,29 @@
+//! The store's wire protocol as a pure codec: bytes in, messages out, and back. No sockets, no
+//! async, no clock — so every rule about what a peer may send can be tested and fuzzed on plain
+//! byte slices, and every transport (TCP, Unix socket with shared memory) shares one definition.
+//!
+//! A frame is a fixed [`FrameHeader`] (magic, version, operation, request id, two lengths), then
+//! a metadata section (the message, encoded by [`Request`] / [`Reply`]), then a payload section
+//! of raw cell bytes that the metadata points into. Payloads are bytes plus dtype and shape,
+//! never serialised objects.
+
+pub mod claim;
+pub mod error;
+pub mod frame;
+pub mod message;
+pub mod reply;
+pub mod untrusted;
+pub mod wire;
+
+pub use error::ProtoError;
+pub use frame::{
+    FrameHeader, HEADER_LEN, Limits, MAGIC, Op, PAYLOAD_ALIGN, RawFrame, VERSION, align_payload,
+    decode_frame,
+};
+pub use message::{
+    CellMeta, ColumnMeta, Hello, PayloadSource, PutRequest, Request, Role, StoreCells,
+};
+pub use reply::{
+    CellPlace, Claimed, Failure, Reply, Segments, ServerHello, SharedCell, WireCell, WireColumn,
+    decode_answer,
+};

@@ -1,0 +1,530 @@
+//! Requests: what a client (or the controller) asks a daemon to do. Each maps to one [`Op`]; its
+//! metadata is encoded here, and any payload bytes it carries sit in the frame's payload section
+//! at the offsets its [`CellMeta`]s name.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use asyncflow_core::{ClaimSpec, FieldSchema, NewRows, PutTarget};
+
+use crate::claim;
+use crate::error::ProtoError;
+use crate::frame::Op;
+use crate::wire::{Reader, Writer};
+
+/// What a daemon is: the whole store, or one half of a sharded deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Role {
+    /// Metadata and payloads in one process.
+    Standalone = 0,
+    /// Metadata, readiness and leases; payloads live on storage daemons.
+    Controller = 1,
+    /// Payloads only, addressed by the controller's row indexes and field ids.
+    Storage = 2,
+}
+
+impl Role {
+    pub fn from_code(code: u8) -> Result<Self, ProtoError> {
+        match code {
+            0 => Ok(Role::Standalone),
+            1 => Ok(Role::Controller),
+            2 => Ok(Role::Storage),
+            c => Err(ProtoError::malformed(format!("unknown role {c}"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Standalone => "standalone",
+            Role::Controller => "controller",
+            Role::Storage => "storage",
+        }
+    }
+}
+
+/// The first frame on every connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub token: Option<String>,
+    /// Identifies the client's machine; equal to the daemon's, shared memory is possible.
+    pub host: String,
+}
+
+/// Where one cell's bytes are: `len` bytes at `offset` of the payload (frame or staged region).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CellMeta {
+    pub offset: u64,
+    pub len: u64,
+    pub first_dim: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColumnMeta {
+    pub name: String,
+    pub schema: FieldSchema,
+    pub cells: Vec<CellMeta>,
+}
+
+/// Where a put's cell offsets point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadSource {
+    /// Into this frame's payload section.
+    Inline,
+    /// Into a shared-memory region the daemon handed out with `Stage`.
+    Staged(u64),
+    /// Nowhere: the controller only admits the rows; the bytes go to storage daemons.
+    Elsewhere,
+}
+
+#[derive(Debug, Clone)]
+pub struct PutRequest {
+    pub columns: Vec<ColumnMeta>,
+    pub target: PutTarget,
+    pub timeout: Option<Duration>,
+    pub source: PayloadSource,
+}
+
+/// Payload cells for a storage daemon: `columns[f].1[k]` is field `columns[f].0` of `rows[k]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreCells {
+    pub rows: Vec<u64>,
+    pub columns: Vec<(u32, Vec<CellMeta>)>,
+    pub timeout: Option<Duration>,
+    pub source: PayloadSource,
+}
+
+#[derive(Debug, Clone)]
+pub enum Request {
+    Hello(Hello),
+    RegisterTask {
+        name: String,
+        /// Partition-name prefixes the task consumes; `None` for all.
+        scope: Option<Vec<String>>,
+    },
+    Put(PutRequest),
+    Claim {
+        spec: ClaimSpec,
+        allow_partial: bool,
+        timeout: Option<Duration>,
+    },
+    Ack {
+        lease: u64,
+        subset: Option<Vec<u64>>,
+    },
+    Release {
+        lease: u64,
+        subset: Option<Vec<u64>>,
+    },
+    Renew {
+        lease: u64,
+        timeout: Option<Duration>,
+    },
+    Read {
+        rows: Vec<u64>,
+        fields: Vec<String>,
+    },
+    Rows {
+        rows: Option<Vec<u64>>,
+        partition: Option<String>,
+    },
+    Clear {
+        partition: String,
+    },
+    Delete {
+        rows: Vec<u64>,
+    },
+    Schema {
+        field: String,
+    },
+    /// The names of the fields ready on each row.
+    ReadyFields {
+        rows: Vec<u64>,
+    },
+    Stats,
+    /// Reserve a shared-memory region of `bytes` for a put that follows.
+    Stage {
+        bytes: u64,
+        timeout: Option<Duration>,
+    },
+    /// The client dropped its views of these read pins (no reply).
+    Unpin {
+        pins: Vec<u64>,
+    },
+    /// Stop waiting on this earlier request of the same connection (no reply).
+    Cancel {
+        request: u64,
+    },
+    /// Controller: the payloads of these admitted rows are in place; make the fields ready.
+    Commit {
+        rows: Vec<u64>,
+        fields: Vec<u32>,
+    },
+    /// Controller: check `fields` are readable on `rows`; answer their ids and schemas.
+    Locate {
+        rows: Vec<u64>,
+        fields: Vec<String>,
+    },
+    /// Storage: keep these cells.
+    StoreCells(StoreCells),
+    /// Storage: the cells of `fields` (ids) on `rows`.
+    FetchCells {
+        rows: Vec<u64>,
+        fields: Vec<u32>,
+    },
+    /// Storage: forget these rows' payloads (no reply).
+    DropRows {
+        rows: Vec<u64>,
+    },
+}
+
+fn put_cells(w: &mut Writer, cells: &[CellMeta]) {
+    w.list(cells, |w, c| {
+        w.u64(c.offset).u64(c.len).u64(c.first_dim);
+    });
+}
+
+fn get_cells(r: &mut Reader<'_>) -> Result<Vec<CellMeta>, ProtoError> {
+    r.list(24, |r| Ok(CellMeta { offset: r.u64()?, len: r.u64()?, first_dim: r.u64()? }))
+}
+
+fn put_source(w: &mut Writer, s: PayloadSource) {
+    match s {
+        PayloadSource::Inline => w.u8(0),
+        PayloadSource::Staged(id) => w.u8(1).u64(id),
+        PayloadSource::Elsewhere => w.u8(2),
+    };
+}
+
+fn get_source(r: &mut Reader<'_>) -> Result<PayloadSource, ProtoError> {
+    match r.u8()? {
+        0 => Ok(PayloadSource::Inline),
+        1 => Ok(PayloadSource::Staged(r.u64()?)),
+        2 => Ok(PayloadSource::Elsewhere),
+        t => Err(ProtoError::malformed(format!("unknown payload source {t}"))),
+    }
+}
+
+fn put_timeout(w: &mut Writer, t: Option<Duration>) {
+    w.opt(t, |w, d| {
+        w.duration(d);
+    });
+}
+
+fn put_subset(w: &mut Writer, s: Option<&Vec<u64>>) {
+    w.opt(s, |w, v| {
+        w.u64s(v);
+    });
+}
+
+pub(crate) fn put_tags(w: &mut Writer, tags: &[(String, String)]) {
+    w.list(tags, |w, (k, v)| {
+        w.str(k).str(v);
+    });
+}
+
+pub(crate) fn get_tags(r: &mut Reader<'_>) -> Result<Vec<(String, String)>, ProtoError> {
+    r.list(8, |r| Ok((r.string()?, r.string()?)))
+}
+
+fn put_target(w: &mut Writer, target: &PutTarget) {
+    match target {
+        PutTarget::Existing(rows) => {
+            w.u8(1).u64s(rows);
+        }
+        PutTarget::New(new) => {
+            w.u8(0).str(&new.partition);
+            w.opt(new.groups.as_ref(), |w, g| {
+                w.u64s(g);
+            });
+            w.opt(new.group_size, |w, s| {
+                w.u32(s);
+            });
+            w.u64s(&new.versions);
+            w.list(&new.tags, |w, t| put_tags(w, t));
+        }
+    }
+}
+
+fn get_target(r: &mut Reader<'_>) -> Result<PutTarget, ProtoError> {
+    match r.u8()? {
+        1 => Ok(PutTarget::Existing(r.u64s()?)),
+        0 => Ok(PutTarget::New(NewRows {
+            partition: r.string()?,
+            groups: r.opt(Reader::u64s)?,
+            group_size: r.opt(Reader::u32)?,
+            versions: r.u64s()?,
+            tags: r.list(4, |r| get_tags(r).map(Arc::new))?,
+        })),
+        t => Err(ProtoError::malformed(format!("unknown put target {t}"))),
+    }
+}
+
+/// Checks that every cell lies inside a payload of `payload_len` bytes.
+fn check_inline(cells: &[CellMeta], payload_len: u64) -> Result<(), ProtoError> {
+    for c in cells {
+        let end = c.offset.checked_add(c.len);
+        if end.is_none_or(|e| e > payload_len) {
+            return Err(ProtoError::malformed(format!(
+                "cell at {}+{} lies outside the {payload_len}-byte payload",
+                c.offset, c.len
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Request {
+    pub fn op(&self) -> Op {
+        match self {
+            Request::Hello(_) => Op::Hello,
+            Request::RegisterTask { .. } => Op::RegisterTask,
+            Request::Put(_) => Op::Put,
+            Request::Claim { .. } => Op::Claim,
+            Request::Ack { .. } => Op::Ack,
+            Request::Release { .. } => Op::Release,
+            Request::Renew { .. } => Op::Renew,
+            Request::Read { .. } => Op::Read,
+            Request::Rows { .. } => Op::Rows,
+            Request::Clear { .. } => Op::Clear,
+            Request::Delete { .. } => Op::Delete,
+            Request::Schema { .. } => Op::Schema,
+            Request::ReadyFields { .. } => Op::ReadyFields,
+            Request::Stats => Op::Stats,
+            Request::Stage { .. } => Op::Stage,
+            Request::Unpin { .. } => Op::Unpin,
+            Request::Cancel { .. } => Op::Cancel,
+            Request::Commit { .. } => Op::Commit,
+            Request::Locate { .. } => Op::Locate,
+            Request::StoreCells(_) => Op::StoreCells,
+            Request::FetchCells { .. } => Op::FetchCells,
+            Request::DropRows { .. } => Op::DropRows,
+        }
+    }
+
+    /// The metadata section of this request's frame.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        match self {
+            Request::Hello(h) => {
+                w.opt(h.token.as_deref(), |w, t| {
+                    w.str(t);
+                })
+                .str(&h.host);
+            }
+            Request::RegisterTask { name, scope } => {
+                w.str(name).opt(scope.as_deref(), |w, s| {
+                    w.strs(s);
+                });
+            }
+            Request::Put(p) => {
+                w.list(&p.columns, |w, c| {
+                    w.str(&c.name).schema(&c.schema);
+                    put_cells(w, &c.cells);
+                });
+                put_target(&mut w, &p.target);
+                put_timeout(&mut w, p.timeout);
+                put_source(&mut w, p.source);
+            }
+            Request::Claim { spec, allow_partial, timeout } => {
+                claim::encode(&mut w, spec);
+                w.bool(*allow_partial);
+                put_timeout(&mut w, *timeout);
+            }
+            Request::Ack { lease, subset } | Request::Release { lease, subset } => {
+                w.u64(*lease);
+                put_subset(&mut w, subset.as_ref());
+            }
+            Request::Renew { lease, timeout } => {
+                w.u64(*lease);
+                put_timeout(&mut w, *timeout);
+            }
+            Request::Read { rows, fields } | Request::Locate { rows, fields } => {
+                w.u64s(rows).strs(fields);
+            }
+            Request::Rows { rows, partition } => {
+                put_subset(&mut w, rows.as_ref());
+                w.opt(partition.as_deref(), |w, p| {
+                    w.str(p);
+                });
+            }
+            Request::Clear { partition } => {
+                w.str(partition);
+            }
+            Request::Delete { rows }
+            | Request::DropRows { rows }
+            | Request::ReadyFields { rows } => {
+                w.u64s(rows);
+            }
+            Request::Schema { field } => {
+                w.str(field);
+            }
+            Request::Stats => {}
+            Request::Stage { bytes, timeout } => {
+                w.u64(*bytes);
+                put_timeout(&mut w, *timeout);
+            }
+            Request::Unpin { pins } => {
+                w.u64s(pins);
+            }
+            Request::Cancel { request } => {
+                w.u64(*request);
+            }
+            Request::Commit { rows, fields } | Request::FetchCells { rows, fields } => {
+                w.u64s(rows).list(fields, |w, &f| {
+                    w.u32(f);
+                });
+            }
+            Request::StoreCells(s) => {
+                w.u64s(&s.rows).list(&s.columns, |w, (field, cells)| {
+                    w.u32(*field);
+                    put_cells(w, cells);
+                });
+                put_timeout(&mut w, s.timeout);
+                put_source(&mut w, s.source);
+            }
+        }
+        w.buf
+    }
+
+    /// Decodes the metadata of a request frame with operation `op` whose payload section holds
+    /// `payload_len` bytes; inline cells must lie inside it.
+    pub fn decode(op: Op, meta: &[u8], payload_len: u64) -> Result<Self, ProtoError> {
+        let mut r = Reader::new(meta);
+        let req = Self::decode_body(op, &mut r)?;
+        r.finish()?;
+        req.check_payload(payload_len)?;
+        Ok(req)
+    }
+
+    fn decode_body(op: Op, r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let fields32 = |r: &mut Reader<'_>| r.list(4, Reader::u32);
+        Ok(match op {
+            Op::Hello => Request::Hello(Hello { token: r.opt(Reader::string)?, host: r.string()? }),
+            Op::RegisterTask => {
+                Request::RegisterTask { name: r.string()?, scope: r.opt(Reader::strings)? }
+            }
+            Op::Put => Request::Put(PutRequest {
+                columns: r.list(10, |r| {
+                    Ok(ColumnMeta { name: r.string()?, schema: r.schema()?, cells: get_cells(r)? })
+                })?,
+                target: get_target(r)?,
+                timeout: r.opt(Reader::duration)?,
+                source: get_source(r)?,
+            }),
+            Op::Claim => Request::Claim {
+                spec: claim::decode(r)?,
+                allow_partial: r.bool()?,
+                timeout: r.opt(Reader::duration)?,
+            },
+            Op::Ack => Request::Ack { lease: r.u64()?, subset: r.opt(Reader::u64s)? },
+            Op::Release => Request::Release { lease: r.u64()?, subset: r.opt(Reader::u64s)? },
+            Op::Renew => Request::Renew { lease: r.u64()?, timeout: r.opt(Reader::duration)? },
+            Op::Read => Request::Read { rows: r.u64s()?, fields: r.strings()? },
+            Op::Locate => Request::Locate { rows: r.u64s()?, fields: r.strings()? },
+            Op::Rows => {
+                Request::Rows { rows: r.opt(Reader::u64s)?, partition: r.opt(Reader::string)? }
+            }
+            Op::Clear => Request::Clear { partition: r.string()? },
+            Op::Delete => Request::Delete { rows: r.u64s()? },
+            Op::DropRows => Request::DropRows { rows: r.u64s()? },
+            Op::ReadyFields => Request::ReadyFields { rows: r.u64s()? },
+            Op::Schema => Request::Schema { field: r.string()? },
+            Op::Stats => Request::Stats,
+            Op::Stage => Request::Stage { bytes: r.u64()?, timeout: r.opt(Reader::duration)? },
+            Op::Unpin => Request::Unpin { pins: r.u64s()? },
+            Op::Cancel => Request::Cancel { request: r.u64()? },
+            Op::Commit => Request::Commit { rows: r.u64s()?, fields: fields32(r)? },
+            Op::FetchCells => Request::FetchCells { rows: r.u64s()?, fields: fields32(r)? },
+            Op::StoreCells => Request::StoreCells(StoreCells {
+                rows: r.u64s()?,
+                columns: r.list(8, |r| Ok((r.u32()?, get_cells(r)?)))?,
+                timeout: r.opt(Reader::duration)?,
+                source: get_source(r)?,
+            }),
+            Op::Reply | Op::Failure => {
+                return Err(ProtoError::malformed("a reply where a request was expected"));
+            }
+        })
+    }
+
+    fn check_payload(&self, payload_len: u64) -> Result<(), ProtoError> {
+        let (cells, source): (Vec<&[CellMeta]>, _) = match self {
+            Request::Put(p) => (p.columns.iter().map(|c| c.cells.as_slice()).collect(), p.source),
+            Request::StoreCells(s) => {
+                (s.columns.iter().map(|c| c.1.as_slice()).collect(), s.source)
+            }
+            _ if payload_len == 0 => return Ok(()),
+            _ => return Err(ProtoError::malformed(format!("{:?} carries no payload", self.op()))),
+        };
+        match source {
+            PayloadSource::Inline => {
+                cells.into_iter().try_for_each(|c| check_inline(c, payload_len))
+            }
+            _ if payload_len == 0 => Ok(()),
+            _ => Err(ProtoError::malformed("a staged put with an inline payload")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use asyncflow_core::DType;
+
+    use super::*;
+
+    fn put(source: PayloadSource, offset: u64) -> Request {
+        Request::Put(PutRequest {
+            columns: vec![ColumnMeta {
+                name: "x".into(),
+                schema: FieldSchema::ragged(DType::F32, vec![2]),
+                cells: vec![CellMeta { offset, len: 8, first_dim: 1 }],
+            }],
+            target: PutTarget::New(NewRows {
+                partition: "p".into(),
+                groups: Some(vec![3]),
+                group_size: Some(1),
+                versions: vec![1],
+                tags: vec![Arc::new(vec![("k".into(), "v".into())])],
+            }),
+            timeout: Some(Duration::from_millis(1500)),
+            source,
+        })
+    }
+
+    fn round_trip(req: &Request, payload_len: u64) -> Result<Request, ProtoError> {
+        Request::decode(req.op(), &req.encode(), payload_len)
+    }
+
+    #[test]
+    fn a_put_round_trips_with_its_target_and_cells() {
+        let req = put(PayloadSource::Inline, 64);
+        let back = round_trip(&req, 72).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{req:?}"));
+    }
+
+    #[test]
+    fn an_inline_cell_outside_the_payload_is_malformed() {
+        assert!(round_trip(&put(PayloadSource::Inline, 64), 71).is_err());
+        assert!(round_trip(&put(PayloadSource::Inline, u64::MAX - 2), 100).is_err());
+    }
+
+    #[test]
+    fn staged_cells_are_not_checked_against_the_frame_but_may_not_bring_one() {
+        assert!(round_trip(&put(PayloadSource::Staged(4), 1 << 40), 0).is_ok());
+        assert!(round_trip(&put(PayloadSource::Staged(4), 0), 8).is_err());
+    }
+
+    #[test]
+    fn a_request_without_payload_may_not_carry_one() {
+        assert!(Request::decode(Op::Stats, &[], 1).is_err());
+    }
+
+    #[test]
+    fn truncating_any_request_is_an_error() {
+        let full = put(PayloadSource::Inline, 0).encode();
+        for cut in 0..full.len() {
+            assert!(Request::decode(Op::Put, &full[..cut], 8).is_err(), "cut at {cut}");
+        }
+    }
+}

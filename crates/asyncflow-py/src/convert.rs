@@ -1,0 +1,232 @@
+//! Conversions shared by every backend's Python class, so the embedded store and a daemon
+//! connection take the same arguments and return the same shapes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use asyncflow_core::{
+    Cell, ClaimSpec, FieldSchema, NewRows, PutTarget, RowInfo, Share, StoreError, StoreStats,
+};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::arrays::{CellViews, PendingColumn};
+use crate::errors::to_py;
+use crate::scheduler::cost_model;
+
+/// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
+/// versions and groups (-1: no group), and seconds until the lease expires.
+pub type ClaimResult<'py> = (
+    Option<u64>,
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<u64>>,
+    Bound<'py, PyArray1<i64>>,
+    Option<f64>,
+);
+
+/// Row metadata: `(indexes, partitions, groups, versions, tags)`.
+pub type RowsResult<'py> = (
+    Bound<'py, PyArray1<u64>>,
+    Vec<String>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<u64>>,
+    Vec<Vec<(String, String)>>,
+);
+
+pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
+    if value.is_finite() && value > 0.0 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(to_py(StoreError::bad_request(format!(
+            "{what} must be a positive number of seconds, not {value}"
+        ))))
+    }
+}
+
+/// A claim's options, checked.
+/// The options that share one step's batch between data-parallel ranks and replicas.
+pub struct ShareArgs<'a> {
+    pub step: Option<u64>,
+    pub replica: u64,
+    pub dp_rank: u32,
+    pub dp_size: u32,
+    pub replica_rank: u32,
+    pub replica_size: u32,
+    pub balance_field: Option<String>,
+    pub cost: &'a str,
+    pub linear_weight: Option<f64>,
+    pub equal_count: bool,
+}
+
+impl ShareArgs<'_> {
+    fn into_share(self) -> PyResult<Option<Share>> {
+        let Some(step) = self.step else {
+            let defaults =
+                (self.replica, self.dp_rank, self.dp_size, self.replica_rank, self.replica_size);
+            if defaults != (0, 0, 1, 0, 1) || self.balance_field.is_some() || self.equal_count {
+                return Err(to_py(StoreError::bad_request(
+                    "replica, dp_*, replica_*, balance_field and equal_count share a step's \
+                     batch; they need step",
+                )));
+            }
+            return Ok(None);
+        };
+        Ok(Some(Share {
+            step,
+            replica: self.replica,
+            dp_rank: self.dp_rank,
+            dp_size: self.dp_size,
+            replica_rank: self.replica_rank,
+            replica_size: self.replica_size,
+            balance_field: self.balance_field,
+            cost: cost_model(self.cost, self.linear_weight)?,
+            equal_count: self.equal_count,
+        }))
+    }
+}
+
+pub fn claim_spec(
+    task: String,
+    fields: Vec<String>,
+    batch_size: i64,
+    partition: Option<String>,
+    min_version: Option<u64>,
+    whole_groups: bool,
+    share: ShareArgs<'_>,
+) -> PyResult<ClaimSpec> {
+    let batch_size = usize::try_from(batch_size).map_err(|_| {
+        to_py(StoreError::bad_request(format!("batch_size must be at least 1, not {batch_size}")))
+    })?;
+    let share = share.into_share()?;
+    Ok(ClaimSpec { task, fields, batch_size, partition, min_version, whole_groups, share })
+}
+
+/// Reads a put's `(name, value, dtype)` fields off their Python values (GIL held).
+pub fn inspect_fields(
+    fields: &[(String, Bound<'_, PyAny>, Option<String>)],
+) -> PyResult<Vec<PendingColumn>> {
+    fields
+        .iter()
+        .map(|(name, value, dtype)| PendingColumn::inspect(name, value, dtype.as_deref()))
+        .collect()
+}
+
+fn groups_to_core(groups: &[i64]) -> PyResult<Vec<u64>> {
+    groups
+        .iter()
+        .map(|&g| {
+            u64::try_from(g).map_err(|_| {
+                to_py(StoreError::bad_request(format!("group ids must be >= 0, got {g}")))
+            })
+        })
+        .collect()
+}
+
+fn group_to_py(group: Option<u64>) -> i64 {
+    group.map_or(-1, |g| g as i64)
+}
+
+/// The rows a put writes: existing `indexes`, or new rows described by the rest.
+pub fn put_target(
+    partition: Option<String>,
+    indexes: Option<PyReadonlyArray1<'_, u64>>,
+    groups: Option<PyReadonlyArray1<'_, i64>>,
+    group_size: Option<u32>,
+    versions: Option<PyReadonlyArray1<'_, u64>>,
+    tags: Option<Vec<Vec<(String, String)>>>,
+) -> PyResult<PutTarget> {
+    if let Some(indexes) = indexes {
+        if partition.is_some() || groups.is_some() || versions.is_some() || tags.is_some() {
+            return Err(to_py(StoreError::bad_request(
+                "partition, groups, versions and tags describe new rows; they cannot be given with indexes",
+            )));
+        }
+        return Ok(PutTarget::Existing(indexes.as_slice()?.to_vec()));
+    }
+    Ok(PutTarget::New(NewRows {
+        partition: partition.unwrap_or_else(|| "default".to_owned()),
+        groups: groups.map(|g| groups_to_core(g.as_slice()?)).transpose()?,
+        group_size,
+        versions: versions.map_or_else(|| Ok(vec![0]), |v| v.as_slice().map(<[u64]>::to_vec))?,
+        tags: tags.unwrap_or_default().into_iter().map(Arc::new).collect(),
+    }))
+}
+
+pub fn claim_result<'py>(
+    py: Python<'py>,
+    lease: Option<u64>,
+    rows: Vec<u64>,
+    versions: Vec<u64>,
+    groups: &[Option<u64>],
+    expires_in: Option<Duration>,
+) -> ClaimResult<'py> {
+    let groups: Vec<i64> = groups.iter().map(|&g| group_to_py(g)).collect();
+    (
+        lease,
+        rows.into_pyarray(py),
+        versions.into_pyarray(py),
+        groups.into_pyarray(py),
+        expires_in.map(|d| d.as_secs_f64()),
+    )
+}
+
+pub fn rows_result<'py>(py: Python<'py>, infos: &[RowInfo]) -> RowsResult<'py> {
+    (
+        infos.iter().map(|i| i.index).collect::<Vec<_>>().into_pyarray(py),
+        infos.iter().map(|i| i.partition.clone()).collect(),
+        infos.iter().map(|i| group_to_py(i.group)).collect::<Vec<_>>().into_pyarray(py),
+        infos.iter().map(|i| i.version).collect::<Vec<_>>().into_pyarray(py),
+        infos.iter().map(|i| i.tags.as_ref().clone()).collect(),
+    )
+}
+
+/// `{field: [one value per row]}`: read-only NumPy views of the cells, `bytes` for bytes fields.
+pub fn columns_dict<'py, 'c>(
+    py: Python<'py>,
+    columns: impl IntoIterator<Item = (&'c str, &'c FieldSchema, &'c [Cell])>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    let mut views = CellViews::new(py);
+    for (name, schema, cells) in columns {
+        let values = cells.iter().map(|c| views.view(schema, c)).collect::<PyResult<Vec<_>>>()?;
+        out.set_item(name, PyList::new(py, values)?)?;
+    }
+    Ok(out)
+}
+
+/// Counters and gauges of a store, as the Python `stats()` dict.
+pub fn stats_dict<'py>(
+    py: Python<'py>,
+    s: &StoreStats,
+    transport: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("transport", transport)?;
+    d.set_item("shards", s.shards)?;
+    d.set_item("lease_timeout", s.lease_timeout.as_secs_f64())?;
+    d.set_item("memory_used", s.memory_used)?;
+    d.set_item("memory_limit", s.memory_limit)?;
+    d.set_item("live_rows", s.index.live_rows)?;
+    d.set_item("resident_slots", s.index.resident_slots)?;
+    d.set_item("payload_rows", s.payload_rows)?;
+    d.set_item("active_leases", s.index.active_leases)?;
+    for (k, v) in s.index.counters.named() {
+        d.set_item(k, v)?;
+    }
+    let fields = PyDict::new(py);
+    for (name, schema, ready) in &s.index.fields {
+        fields.set_item(name, (schema.to_string(), ready))?;
+    }
+    d.set_item("fields", fields)?;
+    let tasks = PyDict::new(py);
+    for (name, leased, acked) in &s.index.tasks {
+        tasks.set_item(name, (leased, acked))?;
+    }
+    d.set_item("tasks", tasks)?;
+    d.set_item(
+        "partitions",
+        PyDict::from_sequence(&PyList::new(py, &s.index.partitions)?.into_any())?,
+    )?;
+    Ok(d)
+}

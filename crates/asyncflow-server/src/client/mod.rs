@@ -1,0 +1,384 @@
+//! The Rust client: the store's operations over a connection to a standalone daemon, or over a
+//! controller plus its storage daemons, where metadata goes to the controller and payload bytes
+//! go straight to the storage daemon that owns each row (row `i` on daemon `i % n`).
+
+mod connection;
+mod layout;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use asyncflow_core::{Cell, Chunk, ClaimSpec, FieldSchema, PutTarget, RowInfo, StoreStats, Wait};
+use asyncflow_proto::{
+    CellPlace, Claimed, PayloadSource, PutRequest, Reply, Request, Role, StoreCells,
+};
+use asyncflow_shm::SegmentView;
+
+pub use connection::{Answer, Connection, Pending, Preference};
+pub use layout::{Layout, PutColumn};
+
+use crate::error::{Error, Result};
+
+/// Read cells with their field's name and schema.
+pub type ReadColumn = (String, FieldSchema, Vec<Cell>);
+
+pub struct Client {
+    primary: Connection,
+    /// The controller's storage daemons, in shard order; empty for a standalone daemon.
+    storage: Vec<Connection>,
+}
+
+fn unexpected(reply: &Reply) -> Error {
+    Error::connection(format!("unexpected reply from the daemon: {reply:?}"))
+}
+
+/// Writes a put's cells where `conn` wants them — a staged shared-memory region, or the frame —
+/// and sends the request `make` builds for that payload source.
+fn send_cells(
+    conn: &Connection,
+    layout: &Layout<'_>,
+    timeout: Option<Duration>,
+    wait: Wait<'_>,
+    make: impl FnOnce(PayloadSource) -> Request,
+) -> Result<Answer> {
+    if !conn.is_shm() {
+        return conn.call(&make(PayloadSource::Inline), &layout.parts(), wait);
+    }
+    let staged = conn.call(&Request::Stage { bytes: layout.total, timeout }, &[], wait)?;
+    let Reply::Staged { stage, cell, .. } = staged.reply else {
+        return Err(unexpected(&staged.reply));
+    };
+    let segment = conn.segment(cell.segment)?;
+    for &(offset, bytes) in &layout.sources {
+        segment.write((cell.offset + offset) as usize, bytes);
+    }
+    conn.call(&make(PayloadSource::Staged(stage)), &[], wait)
+}
+
+/// Turns a `Cells` reply into cells: inline ones view the received payload, shared ones view the
+/// mapped segment and keep the daemon's pin until the last of them is dropped.
+fn cells_of(conn: &Connection, answer: Answer) -> Result<Vec<ReadColumn>> {
+    let Reply::Cells { columns, pin, .. } = answer.reply else {
+        return Err(unexpected(&answer.reply));
+    };
+    let inline = crate::received::into_chunk(answer.payload, None);
+    let token = pin.map(|p| Arc::new(conn.pin_token(p)));
+    let mut shared: HashMap<u64, Arc<Chunk>> = HashMap::new();
+    let mut out = Vec::with_capacity(columns.len());
+    for column in columns {
+        let mut cells = Vec::with_capacity(column.cells.len());
+        for c in column.cells {
+            let (chunk, offset) = match c.place {
+                CellPlace::Inline(offset) => (Arc::clone(&inline), offset),
+                CellPlace::Shared(s) => {
+                    let chunk = if let Some(chunk) = shared.get(&s.segment) {
+                        Arc::clone(chunk)
+                    } else {
+                        let segment = conn.segment(s.segment)?;
+                        let keep: Box<dyn std::any::Any + Send + Sync> = Box::new(token.clone());
+                        let chunk = Chunk::new(Box::new(SegmentView::new(segment, keep)), None);
+                        shared.insert(s.segment, Arc::clone(&chunk));
+                        chunk
+                    };
+                    (chunk, s.offset)
+                }
+            };
+            if offset.checked_add(c.len).is_none_or(|end| end > chunk.len() as u64) {
+                return Err(Error::connection("the daemon named a cell outside its memory"));
+            }
+            cells.push(Cell {
+                chunk,
+                offset: offset as usize,
+                len: c.len as usize,
+                first_dim: c.first_dim,
+            });
+        }
+        out.push((column.name, column.schema, cells));
+    }
+    Ok(out)
+}
+
+/// Positions of `rows` grouped by the storage daemon that owns them.
+fn by_owner(rows: &[u64], n: usize) -> Vec<Vec<usize>> {
+    let mut owners = vec![Vec::new(); n];
+    for (k, &row) in rows.iter().enumerate() {
+        owners[(row % n as u64) as usize].push(k);
+    }
+    owners
+}
+
+impl Client {
+    /// Connects to `url` (`tcp://HOST:PORT` or `HOST:PORT`): a standalone daemon, or a controller
+    /// (then also to each of its storage daemons).
+    pub fn connect(url: &str, token: Option<&str>, prefer: Preference) -> Result<Self> {
+        let address = url.strip_prefix("tcp://").unwrap_or(url);
+        if address.contains("://") {
+            return Err(Error::connection(format!(
+                "unsupported address {url:?}; use tcp://HOST:PORT"
+            )));
+        }
+        let primary = Connection::open(address, token, prefer)?;
+        let storage = match primary.hello().role {
+            Role::Standalone => Vec::new(),
+            Role::Controller => primary
+                .hello()
+                .storage
+                .iter()
+                .map(|a| Connection::open(a, token, prefer))
+                .collect::<Result<_>>()?,
+            Role::Storage => {
+                return Err(Error::connection(format!(
+                    "{address} is a storage daemon; connect to its controller"
+                )));
+            }
+        };
+        Ok(Self { primary, storage })
+    }
+
+    /// The data path in use: `shm` if every payload connection uses shared memory, else `tcp`.
+    pub fn transport(&self) -> &'static str {
+        let payload_links: Vec<&Connection> = if self.storage.is_empty() {
+            vec![&self.primary]
+        } else {
+            self.storage.iter().collect()
+        };
+        if payload_links.iter().all(|c| c.is_shm()) { "shm" } else { "tcp" }
+    }
+
+    /// How many storage daemons hold the payloads (0 for a standalone daemon).
+    pub fn storage_daemons(&self) -> usize {
+        self.storage.len()
+    }
+
+    fn call(&self, req: &Request, wait: Wait<'_>) -> Result<Reply> {
+        Ok(self.primary.call(req, &[], wait)?.reply)
+    }
+
+    fn done(&self, req: &Request, wait: Wait<'_>) -> Result<()> {
+        match self.call(req, wait)? {
+            Reply::Done => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub fn register_task(
+        &self,
+        name: &str,
+        scope: Option<Vec<String>>,
+        wait: Wait<'_>,
+    ) -> Result<()> {
+        self.done(&Request::RegisterTask { name: name.to_owned(), scope }, wait)
+    }
+
+    /// The names of the fields ready on each row.
+    pub fn ready_fields(&self, rows: &[u64], wait: Wait<'_>) -> Result<Vec<Vec<String>>> {
+        match self.call(&Request::ReadyFields { rows: rows.to_vec() }, wait)? {
+            Reply::Names(names) => Ok(names),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub fn put(
+        &self,
+        columns: &[PutColumn<'_>],
+        target: PutTarget,
+        timeout: Option<Duration>,
+        wait: Wait<'_>,
+    ) -> Result<Vec<u64>> {
+        if !self.storage.is_empty() {
+            return self.put_sharded(columns, target, timeout, wait);
+        }
+        let layout = Layout::place(columns, None);
+        let metas = layout.column_metas(columns);
+        let answer = send_cells(&self.primary, &layout, timeout, wait, |source| {
+            Request::Put(PutRequest { columns: metas, target, timeout, source })
+        })?;
+        match answer.reply {
+            Reply::Rows(rows) => Ok(rows),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Admit on the controller, bytes to the owners, then commit: the rows become claimable only
+    /// once every owner holds its part. If an owner fails, new rows are deleted again.
+    fn put_sharded(
+        &self,
+        columns: &[PutColumn<'_>],
+        target: PutTarget,
+        timeout: Option<Duration>,
+        wait: Wait<'_>,
+    ) -> Result<Vec<u64>> {
+        let metas = Layout::place(columns, None).column_metas(columns);
+        let created = matches!(target, PutTarget::New(_));
+        let admit = Request::Put(PutRequest {
+            columns: metas,
+            target,
+            timeout,
+            source: PayloadSource::Elsewhere,
+        });
+        let (rows, fields) = match self.call(&admit, wait)? {
+            Reply::Admitted { rows, fields } => (rows, fields),
+            other => return Err(unexpected(&other)),
+        };
+        let stored = by_owner(&rows, self.storage.len()).into_iter().enumerate().try_for_each(
+            |(owner, positions)| {
+                if positions.is_empty() {
+                    return Ok(());
+                }
+                let layout = Layout::place(columns, Some(&positions));
+                let subset: Vec<u64> = positions.iter().map(|&k| rows[k]).collect();
+                let cells = fields.iter().copied().zip(layout.columns.iter().cloned()).collect();
+                let answer = send_cells(&self.storage[owner], &layout, timeout, wait, |source| {
+                    Request::StoreCells(StoreCells {
+                        rows: subset,
+                        columns: cells,
+                        timeout,
+                        source,
+                    })
+                })?;
+                match answer.reply {
+                    Reply::Done => Ok(()),
+                    other => Err(unexpected(&other)),
+                }
+            },
+        );
+        if let Err(e) = stored {
+            if created {
+                let _ = self.done(&Request::Delete { rows }, wait);
+            }
+            return Err(e);
+        }
+        self.done(&Request::Commit { rows: rows.clone(), fields }, wait)?;
+        Ok(rows)
+    }
+
+    pub fn claim(
+        &self,
+        spec: &ClaimSpec,
+        allow_partial: bool,
+        timeout: Option<Duration>,
+        wait: Wait<'_>,
+    ) -> Result<Claimed> {
+        match self.call(&Request::Claim { spec: spec.clone(), allow_partial, timeout }, wait)? {
+            Reply::Claimed(c) => Ok(c),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub fn ack(&self, lease: u64, subset: Option<&[u64]>, wait: Wait<'_>) -> Result<()> {
+        self.done(&Request::Ack { lease, subset: subset.map(<[u64]>::to_vec) }, wait)
+    }
+
+    pub fn release(&self, lease: u64, subset: Option<&[u64]>, wait: Wait<'_>) -> Result<()> {
+        self.done(&Request::Release { lease, subset: subset.map(<[u64]>::to_vec) }, wait)
+    }
+
+    /// Extends a lease; returns how long it now has.
+    pub fn renew(&self, lease: u64, timeout: Option<Duration>, wait: Wait<'_>) -> Result<Duration> {
+        match self.call(&Request::Renew { lease, timeout }, wait)? {
+            Reply::Renewed(d) => Ok(d),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub fn read(&self, rows: &[u64], fields: &[String], wait: Wait<'_>) -> Result<Vec<ReadColumn>> {
+        let req = Request::Read { rows: rows.to_vec(), fields: fields.to_vec() };
+        if self.storage.is_empty() {
+            return cells_of(&self.primary, self.primary.call(&req, &[], wait)?);
+        }
+        let located = match self
+            .call(&Request::Locate { rows: rows.to_vec(), fields: fields.to_vec() }, wait)?
+        {
+            Reply::Located { fields } => fields,
+            other => return Err(unexpected(&other)),
+        };
+        let ids: Vec<u32> = located.iter().map(|(id, _)| *id).collect();
+        let owners = by_owner(rows, self.storage.len());
+        let pending = owners
+            .iter()
+            .enumerate()
+            .filter(|(_, positions)| !positions.is_empty())
+            .map(|(owner, positions)| {
+                let subset = positions.iter().map(|&k| rows[k]).collect();
+                let conn = &self.storage[owner];
+                Ok((
+                    owner,
+                    conn.send(&Request::FetchCells { rows: subset, fields: ids.clone() }, &[])?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut merged: Vec<Vec<Option<Cell>>> = vec![vec![None; rows.len()]; ids.len()];
+        for (owner, p) in pending {
+            let columns = cells_of(&self.storage[owner], p.wait(wait)?)?;
+            for (f, (_, _, cells)) in columns.into_iter().enumerate() {
+                for (&k, cell) in owners[owner].iter().zip(cells) {
+                    merged[f][k] = Some(cell);
+                }
+            }
+        }
+        fields
+            .iter()
+            .zip(located)
+            .zip(merged)
+            .map(|((name, (_, schema)), cells)| {
+                let cells = cells.into_iter().collect::<Option<Vec<_>>>();
+                let cells =
+                    cells.ok_or_else(|| Error::connection("a storage daemon left out cells"))?;
+                Ok((name.clone(), schema, cells))
+            })
+            .collect()
+    }
+
+    pub fn rows(
+        &self,
+        rows: Option<&[u64]>,
+        partition: Option<&str>,
+        wait: Wait<'_>,
+    ) -> Result<Vec<RowInfo>> {
+        let req = Request::Rows {
+            rows: rows.map(<[u64]>::to_vec),
+            partition: partition.map(str::to_owned),
+        };
+        match self.call(&req, wait)? {
+            Reply::RowInfos(infos) => Ok(infos),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub fn clear(&self, partition: &str, wait: Wait<'_>) -> Result<u64> {
+        match self.call(&Request::Clear { partition: partition.to_owned() }, wait)? {
+            Reply::Count(n) => Ok(n),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub fn delete(&self, rows: &[u64], wait: Wait<'_>) -> Result<()> {
+        self.done(&Request::Delete { rows: rows.to_vec() }, wait)
+    }
+
+    pub fn schema(&self, field: &str, wait: Wait<'_>) -> Result<FieldSchema> {
+        match self.call(&Request::Schema { field: field.to_owned() }, wait)? {
+            Reply::Schema(s) => Ok(s),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The daemon's statistics; for a sharded store, payload figures summed over its storage
+    /// daemons.
+    pub fn stats(&self, wait: Wait<'_>) -> Result<StoreStats> {
+        let stats = |conn: &Connection| match conn.call(&Request::Stats, &[], wait)?.reply {
+            Reply::Stats(s) => Ok(*s),
+            other => Err(unexpected(&other)),
+        };
+        let mut total = stats(&self.primary)?;
+        if self.storage.is_empty() {
+            return Ok(total);
+        }
+        let parts = self.storage.iter().map(stats).collect::<Result<Vec<_>>>()?;
+        total.payload_rows = parts.iter().map(|p| p.payload_rows).sum();
+        total.memory_used = parts.iter().map(|p| p.memory_used).sum();
+        total.memory_limit = parts.iter().map(|p| p.memory_limit).sum();
+        Ok(total)
+    }
+}

@@ -1,0 +1,268 @@
+//! The daemon's settings: command-line flags, the environment (`ASYNCFLOW_TOKEN`) and an optional
+//! TOML file with the same keys (`listen = "0.0.0.0:7379"`, `memory-limit = "8GiB"`, ...).
+//! A flag wins over the file; every value is checked here, before anything is bound.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use asyncflow_proto::{Limits, Role};
+use clap::Parser;
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RoleFlag {
+    /// Metadata and payloads in this one daemon.
+    Standalone,
+    /// Metadata, readiness and leases; payloads on the `--storage` daemons.
+    Controller,
+    /// Payloads only, for a controller.
+    Storage,
+}
+
+/// Flags of `asyncflow-store` (and of `asyncflow store serve`).
+#[derive(Debug, Default, Parser, Deserialize)]
+#[command(name = "asyncflow-store", version, about = "The AsyncFlow sample store daemon")]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Flags {
+    /// TOML file with any of these settings (flags override it).
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Address to serve on, HOST:PORT (port 0 picks a free one) [default: 127.0.0.1:7379].
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Payload shards (independently locked) [default: 8].
+    #[arg(long)]
+    pub shards: Option<usize>,
+    /// Payload bytes the store may hold, e.g. 4GiB [default: no limit].
+    #[arg(long)]
+    pub memory_limit: Option<String>,
+    /// Seconds a claim's lease lasts [default: 30].
+    #[arg(long)]
+    pub lease_timeout: Option<f64>,
+    /// Token every client must present.
+    #[arg(long, env = "ASYNCFLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Serve Prometheus metrics on this HOST:PORT.
+    #[arg(long)]
+    pub metrics: Option<String>,
+    /// Log filter: error, warn, info, debug, trace (or a tracing directive) [default: info].
+    #[arg(long)]
+    pub log_level: Option<String>,
+    /// Log as JSON lines instead of text.
+    #[arg(long)]
+    pub log_json: bool,
+    /// Allow a non-loopback address without a token.
+    #[arg(long)]
+    pub insecure: bool,
+    /// Unix socket offering the shared-memory data path [default: one in the temp directory].
+    #[arg(long)]
+    pub shm_socket: Option<PathBuf>,
+    /// Serve over TCP only, with no shared-memory data path.
+    #[arg(long)]
+    pub no_shm: bool,
+    /// What this daemon is in a sharded deployment [default: standalone].
+    #[arg(long, value_enum)]
+    pub role: Option<RoleFlag>,
+    /// For a controller: the storage daemons, HOST:PORT, comma-separated, in shard order.
+    #[arg(long, value_delimiter = ',')]
+    pub storage: Vec<String>,
+    /// Largest payload one frame may carry, e.g. 1GiB [default: 1GiB].
+    #[arg(long)]
+    pub max_frame: Option<String>,
+}
+
+/// Checked settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub shards: usize,
+    pub memory_limit: Option<u64>,
+    pub lease_timeout: Duration,
+    pub token: Option<String>,
+    pub metrics: Option<SocketAddr>,
+    pub log_level: String,
+    pub log_json: bool,
+    /// `None`: no shared-memory path.
+    pub shm_socket: Option<PathBuf>,
+    pub role: Role,
+    pub storage: Vec<String>,
+    pub limits: Limits,
+}
+
+/// Bytes in a size such as `4GiB`, `512MB` or `1048576`.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1000_u64.pow(2),
+        "mib" => 1 << 20,
+        "g" | "gb" => 1000_u64.pow(3),
+        "gib" => 1 << 30,
+        "t" | "tb" => 1000_u64.pow(4),
+        "tib" => 1 << 40,
+        _ => return Err(Error::Config(format!("not a size: {text:?} (try 4GiB)"))),
+    };
+    let value: f64 =
+        number.parse().map_err(|_| Error::Config(format!("not a size: {text:?} (try 4GiB)")))?;
+    Ok((value * scale as f64) as u64)
+}
+
+fn resolve(what: &str, addr: &str) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .map_err(|e| Error::Config(format!("{what} {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| Error::Config(format!("{what} {addr:?} resolves to nothing")))
+}
+
+/// A socket path of this process alone: port 0 (any free port) is not unique, so several
+/// daemons in one process are told apart by a counter.
+fn default_shm_socket(listen: SocketAddr) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("asyncflow-store-{}-{}-{n}.sock", std::process::id(), listen.port());
+    std::env::temp_dir().join(name)
+}
+
+impl Flags {
+    /// Parses `args` (without the program name).
+    pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Self> {
+        let command_line = std::iter::once("asyncflow-store".to_owned()).chain(args);
+        Flags::try_parse_from(command_line).map_err(|e| Error::Config(e.render().to_string()))
+    }
+
+    fn with_file(mut self) -> Result<Self> {
+        let Some(path) = self.config.take() else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        let file: Flags =
+            toml::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        Ok(Flags {
+            config: Some(path),
+            listen: self.listen.or(file.listen),
+            shards: self.shards.or(file.shards),
+            memory_limit: self.memory_limit.or(file.memory_limit),
+            lease_timeout: self.lease_timeout.or(file.lease_timeout),
+            token: self.token.or(file.token),
+            metrics: self.metrics.or(file.metrics),
+            log_level: self.log_level.or(file.log_level),
+            log_json: self.log_json || file.log_json,
+            insecure: self.insecure || file.insecure,
+            shm_socket: self.shm_socket.or(file.shm_socket),
+            no_shm: self.no_shm || file.no_shm,
+            role: self.role.or(file.role),
+            storage: if self.storage.is_empty() { file.storage } else { self.storage },
+            max_frame: self.max_frame.or(file.max_frame),
+        })
+    }
+
+    /// Merges the configuration file and checks every value.
+    pub fn resolve(self) -> Result<Config> {
+        let f = self.with_file()?;
+        let listen = resolve("--listen", f.listen.as_deref().unwrap_or("127.0.0.1:7379"))?;
+        let token = f.token.filter(|t| !t.is_empty());
+        if !listen.ip().is_loopback() && token.is_none() && !f.insecure {
+            return Err(Error::Config(format!(
+                "refusing to serve {listen} (not loopback) without --token; pass --insecure to \
+                 allow any client on the network"
+            )));
+        }
+        let lease_timeout = f.lease_timeout.unwrap_or(30.0);
+        if !(lease_timeout.is_finite() && lease_timeout > 0.0) {
+            return Err(Error::Config(format!(
+                "--lease-timeout must be positive, not {lease_timeout}"
+            )));
+        }
+        let shards = f.shards.unwrap_or(8);
+        if shards == 0 {
+            return Err(Error::Config("--shards must be at least 1".into()));
+        }
+        let role = match f.role.unwrap_or(RoleFlag::Standalone) {
+            RoleFlag::Standalone => Role::Standalone,
+            RoleFlag::Controller => Role::Controller,
+            RoleFlag::Storage => Role::Storage,
+        };
+        if (role == Role::Controller) == f.storage.is_empty() {
+            return Err(Error::Config("--storage is given exactly for --role controller".into()));
+        }
+        let max_payload = f.max_frame.as_deref().map(parse_size).transpose()?.unwrap_or(1 << 30);
+        let max_payload = u32::try_from(max_payload)
+            .map_err(|_| Error::Config("--max-frame must be below 4GiB".into()))?;
+        Ok(Config {
+            listen,
+            shards,
+            memory_limit: f.memory_limit.as_deref().map(parse_size).transpose()?,
+            lease_timeout: Duration::from_secs_f64(lease_timeout),
+            token,
+            metrics: f.metrics.as_deref().map(|m| resolve("--metrics", m)).transpose()?,
+            log_level: f.log_level.unwrap_or_else(|| "info".into()),
+            log_json: f.log_json,
+            shm_socket: (!f.no_shm)
+                .then(|| f.shm_socket.unwrap_or_else(|| default_shm_socket(listen))),
+            role,
+            storage: f.storage,
+            limits: Limits { max_payload, ..Limits::DEFAULT },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(args: &[&str]) -> Result<Config> {
+        Flags::parse_args(args.iter().map(|s| (*s).to_owned()))?.resolve()
+    }
+
+    #[test]
+    fn sizes_use_binary_and_decimal_units() {
+        assert_eq!(parse_size("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_size("512MB").unwrap(), 512_000_000);
+        assert_eq!(parse_size("1.5KiB").unwrap(), 1536);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("lots").is_err());
+    }
+
+    #[test]
+    fn defaults_serve_loopback_with_shared_memory() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:7379");
+        assert_eq!((c.shards, c.lease_timeout), (8, Duration::from_secs(30)));
+        assert!(c.shm_socket.is_some() && c.token.is_none());
+    }
+
+    #[test]
+    fn a_public_address_needs_a_token_or_insecure() {
+        assert!(matches!(config(&["--listen", "0.0.0.0:0"]), Err(Error::Config(_))));
+        assert!(config(&["--listen", "0.0.0.0:0", "--token", "t"]).is_ok());
+        assert!(config(&["--listen", "0.0.0.0:0", "--insecure"]).is_ok());
+    }
+
+    #[test]
+    fn the_file_fills_in_what_flags_leave_out() {
+        let path = std::env::temp_dir().join(format!("af-config-{}.toml", std::process::id()));
+        std::fs::write(&path, "shards = 3\nmemory-limit = \"1MiB\"\nlease-timeout = 2.5\n")
+            .unwrap();
+        let c = config(&["--config", path.to_str().unwrap(), "--shards", "5"]).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!((c.shards, c.memory_limit), (5, Some(1 << 20)));
+        assert_eq!(c.lease_timeout, Duration::from_secs_f64(2.5));
+    }
+
+    #[test]
+    fn a_controller_needs_storage_daemons() {
+        assert!(config(&["--role", "controller"]).is_err());
+        assert!(config(&["--role", "controller", "--storage", "127.0.0.1:1,127.0.0.1:2"]).is_ok());
+        assert!(config(&["--storage", "127.0.0.1:1"]).is_err());
+    }
+}

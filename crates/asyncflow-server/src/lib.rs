@@ -1,0 +1,77 @@
+//! The AsyncFlow store as a network service: the `asyncflow-store` daemon (standalone, or a
+//! controller with storage daemons for sharding across hosts), and the Rust client that the
+//! Python bindings use. Frames are `asyncflow-proto`; same-host payloads go through
+//! `asyncflow-shm`.
+
+pub mod auth;
+pub mod client;
+pub mod config;
+pub mod error;
+pub mod host;
+mod received;
+pub mod server;
+
+use std::io::Write as _;
+
+pub use error::{Error, Result};
+
+fn init_logging(level: &str, json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(colour);
+    // A second daemon in one process (tests, notebooks) keeps the first subscriber.
+    let _ = if json { builder.json().try_init() } else { builder.try_init() };
+}
+
+/// The daemon's command line: parses `args` (without the program name), serves until SIGTERM or
+/// SIGINT, and returns the process exit code. Prints `listening on tcp://ADDR` on stdout once
+/// clients can connect.
+pub fn run<I: IntoIterator<Item = String>>(args: I) -> i32 {
+    let command_line = std::iter::once("asyncflow-store".to_owned()).chain(args);
+    let flags = match <config::Flags as clap::Parser>::try_parse_from(command_line) {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = e.print();
+            return e.exit_code();
+        }
+    };
+    let config = match flags.resolve() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("asyncflow-store: {e}");
+            return 2;
+        }
+    };
+    init_logging(&config.log_level, config.log_json);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
+        .thread_name("asyncflow-store")
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("asyncflow-store: cannot start the runtime: {e}");
+            return 1;
+        }
+    };
+    let served = runtime.block_on(async {
+        let stop = server::stop_signal()?;
+        let ready = |address| {
+            println!("listening on tcp://{address}");
+            let _ = std::io::stdout().flush();
+        };
+        server::serve(config, ready, stop).await
+    });
+    match served {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("asyncflow-store: {e}");
+            1
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! Payload cells in and out of the daemon. Coming in, a put's bytes become one chunk — the frame's
+//! payload buffer itself, or the shared-memory region the client wrote — and its cells are slices
+//! of it, so the daemon copies nothing. Going out, a cell in shared memory is named by segment and
+//! offset (and pinned until the client lets go), any other cell is sent inline.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use asyncflow_core::{Cell, Chunk, FieldSchema, MemoryGuard, StoreError};
+use asyncflow_proto::{
+    CellMeta, CellPlace, PayloadSource, Reply, SharedCell, WireCell, WireColumn, align_payload,
+};
+
+use super::outgoing::{Answer, Part};
+use super::session::Session;
+
+/// The chunk a put's cells live in: its inline payload (paid for by `guard`) or its staged
+/// region (paid for when it was staged).
+pub fn incoming_chunk(
+    session: &Session,
+    source: PayloadSource,
+    payload: Vec<u8>,
+    reserve: impl FnOnce(u64) -> Result<MemoryGuard, StoreError>,
+) -> Result<Arc<Chunk>, StoreError> {
+    match source {
+        PayloadSource::Inline => {
+            let guard = reserve(payload.len() as u64)?;
+            Ok(crate::received::into_chunk(payload, Some(guard)))
+        }
+        PayloadSource::Staged(id) => {
+            let stage = session.shm.as_ref().and_then(|s| s.take_stage(id)).ok_or_else(|| {
+                StoreError::bad_request(format!("no staged region {id} on this connection"))
+            })?;
+            Ok(Chunk::new(Box::new(stage.region), Some(stage.guard)))
+        }
+        PayloadSource::Elsewhere => {
+            Err(StoreError::bad_request("this daemon keeps payloads; send the bytes with the put"))
+        }
+    }
+}
+
+/// Cells of `chunk` at the places `metas` name; every one must lie inside the chunk.
+pub fn cells_in(chunk: &Arc<Chunk>, metas: &[CellMeta]) -> Result<Vec<Cell>, StoreError> {
+    metas
+        .iter()
+        .map(|m| {
+            let end = m.offset.checked_add(m.len);
+            if end.is_none_or(|e| e > chunk.len() as u64) {
+                return Err(StoreError::bad_request(format!(
+                    "cell at {}+{} lies outside the {}-byte payload",
+                    m.offset,
+                    m.len,
+                    chunk.len()
+                )));
+            }
+            Ok(Cell {
+                chunk: Arc::clone(chunk),
+                offset: m.offset as usize,
+                len: m.len as usize,
+                first_dim: m.first_dim,
+            })
+        })
+        .collect()
+}
+
+/// Builds the reply to a read: shared cells where the session maps shared memory and the cell
+/// lives in it, inline cells otherwise.
+pub fn outgoing_cells(
+    session: &Session,
+    columns: Vec<(String, FieldSchema, Vec<Cell>)>,
+) -> (Reply, Answer) {
+    let mut answer = Answer::default();
+    let mut cursor = 0u64;
+    let mut pinned: HashMap<*const Chunk, Arc<Chunk>> = HashMap::new();
+    let mut segments = Vec::new();
+    let mut wire = Vec::with_capacity(columns.len());
+    for (name, schema, cells) in columns {
+        let mut out = Vec::with_capacity(cells.len());
+        for cell in cells {
+            let shared = session.shm.as_ref().and_then(|s| s.pool.locate(cell.bytes().as_ptr()));
+            let place = if let Some((segment, offset)) = shared.filter(|_| cell.len > 0) {
+                pinned.entry(Arc::as_ptr(&cell.chunk)).or_insert_with(|| Arc::clone(&cell.chunk));
+                let place =
+                    CellPlace::Shared(SharedCell { segment: segment.id(), offset: offset as u64 });
+                segments.push(segment);
+                place
+            } else {
+                let at = align_payload(cursor);
+                if at > cursor {
+                    answer.payload.push(Part::Zeros((at - cursor) as usize));
+                }
+                cursor = at + cell.len as u64;
+                answer.payload.push(Part::Cell(cell.clone()));
+                CellPlace::Inline(at)
+            };
+            out.push(WireCell { place, len: cell.len as u64, first_dim: cell.first_dim });
+        }
+        wire.push(WireColumn { name, schema, cells: out });
+    }
+    let (pin, segments) = match &session.shm {
+        Some(shm) if !pinned.is_empty() => {
+            segments.sort_by_key(|s| s.id());
+            segments.dedup_by_key(|s| s.id());
+            let (intro, fds) = shm.introduce(&segments);
+            answer.fds = fds;
+            (Some(shm.pin(pinned.into_values().collect())), intro)
+        }
+        _ => (None, asyncflow_proto::Segments::default()),
+    };
+    (Reply::Cells { columns: wire, pin, segments }, answer)
+}

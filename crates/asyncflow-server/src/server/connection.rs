@@ -1,0 +1,379 @@
+//! One client connection: greet and authenticate, then read frames and run each request on the
+//! blocking pool, so a claim that waits a minute holds no other request of the same client;
+//! replies go back through one writer task in whatever order requests finish. A frame that
+//! cannot be trusted closes the connection; every other client is unaffected.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use asyncflow_core::{StoreError, Wait};
+use asyncflow_proto::{
+    Failure, FrameHeader, HEADER_LEN, Limits, PayloadSource, ProtoError, Reply, Request,
+    ServerHello,
+};
+use asyncflow_shm::send_with_fds;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest};
+use tokio::net::{TcpStream, UnixStream, tcp, unix};
+use tokio::sync::{Mutex, mpsc, watch};
+use tokio::task::JoinSet;
+
+use super::Daemon;
+use super::metadata::Outcome;
+use super::outgoing::{Answer, Outgoing, Part};
+use super::session::{Session, ShmSession};
+use crate::auth::token_matches;
+use crate::host::host_id;
+
+const BUFFER: usize = 256 << 10;
+/// How long a new connection may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// A hello is small; a client that sends more before authenticating is cut off early.
+const HELLO_LIMITS: Limits = Limits { max_meta: 64 << 10, max_payload: 0 };
+static ZEROS: [u8; 4096] = [0; 4096];
+
+pub enum Link {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+enum FrameWriter {
+    Tcp(BufWriter<tcp::OwnedWriteHalf>),
+    Unix(BufWriter<unix::OwnedWriteHalf>),
+}
+
+enum ReadError {
+    Closed,
+    Proto(ProtoError),
+}
+
+impl From<std::io::Error> for ReadError {
+    fn from(_: std::io::Error) -> Self {
+        ReadError::Closed
+    }
+}
+
+struct Frame {
+    header: FrameHeader,
+    meta: Vec<u8>,
+    payload: Vec<u8>,
+}
+
+async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, limits: Limits) -> Result<Frame, ReadError> {
+    let mut head = [0u8; HEADER_LEN];
+    r.read_exact(&mut head).await?;
+    let header = FrameHeader::decode(&head, limits).map_err(ReadError::Proto)?;
+    let mut meta = vec![0u8; header.meta_len as usize];
+    r.read_exact(&mut meta).await?;
+    let mut payload = vec![0u8; header.payload_len as usize];
+    r.read_exact(&mut payload).await?;
+    Ok(Frame { header, meta, payload })
+}
+
+impl FrameWriter {
+    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            FrameWriter::Tcp(w) => w.write_all(bytes).await,
+            FrameWriter::Unix(w) => w.write_all(bytes).await,
+        }
+    }
+
+    async fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            FrameWriter::Tcp(w) => w.flush().await,
+            FrameWriter::Unix(w) => w.flush().await,
+        }
+    }
+
+    /// Writes the header; on the Unix socket, with the frame's segment descriptors attached.
+    async fn write_header(&mut self, out: &Outgoing) -> std::io::Result<()> {
+        let header = out.header.encode();
+        let FrameWriter::Unix(w) = self else {
+            return self.write_all(&header).await;
+        };
+        if out.fds.is_empty() {
+            return w.write_all(&header).await;
+        }
+        w.flush().await?;
+        let stream: &UnixStream = w.get_ref().as_ref();
+        let fds: Vec<BorrowedFd<'_>> = out.fds.iter().map(|s| s.fd()).collect();
+        let sent = loop {
+            stream.writable().await?;
+            match stream.try_io(Interest::WRITABLE, || send_with_fds(stream.as_fd(), &header, &fds))
+            {
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        };
+        w.write_all(&header[sent..]).await
+    }
+
+    async fn write_frame(&mut self, out: &Outgoing) -> std::io::Result<()> {
+        self.write_header(out).await?;
+        self.write_all(&out.meta).await?;
+        for part in &out.payload {
+            match part {
+                Part::Cell(cell) => self.write_all(cell.bytes()).await?,
+                &Part::Zeros(mut n) => {
+                    while n > 0 {
+                        let k = n.min(ZEROS.len());
+                        self.write_all(&ZEROS[..k]).await?;
+                        n -= k;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sends replies of requests that ran on the blocking pool (and greetings), in the order they
+/// finish; replies of requests answered on the spot are written by the reader itself.
+async fn write_loop(
+    daemon: Arc<Daemon>,
+    writer: Arc<Mutex<FrameWriter>>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+) {
+    while let Some(out) = rx.recv().await {
+        let mut w = writer.lock().await;
+        if write_out(&daemon, &mut w, &out, rx.is_empty()).await.is_err() {
+            return;
+        }
+    }
+    let _ = writer.lock().await.flush().await;
+}
+
+async fn write_out(
+    daemon: &Daemon,
+    w: &mut FrameWriter,
+    out: &Outgoing,
+    flush: bool,
+) -> std::io::Result<()> {
+    daemon.metrics.bytes_out.fetch_add(out.bytes() as u64, Ordering::Relaxed);
+    w.write_frame(out).await?;
+    if flush {
+        w.flush().await?;
+    }
+    Ok(())
+}
+
+/// Reads the hello and checks the token; `None` if the connection must be closed.
+async fn greet<R: AsyncRead + Unpin>(
+    daemon: &Daemon,
+    r: &mut R,
+    tx: &mpsc::UnboundedSender<Outgoing>,
+) -> Option<()> {
+    let refuse = |id: u64, f: Failure| {
+        daemon.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+        let _ = tx.send(Outgoing::failure(id, &f));
+        None
+    };
+    let frame = match tokio::time::timeout(HELLO_TIMEOUT, read_frame(r, HELLO_LIMITS)).await {
+        Ok(Ok(frame)) => frame,
+        Ok(Err(ReadError::Proto(e))) => return refuse(0, Failure::Protocol(e.to_string())),
+        Ok(Err(ReadError::Closed)) | Err(_) => return None,
+    };
+    let id = frame.header.request_id;
+    let hello = match Request::decode(frame.header.op, &frame.meta, 0) {
+        Ok(Request::Hello(h)) => h,
+        Ok(_) => return refuse(id, Failure::Auth("the first frame must be a hello".into())),
+        Err(e) => return refuse(id, Failure::Protocol(e.to_string())),
+    };
+    if let Some(token) = &daemon.config.token
+        && !token_matches(token, hello.token.as_deref())
+    {
+        return refuse(id, Failure::Auth("wrong or missing token".into()));
+    }
+    let reply = Reply::Hello(ServerHello {
+        version: env!("CARGO_PKG_VERSION").into(),
+        role: daemon.config.role,
+        host: host_id().into(),
+        shm_socket: daemon.config.shm_socket.as_ref().map(|p| p.display().to_string()),
+        storage: daemon.config.storage.clone(),
+    });
+    let _ = tx.send(Outgoing::reply(id, &reply, Answer::default()));
+    Some(())
+}
+
+/// Runs one request: on the spot if it cannot wait (its reply is returned, for the reader to
+/// write), otherwise on the blocking pool (its reply is queued for the writer task).
+fn dispatch(
+    daemon: &Arc<Daemon>,
+    session: &Arc<Session>,
+    tx: &mpsc::UnboundedSender<Outgoing>,
+    tasks: &mut JoinSet<()>,
+    frame: Frame,
+) -> Option<Outgoing> {
+    let id = frame.header.request_id;
+    let req = match Request::decode(frame.header.op, &frame.meta, frame.payload.len() as u64) {
+        Ok(req) => req,
+        Err(e) => {
+            daemon.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            return Some(Outgoing::failure(id, &Failure::Protocol(e.to_string())));
+        }
+    };
+    match req {
+        Request::Unpin { pins } => {
+            if let Some(shm) = &session.shm {
+                shm.unpin(&pins);
+            }
+            return None;
+        }
+        Request::Cancel { request } => {
+            session.cancel(request);
+            return None;
+        }
+        Request::Hello(_) => {
+            let e = StoreError::bad_request("this connection already said hello");
+            return Some(Outgoing::failure(id, &Failure::Store(e)));
+        }
+        // A staged put may be no larger than an inline one.
+        Request::Stage { bytes, .. } if bytes > u64::from(daemon.config.limits.max_payload) => {
+            let e = StoreError::bad_request(format!(
+                "a put of {bytes} bytes exceeds the daemon's --max-frame of {}",
+                daemon.config.limits.max_payload
+            ));
+            return Some(Outgoing::failure(id, &Failure::Store(e)));
+        }
+        _ => {}
+    }
+    let notice = frame.header.op.is_notice();
+    let deadline = match &req {
+        Request::Claim { timeout, .. } | Request::Stage { timeout, .. } => {
+            timeout.map(|t| Instant::now() + t)
+        }
+        Request::Put(p) => p.timeout.map(|t| Instant::now() + t),
+        Request::StoreCells(s) => s.timeout.map(|t| Instant::now() + t),
+        _ => None,
+    };
+    let answer = |out: Outgoing| (!notice).then_some(out);
+    // What cannot wait runs right here: handing it to another thread would cost more than it.
+    if !may_wait(&req, daemon) {
+        let never = || false;
+        let wait = Wait { deadline, interrupted: &never };
+        let outcome = daemon.roles.execute(session, req, frame.payload, wait);
+        return answer(outgoing(daemon, session, id, outcome));
+    }
+    // A claim first looks once without waiting: most find their rows already there.
+    if let Request::Claim { allow_partial, timeout, .. } = &req
+        && (!allow_partial || *timeout == Some(Duration::ZERO))
+    {
+        let never = || false;
+        let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
+        match daemon.roles.execute(session, req.clone(), Vec::new(), now) {
+            Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
+            outcome => return answer(outgoing(daemon, session, id, outcome)),
+        }
+    }
+    let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
+    let cancelled = session.track(id);
+    tasks.spawn_blocking(move || {
+        let interrupted = || {
+            cancelled.load(Ordering::Relaxed)
+                || session.closed.load(Ordering::Relaxed)
+                || daemon.stopping.load(Ordering::Relaxed)
+        };
+        let wait = Wait { deadline, interrupted: &interrupted };
+        let outcome = daemon.roles.execute(&session, req, frame.payload, wait);
+        session.untrack(id);
+        if !notice {
+            let _ = tx.send(outgoing(&daemon, &session, id, outcome));
+        }
+    });
+    None
+}
+
+/// Whether a request can block: claims wait for rows, and under a memory limit puts (and the
+/// staging of their shared memory) wait for room.
+fn may_wait(req: &Request, daemon: &Daemon) -> bool {
+    match req {
+        Request::Claim { .. } => true,
+        Request::Stage { .. } | Request::StoreCells(_) => daemon.config.memory_limit.is_some(),
+        Request::Put(p) => {
+            daemon.config.memory_limit.is_some() && p.source == PayloadSource::Inline
+        }
+        _ => false,
+    }
+}
+
+/// The reply frame for a request's outcome.
+fn outgoing(daemon: &Daemon, session: &Session, id: u64, outcome: Outcome) -> Outgoing {
+    daemon.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    match outcome {
+        Ok((reply, answer)) => Outgoing::reply(id, &reply, answer),
+        Err(StoreError::Interrupted) if daemon.stopping.load(Ordering::Relaxed) => {
+            Outgoing::failure(id, &Failure::Unavailable("the daemon is shutting down".into()))
+        }
+        Err(e) => {
+            daemon.metrics.request_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(peer = %session.peer, error = %e, "request failed");
+            Outgoing::failure(id, &Failure::Store(e))
+        }
+    }
+}
+
+/// Serves one connection until the client leaves, breaks the protocol, or the daemon stops.
+pub async fn serve(
+    daemon: Arc<Daemon>,
+    link: Link,
+    peer: String,
+    mut stopping: watch::Receiver<bool>,
+) {
+    let shm = matches!(link, Link::Unix(_)).then(|| daemon.pool.clone()).flatten();
+    let (read_half, writer): (Box<dyn AsyncRead + Unpin + Send>, _) = match link {
+        Link::Tcp(s) => {
+            let _ = s.set_nodelay(true);
+            let (r, w) = s.into_split();
+            (Box::new(r), FrameWriter::Tcp(BufWriter::with_capacity(BUFFER, w)))
+        }
+        Link::Unix(s) => {
+            let (r, w) = s.into_split();
+            (Box::new(r), FrameWriter::Unix(BufWriter::with_capacity(BUFFER, w)))
+        }
+    };
+    let mut reader = BufReader::with_capacity(BUFFER, read_half);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let writer = Arc::new(Mutex::new(writer));
+    let writer_task = tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx));
+    if greet(&daemon, &mut reader, &tx).await.is_some() {
+        let session = Arc::new(Session::new(peer.clone(), shm.map(ShmSession::new)));
+        tracing::info!(peer = %peer, transport = session.transport(), "client connected");
+        let mut tasks = JoinSet::new();
+        loop {
+            let frame = tokio::select! {
+                f = read_frame(&mut reader, daemon.config.limits) => f,
+                _ = stopping.wait_for(|s| *s) => break,
+            };
+            while tasks.try_join_next().is_some() {}
+            match frame {
+                Ok(frame) => {
+                    daemon.metrics.bytes_in.fetch_add(
+                        (HEADER_LEN + frame.header.body_len()) as u64,
+                        Ordering::Relaxed,
+                    );
+                    if let Some(out) = dispatch(&daemon, &session, &tx, &mut tasks, frame) {
+                        let mut w = writer.lock().await;
+                        if write_out(&daemon, &mut w, &out, true).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+                Err(ReadError::Closed) => break,
+                Err(ReadError::Proto(e)) => {
+                    daemon.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = %peer, error = %e, "closing a connection that broke the protocol");
+                    let _ = tx.send(Outgoing::failure(0, &Failure::Protocol(e.to_string())));
+                    break;
+                }
+            }
+        }
+        // Requests still waiting (claims, puts short of memory) stop waiting; the rest finish.
+        session.closed.store(true, Ordering::Relaxed);
+        while tasks.join_next().await.is_some() {}
+        tracing::info!(peer = %peer, "client disconnected");
+    }
+    drop(tx);
+    let _ = writer_task.await;
+}

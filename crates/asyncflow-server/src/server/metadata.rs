@@ -1,0 +1,114 @@
+//! Requests answered by a core store: every operation of a standalone daemon, and the metadata
+//! operations of a controller (whose payloads live on storage daemons).
+
+use std::time::Instant;
+
+use asyncflow_core::{Column, FieldSchema, Store, StoreError, Wait};
+use asyncflow_proto::{Claimed, PutRequest, Reply, Request};
+
+use super::cells::{cells_in, incoming_chunk, outgoing_cells};
+use super::outgoing::Answer;
+use super::session::Session;
+
+pub type Outcome = Result<(Reply, Answer), StoreError>;
+
+// Every arm of `execute` stays one expression; the wrap is what lets `.and(done(...))` read.
+#[allow(clippy::unnecessary_wraps)]
+fn done(reply: Reply) -> Outcome {
+    Ok((reply, Answer::default()))
+}
+
+/// A put whose bytes came with it (inline or staged).
+fn put(
+    store: &Store,
+    session: &Session,
+    p: PutRequest,
+    payload: Vec<u8>,
+    wait: Wait<'_>,
+) -> Outcome {
+    let chunk = incoming_chunk(session, p.source, payload, |bytes| store.reserve(bytes, wait))?;
+    let columns = p
+        .columns
+        .into_iter()
+        .map(|c| Ok(Column { cells: cells_in(&chunk, &c.cells)?, name: c.name, schema: c.schema }))
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    drop(chunk);
+    done(Reply::Rows(store.put(columns, &p.target)?))
+}
+
+fn claimed(c: asyncflow_core::Claimed) -> Reply {
+    let now = Instant::now();
+    Reply::Claimed(Claimed {
+        lease: c.lease,
+        rows: c.rows,
+        versions: c.versions,
+        groups: c.groups,
+        expires_in: c.deadline.map(|d| d.saturating_duration_since(now)),
+    })
+}
+
+/// Runs `req` against `store`. `payload` is the frame's payload section.
+pub fn execute(
+    store: &Store,
+    session: &Session,
+    req: Request,
+    payload: Vec<u8>,
+    wait: Wait<'_>,
+) -> Outcome {
+    match req {
+        Request::RegisterTask { name, scope } => {
+            store.register_task(&name, scope).and(done(Reply::Done))
+        }
+        Request::Put(p) => put(store, session, p, payload, wait),
+        Request::Claim { spec, allow_partial, .. } => {
+            done(claimed(store.claim(&spec, allow_partial, wait)?))
+        }
+        Request::Ack { lease, subset } => {
+            store.ack(lease, subset.as_deref()).and(done(Reply::Done))
+        }
+        Request::Release { lease, subset } => {
+            store.release(lease, subset.as_deref()).and(done(Reply::Done))
+        }
+        Request::Renew { lease, timeout } => {
+            let until = store.renew(lease, timeout)?;
+            done(Reply::Renewed(until.saturating_duration_since(Instant::now())))
+        }
+        Request::Read { rows, fields } => {
+            let columns = store.read(&rows, &fields)?;
+            let columns = columns.into_iter().map(|c| (c.name, c.schema, c.cells)).collect();
+            Ok(outgoing_cells(session, columns))
+        }
+        Request::Rows { rows, partition } => done(Reply::RowInfos(match rows {
+            Some(rows) => store.row_info(&rows)?,
+            None => store.rows(partition.as_deref()),
+        })),
+        Request::Clear { partition } => done(Reply::Count(store.clear(&partition))),
+        Request::Delete { rows } => store.delete(&rows).and(done(Reply::Done)),
+        Request::Schema { field } => done(Reply::Schema(store.field_schema(&field)?)),
+        Request::ReadyFields { rows } => done(Reply::Names(store.ready_fields(&rows)?)),
+        Request::Stats => done(Reply::Stats(Box::new(store.stats()))),
+        Request::Locate { rows, fields } => {
+            done(Reply::Located { fields: store.locate(&rows, &fields)? })
+        }
+        other => {
+            Err(StoreError::bad_request(format!("{:?} is not served by this daemon", other.op())))
+        }
+    }
+}
+
+/// Checks that each cell's byte length fits its schema, for puts whose bytes go elsewhere.
+pub fn check_cell_sizes(p: &PutRequest) -> Result<(), StoreError> {
+    for c in &p.columns {
+        c.schema.validate()?;
+        for (k, cell) in c.cells.iter().enumerate() {
+            let expected = FieldSchema::cell_bytes(&c.schema, cell.first_dim);
+            if cell.len != expected {
+                return Err(StoreError::schema(format!(
+                    "row {k} of field {:?} has {} bytes; a {} cell of first dimension {} needs {expected}",
+                    c.name, cell.len, c.schema, cell.first_dim
+                )));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,199 @@
+//! The daemon: listeners, the role's state, and an orderly stop. See `main.rs` for the start-up
+//! order in prose.
+
+mod cells;
+mod connection;
+mod controller;
+mod metadata;
+mod metrics;
+mod outgoing;
+mod roles;
+mod session;
+mod storage;
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use asyncflow_core::{Store, StoreConfig};
+use asyncflow_proto::Role;
+use asyncflow_shm::SegmentPool;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use connection::Link;
+use controller::Controller;
+use metrics::Metrics;
+use roles::Roles;
+use storage::Storage;
+
+/// How long in-flight requests get to finish once a stop is asked for.
+const STOP_GRACE: Duration = Duration::from_secs(30);
+
+/// State shared by every connection.
+pub struct Daemon {
+    pub config: Config,
+    roles: Roles,
+    /// Segments for the shared-memory path; `None` when it is off.
+    pool: Option<SegmentPool>,
+    metrics: Metrics,
+    /// Set once a stop is asked for: waiting requests give up, the rest finish.
+    stopping: AtomicBool,
+}
+
+fn build_roles(config: &Config) -> Result<Roles> {
+    let store_config = StoreConfig {
+        shards: config.shards,
+        memory_limit: config.memory_limit,
+        lease_timeout: config.lease_timeout,
+    };
+    Ok(match config.role {
+        Role::Standalone => Roles::Standalone(Arc::new(Store::new(store_config)?)),
+        Role::Controller => Roles::Controller(Controller::new(
+            Arc::new(Store::new(store_config)?),
+            config.storage.clone(),
+            config.token.clone(),
+        )),
+        Role::Storage => Roles::Storage(Storage::new(config.shards, config.memory_limit)),
+    })
+}
+
+/// A Unix socket only this user can connect to, replacing a stale file from an earlier run.
+fn bind_shm_socket(path: &Path) -> Result<UnixListener> {
+    if path.exists() {
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// A socket clients connect to: TCP, or the Unix socket of the shared-memory path.
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+impl Listener {
+    async fn accept(&self) -> std::io::Result<(Link, String)> {
+        match self {
+            Listener::Tcp(l) => l.accept().await.map(|(s, peer)| (Link::Tcp(s), peer.to_string())),
+            Listener::Unix(l) => l.accept().await.map(|(s, _)| (Link::Unix(s), "unix".into())),
+        }
+    }
+}
+
+async fn accept_loop(
+    daemon: Arc<Daemon>,
+    listener: Listener,
+    stop: watch::Receiver<bool>,
+    conns: Arc<parking_lot::Mutex<JoinSet<()>>>,
+) {
+    let mut stopped = stop.clone();
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stopped.wait_for(|s| *s) => return,
+        };
+        match accepted {
+            Ok((link, peer)) => {
+                daemon.metrics.connections.fetch_add(1, Ordering::Relaxed);
+                let task = connection::serve(Arc::clone(&daemon), link, peer, stop.clone());
+                conns.lock().spawn(task);
+            }
+            Err(e) => tracing::warn!(error = %e, "accept failed"),
+        }
+    }
+}
+
+/// Resolves with the signal's name at the first SIGTERM or SIGINT. Installed before anything
+/// is bound, so a stop asked for during start-up is not lost.
+pub fn stop_signal() -> Result<impl Future<Output = &'static str>> {
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = terminate.recv() => "SIGTERM",
+            _ = interrupt.recv() => "SIGINT",
+        }
+    })
+}
+
+/// Serves until `stop` resolves (with the reason), then stops accepting, lets in-flight requests
+/// finish and returns. `ready` hears the bound address once clients can connect.
+pub async fn serve(
+    config: Config,
+    ready: impl FnOnce(SocketAddr),
+    stop: impl Future<Output = &'static str>,
+) -> Result<()> {
+    let roles = build_roles(&config)?;
+    let pool = config.shm_socket.as_ref().map(|_| {
+        let cache = config.memory_limit.map_or(1 << 30, |l| l / 2).min(1 << 30);
+        SegmentPool::new(cache as usize)
+    });
+
+    let tcp = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| Error::Config(format!("cannot listen on {}: {e}", config.listen)))?;
+    let address = tcp.local_addr()?;
+    let unix = config.shm_socket.as_deref().map(bind_shm_socket).transpose()?;
+    let metrics = match config.metrics {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?,
+        ),
+        None => None,
+    };
+
+    let daemon = Arc::new(Daemon {
+        config,
+        roles,
+        pool,
+        metrics: Metrics::default(),
+        stopping: AtomicBool::new(false),
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let conns = Arc::new(parking_lot::Mutex::new(JoinSet::new()));
+    let mut acceptors = JoinSet::new();
+    let listeners = std::iter::once(Listener::Tcp(tcp)).chain(unix.map(Listener::Unix));
+    for listener in listeners {
+        acceptors.spawn(accept_loop(
+            Arc::clone(&daemon),
+            listener,
+            stop_rx.clone(),
+            Arc::clone(&conns),
+        ));
+    }
+    if let Some(listener) = metrics {
+        tracing::info!(address = %listener.local_addr()?, "serving metrics");
+        tokio::spawn(metrics::serve(Arc::clone(&daemon), listener));
+    }
+    tracing::info!(address = %address, role = daemon.config.role.name(), shm = ?daemon.config.shm_socket, "serving");
+    ready(address);
+
+    let reason = stop.await;
+    tracing::info!(reason, "stopping: no new connections, finishing in-flight requests");
+    daemon.stopping.store(true, Ordering::Relaxed);
+    let _ = stop_tx.send(true);
+    while acceptors.join_next().await.is_some() {}
+    let mut conns = std::mem::take(&mut *conns.lock());
+    let drained =
+        tokio::time::timeout(STOP_GRACE, async { while conns.join_next().await.is_some() {} })
+            .await;
+    if drained.is_err() {
+        tracing::warn!("in-flight requests did not finish in time; stopping anyway");
+    }
+    if let Some(path) = &daemon.config.shm_socket {
+        let _ = std::fs::remove_file(path);
+    }
+    tracing::info!("stopped");
+    Ok(())
+}

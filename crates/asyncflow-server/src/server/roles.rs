@@ -1,0 +1,80 @@
+//! What this daemon is — standalone, controller or storage — and the request dispatch that
+//! follows from it. Staging shared memory for a put is the same for every role that keeps bytes.
+
+use std::sync::Arc;
+
+use asyncflow_core::{MemoryBudget, Store, StoreError, StoreStats, Wait};
+use asyncflow_proto::{Reply, Request, SharedCell};
+
+use super::controller::Controller;
+use super::metadata::{self, Outcome};
+use super::outgoing::Answer;
+use super::session::{Session, Stage};
+use super::storage::Storage;
+
+pub enum Roles {
+    Standalone(Arc<Store>),
+    Controller(Controller),
+    Storage(Storage),
+}
+
+impl Roles {
+    pub fn stats(&self) -> StoreStats {
+        match self {
+            Roles::Standalone(store) => store.stats(),
+            Roles::Controller(c) => c.store.stats(),
+            Roles::Storage(s) => s.stats(),
+        }
+    }
+
+    fn reserve(
+        &self,
+        bytes: u64,
+        wait: Wait<'_>,
+    ) -> Result<asyncflow_core::MemoryGuard, StoreError> {
+        match self {
+            Roles::Standalone(store) => store.reserve(bytes, wait),
+            Roles::Storage(s) => MemoryBudget::reserve(&s.memory, bytes, wait),
+            Roles::Controller(_) => Err(StoreError::bad_request(
+                "this is a controller: payloads go to its storage daemons",
+            )),
+        }
+    }
+
+    /// Reserves memory and a shared-memory region for a put the client will write in place.
+    fn stage(&self, session: &Session, bytes: u64, wait: Wait<'_>) -> Outcome {
+        let shm = session.shm.as_ref().ok_or_else(|| {
+            StoreError::bad_request("shared memory is only offered on the daemon's Unix socket")
+        })?;
+        let guard = self.reserve(bytes, wait)?;
+        let region = shm
+            .pool
+            .allocate(bytes as usize)
+            .map_err(|e| StoreError::MemoryLimit(format!("shared memory: {e}")))?;
+        let segment = Arc::clone(region.segment());
+        let (segments, fds) = shm.introduce([&segment]);
+        let stage = shm.add_stage(Stage { region, guard });
+        let cell = SharedCell { segment: segment.id(), offset: 0 };
+        Ok((
+            Reply::Staged { stage, cell, len: bytes, segments },
+            Answer { payload: Vec::new(), fds },
+        ))
+    }
+
+    pub fn execute(
+        &self,
+        session: &Session,
+        req: Request,
+        payload: Vec<u8>,
+        wait: Wait<'_>,
+    ) -> Outcome {
+        if let Request::Stage { bytes, .. } = req {
+            return self.stage(session, bytes, wait);
+        }
+        match self {
+            Roles::Standalone(store) => metadata::execute(store, session, req, payload, wait),
+            Roles::Controller(c) => c.execute(session, req, payload, wait),
+            Roles::Storage(s) => s.execute(session, req, payload, wait),
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Misbehaving clients against a live daemon: garbage, a huge length prefix, truncated frames,
+//! frames before hello and wrong tokens each get an error reply or a closed connection, and a
+//! well-behaved client on the side keeps being served throughout.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use asyncflow_proto::{FrameHeader, HEADER_LEN, Hello, Limits, Op, Request, decode_answer};
+use asyncflow_server::client::{Client, Preference};
+use support::{Daemon, put_ints, read_ints};
+
+fn raw(daemon: &Daemon) -> TcpStream {
+    let s = TcpStream::connect(daemon.address).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+fn frame(op: Op, id: u64, meta: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut out = FrameHeader::new(op, id, meta.len(), payload.len()).encode().to_vec();
+    out.extend_from_slice(meta);
+    out.extend_from_slice(payload);
+    out
+}
+
+fn hello(token: Option<&str>) -> Vec<u8> {
+    let req = Request::Hello(Hello { token: token.map(str::to_owned), host: String::new() });
+    frame(Op::Hello, 1, &req.encode(), &[])
+}
+
+/// Reads one answer: `Some(Ok(()))` for a reply, `Some(Err(message))` for a failure, `None` if
+/// the daemon closed the connection.
+fn answer(s: &mut TcpStream) -> Option<Result<(), String>> {
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head).ok()?;
+    let header = FrameHeader::decode(&head, Limits::DEFAULT).unwrap();
+    let mut body = vec![0u8; header.body_len()];
+    s.read_exact(&mut body).unwrap();
+    let (meta, payload) = body.split_at(header.meta_len as usize);
+    match decode_answer(header.op, meta, payload.len() as u64).unwrap() {
+        Ok(_) => Some(Ok(())),
+        Err(failure) => Some(Err(failure.to_string())),
+    }
+}
+
+fn closed(s: &mut TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(s.read(&mut byte), Ok(0) | Err(_))
+}
+
+/// A well-behaved client does a full round trip.
+fn still_serves(good: &Client, value: i64) {
+    let rows = put_ints(good, "x", &[value]);
+    assert_eq!(read_ints(good, &rows, "x"), vec![value]);
+}
+
+fn daemon_and_good_client(flags: &[&str], token: Option<&str>) -> (Daemon, Client) {
+    let daemon = Daemon::start(flags);
+    let good = Client::connect(&daemon.url(), token, Preference::Tcp).unwrap();
+    (daemon, good)
+}
+
+#[test]
+fn random_bytes_close_only_that_connection() {
+    let (daemon, good) = daemon_and_good_client(&[], None);
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    for round in 0..20_i32 {
+        let garbage: Vec<u8> = (0..64 + round * 37)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect();
+        let mut bad = raw(&daemon);
+        let _ = bad.write_all(&garbage);
+        assert!(matches!(answer(&mut bad), None | Some(Err(_))));
+        assert!(closed(&mut bad));
+        still_serves(&good, i64::from(round));
+    }
+}
+
+#[test]
+fn a_huge_length_prefix_is_refused_without_reading_it() {
+    let (daemon, good) = daemon_and_good_client(&[], None);
+    let mut bad = raw(&daemon);
+    bad.write_all(&hello(None)).unwrap();
+    assert_eq!(answer(&mut bad), Some(Ok(())));
+    let mut head = FrameHeader::new(Op::Put, 2, 0, 0).encode();
+    head[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
+    bad.write_all(&head).unwrap();
+    let reply = answer(&mut bad).unwrap().unwrap_err();
+    assert!(reply.contains("exceeds the limit"), "{reply}");
+    assert!(closed(&mut bad));
+    still_serves(&good, 1);
+}
+
+#[test]
+fn a_truncated_frame_then_hang_up_leaves_the_daemon_serving() {
+    let (daemon, good) = daemon_and_good_client(&[], None);
+    let full = frame(Op::Stats, 2, &[], &[]);
+    for cut in [1, HEADER_LEN - 1, HEADER_LEN / 2] {
+        let mut bad = raw(&daemon);
+        bad.write_all(&hello(None)).unwrap();
+        assert_eq!(answer(&mut bad), Some(Ok(())));
+        bad.write_all(&full[..cut]).unwrap();
+        drop(bad);
+        still_serves(&good, cut as i64);
+    }
+}
+
+#[test]
+fn malformed_metadata_gets_an_error_reply_and_the_connection_goes_on() {
+    let (daemon, good) = daemon_and_good_client(&[], None);
+    let mut bad = raw(&daemon);
+    bad.write_all(&hello(None)).unwrap();
+    assert_eq!(answer(&mut bad), Some(Ok(())));
+    bad.write_all(&frame(Op::Claim, 2, &[0xff; 7], &[])).unwrap();
+    let reply = answer(&mut bad).unwrap().unwrap_err();
+    assert!(reply.starts_with("protocol error"), "{reply}");
+    bad.write_all(&frame(Op::Stats, 3, &[], &[])).unwrap();
+    assert_eq!(answer(&mut bad), Some(Ok(())), "the frame boundaries were intact");
+    still_serves(&good, 1);
+}
+
+#[test]
+fn an_operation_before_hello_is_refused_and_the_connection_closed() {
+    let (daemon, good) = daemon_and_good_client(&[], None);
+    let mut bad = raw(&daemon);
+    bad.write_all(&frame(Op::Stats, 1, &[], &[])).unwrap();
+    let reply = answer(&mut bad).unwrap().unwrap_err();
+    assert!(reply.contains("hello"), "{reply}");
+    assert!(closed(&mut bad));
+    still_serves(&good, 1);
+}
+
+#[test]
+fn wrong_tokens_are_refused_before_any_operation() {
+    let (daemon, good) = daemon_and_good_client(&["--token", "s3cret"], Some("s3cret"));
+    for token in [None, Some(""), Some("s3cre"), Some("s3cret-and-more"), Some("S3CRET")] {
+        let mut bad = raw(&daemon);
+        bad.write_all(&hello(token)).unwrap();
+        bad.write_all(&frame(Op::Stats, 2, &[], &[])).unwrap();
+        let reply = answer(&mut bad).unwrap().unwrap_err();
+        assert!(reply.starts_with("authentication failed"), "{reply}");
+        assert!(closed(&mut bad), "nothing after the refused hello was served");
+        still_serves(&good, 1);
+    }
+}

@@ -1,0 +1,68 @@
+//! File descriptors across a Unix socket (`SCM_RIGHTS`), which is how a segment reaches a client
+//! without ever having a name in a file system. Works on any socket descriptor, blocking or not.
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+/// Descriptors one message may carry.
+pub const MAX_FDS: usize = 16;
+
+/// Sends `bytes` (some of them: returns how many) with `fds` attached to the first byte.
+pub fn send_with_fds(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<usize> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut ancillary = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !ancillary.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "too many descriptors"));
+    }
+    let iov = [io::IoSlice::new(bytes)];
+    Ok(rustix::net::sendmsg(socket, &iov, &mut ancillary, SendFlags::NOSIGNAL)?)
+}
+
+/// Receives into `buf`, appending any descriptors that arrive to `fds`. Returns the byte count
+/// (0 at end of stream).
+pub fn recv_with_fds(
+    socket: impl AsFd,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<usize> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut ancillary = RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [io::IoSliceMut::new(buf)];
+    let msg = rustix::net::recvmsg(socket, &mut iov, &mut ancillary, RecvFlags::CMSG_CLOEXEC)?;
+    for message in ancillary.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = message {
+            fds.extend(received);
+        }
+    }
+    Ok(msg.bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+    use crate::segment::Segment;
+
+    #[test]
+    fn a_segment_descriptor_crosses_a_socket_and_maps_the_same_bytes() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let seg = Segment::create(7, 4096).unwrap();
+        seg.write(0, b"shared");
+        assert_eq!(send_with_fds(a.as_fd(), b"x", &[seg.fd()]).unwrap(), 1);
+        let (mut buf, mut fds) = ([0u8; 4], Vec::new());
+        assert_eq!(recv_with_fds(&b, &mut buf, &mut fds).unwrap(), 1);
+        let mapped = Segment::open(7, fds.pop().unwrap(), 4096).unwrap();
+        assert_eq!(&mapped.bytes()[..6], b"shared");
+    }
+}

@@ -1,0 +1,187 @@
+"""The daemon as users run it: `asyncflow store serve`, `asyncflow.connect`, tokens, transports,
+sharding over storage daemons, metrics, stopping, and clients that misbehave."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asyncflow as af
+from asyncflow import _native
+
+#: The conftest's ``daemons`` fixture: starts a daemon with the given flags.
+Daemons = Callable[..., Any]
+
+
+def public_methods(cls: type) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+def test_a_daemon_backend_has_exactly_the_embedded_methods() -> None:
+    assert public_methods(_native.RemoteStore) == public_methods(_native.Store)
+
+
+def test_tcp_can_be_asked_for_and_carries_the_same_data(daemons: Daemons) -> None:
+    store = af.connect(daemons().url, transport="tcp")
+    assert store.stats()["transport"] == "tcp"
+    store.register_task("t")
+    rows = [np.arange(n, dtype=np.float32) for n in (3, 0, 1000)]
+    store.put({"v": rows, "text": ["a", "bc", ""]})
+    batch = store.claim("t", ["v", "text"], 3, timeout=5)
+    got = batch.read()
+    for sent, back in zip(rows, got["v"], strict=True):
+        np.testing.assert_array_equal(back, sent)
+        assert not back.flags.writeable
+    assert got["text"] == [b"a", b"bc", b""]
+    batch.ack()
+
+
+def test_shared_memory_reads_view_the_daemons_memory(daemons: Daemons) -> None:
+    store = af.connect(daemons().url, transport="shm")
+    idx = store.put({"x": [np.arange(4096, dtype=np.int64)]})
+    view = store.read(idx, "x")["x"][0]
+    assert isinstance(view.base, _native.ChunkOwner)
+    assert np.shares_memory(view, store.read(idx, "x")["x"][0])
+
+
+def test_a_token_is_required_when_configured(
+    daemons: Daemons, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = daemons("--token", "s3cret").url
+    for token in (None, "wrong"):
+        with pytest.raises(af.AuthError):
+            af.connect(url, token=token)
+    af.connect(url, token="s3cret").register_task("t")
+    monkeypatch.setenv("ASYNCFLOW_TOKEN", "s3cret")
+    af.connect(url).register_task("t")
+
+
+def test_a_public_address_without_token_is_refused_before_listening() -> None:
+    command = [sys.executable, "-m", "asyncflow.cli", "store", "serve", "--listen", "0.0.0.0:0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "--insecure" in done.stderr and "listening" not in done.stdout
+
+
+def test_an_unreachable_daemon_is_a_connection_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(af.ConnectionError):
+        af.connect(f"tcp://127.0.0.1:{port}")
+
+
+def test_sigterm_stops_a_waiting_claim_and_the_daemon_exits_cleanly(daemons: Daemons) -> None:
+    daemon = daemons()
+    store = af.connect(daemon.url)
+    store.register_task("t")
+    errors: list[BaseException] = []
+
+    def wait_for_rows() -> None:
+        try:
+            store.claim("t", "x", 1, timeout=60)
+        except BaseException as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait_for_rows)
+    waiter.start()
+    time.sleep(0.2)
+    assert daemon.stop() == 0
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], af.ConnectionError)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_metrics_are_served_in_prometheus_text(daemons: Daemons) -> None:
+    port = free_port()
+    store = af.connect(daemons("--metrics", f"127.0.0.1:{port}").url)
+    store.put({"x": [1, 2, 3]})
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    assert "# TYPE asyncflow_requests_total counter" in text
+    assert "asyncflow_live_rows 3" in text
+
+
+def test_a_store_sharded_over_three_storage_daemons(daemons: Daemons) -> None:
+    storage = [daemons("--role", "storage") for _ in range(3)]
+    addresses = ",".join(d.url.removeprefix("tcp://") for d in storage)
+    store = af.connect(daemons("--role", "controller", "--storage", addresses).url)
+    store.register_task("t")
+    rows = [np.full(n + 1, n, dtype=np.int32) for n in range(9)]
+    store.put({"ids": rows})
+    s = store.stats()
+    assert s["storage_daemons"] == 3 and s["payload_rows"] == 9 and s["transport"] == "shm"
+    with store.claim("t", "ids", 9, timeout=5) as batch:
+        for sent, back in zip(rows, batch.read()["ids"], strict=True):
+            np.testing.assert_array_equal(back, sent)
+    deadline = time.monotonic() + 10
+    while store.stats()["payload_rows"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.stats()["payload_rows"] == 0, "acked rows are dropped on their storage daemons"
+
+
+def _put_from_child(url: str, queue: multiprocessing.Queue[int]) -> None:
+    store = af.connect(url)
+    queue.put(len(store.put({"x": [1, 2]})))
+
+
+def test_a_forked_child_reconnects_on_its_own(daemons: Daemons) -> None:
+    url = daemons().url
+    store = af.connect(url)
+    store.put({"x": [0]})
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[int] = ctx.Queue()
+    child = ctx.Process(target=_put_from_child, args=(url, queue))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0 and queue.get(timeout=5) == 2
+    assert store.stats()["live_rows"] == 3, "the parent's connection still works"
+
+
+def test_the_parents_connection_in_a_forked_child_reconnects(daemons: Daemons) -> None:
+    store = af.connect(daemons().url)
+    pid = os.fork()
+    if pid == 0:  # the child: the inherited store must reconnect rather than share a socket
+        code = 0
+        try:
+            store.put({"x": [1]})
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.stats()["live_rows"] == 1
+
+
+def test_garbage_on_one_connection_does_not_disturb_another(daemons: Daemons) -> None:
+    daemon = daemons()
+    store = af.connect(daemon.url, transport="tcp")
+    host, port = daemon.url.removeprefix("tcp://").rsplit(":", 1)
+    for junk in (b"\x00" * 24, b"GET / HTTP/1.1\r\n\r\n", os.urandom(4096)):
+        with socket.create_connection((host, int(port)), timeout=10) as bad:
+            bad.sendall(junk)
+            bad.shutdown(socket.SHUT_WR)
+            bad.settimeout(10)
+            try:
+                while bad.recv(4096):
+                    pass
+            except OSError:
+                pass
+        assert len(store.put({"x": [1]})) == 1
