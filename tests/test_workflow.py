@@ -198,3 +198,4 @@ def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(tmp_path: Pat
     trained = [g for entry in ledger for g in entry["trained"]]
     assert sorted(trained) == list(range(8 * GROUPS)), "every prompt group trained exactly once"
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9)), "one record per step"

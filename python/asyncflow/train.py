@@ -191,7 +191,6 @@ class Run:
         tracer = Tracer()
         state = RunState()
         ctx = Context(store, c, tokenizer, tracer, state)
-        metrics = MetricsLog(self.run_dir)
         ledger = Ledger(self.run_dir / "ledger.jsonl")
         start_group = 0
         if ckpt is not None:
@@ -205,7 +204,10 @@ class Run:
                 f"{restored} rows in flight"
             )
 
-        evals: list[tuple[int, float]] = []
+        metrics = MetricsLog(self.run_dir, keep_until=trainer_engine.version if ckpt else None)
+        evals = [(0, before)] + [
+            (r["step"], r["eval_accuracy"]) for r in metrics.history if "eval_accuracy" in r
+        ]
         figures = {"accuracy_before": before, "pass_at_k_before": pass_before}
 
         def after_step(step: int) -> dict[str, Any]:

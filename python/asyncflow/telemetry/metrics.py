@@ -9,11 +9,18 @@ from typing import Any
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, keep_until: int | None = None) -> None:
+        """``keep_until``: a resumed run keeps the records of steps up to this one (the rest
+        belong to the timeline after its checkpoint, which is redone)."""
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
-        self._lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
+        if keep_until is not None and self.path.exists():
+            records = [json.loads(line) for line in self.path.read_text().splitlines()]
+            self.history = [r for r in records if r.get("step", 0) <= keep_until]
+        self._file = self.path.open("w")
+        for record in self.history:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._lock = threading.Lock()
         try:
             from torch.utils.tensorboard import SummaryWriter
 
