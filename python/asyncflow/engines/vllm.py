@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,10 @@ def prepare_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
+
+#: vLLM keeps the current forward pass's context in a module global, so two engines of one
+#: process must not run the model at the same time (each still has its own weights and cache).
+MODEL_LOCK = threading.Lock()
 
 #: A tied output embedding: trainers export only the input embedding, but vLLM's reload
 #: rebuilds its output head from a tensor of this name, and keeps the old one without it.
@@ -120,7 +125,8 @@ class VLLMRolloutEngine(RolloutEngine):
         copies = sampling.n if sampling.greedy else 1
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
         try:
-            outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=False)
+            with MODEL_LOCK:
+                outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=False)
         except Exception as e:
             raise EngineError(
                 f"vllm rollout engine {self.label!r} failed while generating for "
@@ -153,14 +159,17 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.tied and TIED[1] not in names:
             tensors.append((TIED[1], dict(tensors)[TIED[0]]))
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            with MODEL_LOCK:
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": iter(tensors)}
+                )
+                # Cached prompt KV blocks were computed under the old weights.
+                self.llm.reset_prefix_cache()
         except Exception as e:
             raise EngineError(
                 f"vllm rollout engine {self.label!r} failed to load weights v{version}: "
                 f"{type(e).__name__}: {e}"
             ) from e
-        # Cached prompt KV blocks were computed under the old weights.
-        self.llm.reset_prefix_cache()
         self.version = version
 
     def close(self) -> None:
