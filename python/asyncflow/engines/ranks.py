@@ -192,11 +192,12 @@ class RankGroup(StepTrainEngine):
         self._call("save_pretrained", directory, f"saving the model to {directory}")
 
     def close(self) -> None:
-        """Asks every rank to stop, then ends those that do not within a few seconds."""
+        """Asks every rank to stop, then ends those that do not within ten seconds (one mid-step
+        cannot read the request until its step ends)."""
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a rank that is gone needs no asking
                 conn.send(("close", None))
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + 10.0
         for proc in self.procs:
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
