@@ -25,7 +25,7 @@ from asyncflow.errors import StoreTimeoutError
 from asyncflow.scheduler import micro_batches
 from asyncflow.store import Store
 from asyncflow.workers.base import POLL, StallError, step_partition
-from asyncflow.workers.steps import StepLoss, StepResult, sample_fields
+from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, update
 
 
 def agree_on_most(count: int) -> int:
@@ -96,22 +96,15 @@ class RankStep:
         result = StepResult()
         age = s - batch.versions.astype(np.int64)
         stale = age > self.config.trainer.max_staleness
-        result.dropped_groups = sorted({int(g) for g in batch.groups[stale]})
         keep = np.flatnonzero(~stale)
         data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
-        result.staleness.update(int(a) for a in age[keep])
-        result.rewards = [float(r) for r in data["reward"]]
-        result.trained_groups = sorted({int(g) for g in batch.groups[keep]})
+        result.note(batch.groups, age, stale, data["reward"])
         micro = self._micro_batches(data)
         for tb in micro:
             stats = self.engine.forward_backward(tb, self.loss)
             if tb.response_mask.any():  # padding micro-batches train nothing
                 result.loss_stats.append(stats)
-        result.optimizer = self.engine.optimizer_step()
-        for _ in range(self.config.trainer.ppo_epochs - 1):
-            for tb in micro:
-                self.engine.forward_backward(tb, self.loss)
-            result.optimizer = self.engine.optimizer_step()
+        result.optimizer = update(self.engine, micro, self.loss, self.config.trainer.ppo_epochs)
         batch.ack()
         self.engine.version = s + 1
         self.publish()

@@ -18,7 +18,7 @@ import torch
 
 from asyncflow.algorithms.losses import LossSettings, policy_loss
 from asyncflow.config import Config
-from asyncflow.engines.base import TrainBatch
+from asyncflow.engines.base import TrainBatch, TrainEngine
 from asyncflow.workers.batches import to_train_batch
 
 #: Fields a training step reads from each sample row.
@@ -91,6 +91,19 @@ class StepLoss:
         return self.batch(data)
 
 
+def update(
+    engine: TrainEngine, batches: Sequence[TrainBatch], loss: StepLoss, epochs: int
+) -> dict[str, float]:
+    """The optimiser step on the accumulated gradients, then ``epochs - 1`` further passes over
+    the step's micro-batches, each ending in an optimiser step; returns the last one's figures."""
+    figures = engine.optimizer_step()
+    for _ in range(epochs - 1):
+        for tb in batches:
+            engine.forward_backward(tb, loss)
+        figures = engine.optimizer_step()
+    return figures
+
+
 @dataclass
 class StepResult:
     """What one step trained, and its optimiser's figures."""
@@ -102,6 +115,16 @@ class StepResult:
     rewards: list[float] = field(default_factory=list)
     loss_stats: list[dict[str, float]] = field(default_factory=list)
     optimizer: dict[str, float] = field(default_factory=dict)
+
+    def note(
+        self, groups: np.ndarray, ages: np.ndarray, stale: np.ndarray, rewards: Sequence[Any]
+    ) -> None:
+        """Records a claim's rows: the ``stale`` ones as dropped, the others as trained (with
+        their ``rewards``)."""
+        self.dropped_groups += sorted({int(g) for g in groups[stale]})
+        self.trained_groups += sorted({int(g) for g in groups[~stale]})
+        self.staleness.update(int(a) for a in ages[~stale])
+        self.rewards += [float(r) for r in rewards]
 
     @staticmethod
     def merge(parts: Sequence[StepResult]) -> StepResult:

@@ -21,7 +21,7 @@ from asyncflow import weights
 from asyncflow.engines.base import StepTrainEngine, TrainBatch, TrainEngine
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.workers.base import Context, Worker, step_partition
-from asyncflow.workers.steps import StepLoss, StepResult, sample_fields
+from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, update
 
 #: Runs in the trainer's thread after each step (evaluation, checkpoints); returns extra metrics.
 StepHook = Callable[[int], dict[str, Any]]
@@ -100,11 +100,9 @@ class Trainer(Worker):
             return None
         batches, result = outcome
         with self.busy("optimizer step"):
-            result.optimizer = self.engine.optimizer_step()
-            for _ in range(self.config.trainer.ppo_epochs - 1):
-                for tb in batches:
-                    self.engine.forward_backward(tb, self.loss)
-                result.optimizer = self.engine.optimizer_step()
+            result.optimizer = update(
+                self.engine, batches, self.loss, self.config.trainer.ppo_epochs
+            )
         with self.busy(f"publish v{s + 1}"):
             weights.publish(self.store, s + 1, self.engine.export_weights())
         return result
@@ -125,13 +123,11 @@ class Trainer(Worker):
                 continue
             age = s - batch.versions.astype(np.int64)
             stale = age > k
-            if stale.any():  # only under the "drop" policy can samples arrive too old
-                batch.ack(batch.indexes[stale])
-                result.dropped_groups += sorted({int(g) for g in batch.groups[stale]})
-                got += int(stale.sum())
             keep = np.flatnonzero(~stale)
+            data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
+            if stale.any():  # only under the "drop" policy can samples arrive too old
+                batch.ack(batch.indexes[stale])  # (which frees them: read before)
             if keep.size:
-                data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
                 tb = self.loss.batch(data)
                 with self.busy("forward/backward"):
                     if self.config.trainer.ppo_epochs > 1:
@@ -139,10 +135,8 @@ class Trainer(Worker):
                     result.loss_stats.append(self.engine.forward_backward(tb, self.loss))
                 kept_batches.append(tb)
                 batch.ack(batch.indexes[keep])
-                got += int(keep.size)
-                result.staleness.update(int(a) for a in age[keep])
-                result.rewards += [float(r) for r in data["reward"]]
-                result.trained_groups += sorted({int(g) for g in batch.groups[keep]})
+            result.note(batch.groups, age, stale, data["reward"])
+            got += len(batch)
         return kept_batches, result
 
     def _record(self, s: int, result: StepResult) -> None:
