@@ -10,6 +10,7 @@ parameters, which it must own; nothing else is copied.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterable
@@ -41,6 +42,12 @@ MODEL_LOCK = threading.Lock()
 #: A tied output embedding: trainers export only the input embedding, but vLLM's reload
 #: rebuilds its output head from a tensor of this name, and keeps the old one without it.
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
+    """Every reload warns that the rotary embedding got no weights: it has none (its cos/sin
+    table is computed, and kept), so the warning is noise."""
+    return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
 
 
 def checkpoint_names(model_dir: Path) -> set[str]:
@@ -78,6 +85,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"vllm rollout engine {label!r}: vLLM is not installed ({e}); install the "
                 "engines-cpu or engines-gpu dependency group, or set rollout.engine=hf"
             ) from e
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            _quiet_rotary_reload_warning
+        )
         r = config.rollout
         try:
             self.tokenizer = load_tokenizer(model_dir)
