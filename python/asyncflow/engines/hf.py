@@ -194,7 +194,8 @@ class HFTrainEngine(TrainEngine):
         state = torch.load(directory / "trainer.pt", weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
+        if "schedule" in state:  # checkpoints written before schedules existed have none
+            self.schedule.load_state_dict(state["schedule"])
         self.version = int(state["version"])
 
     def save_pretrained(self, directory: Path) -> None:

@@ -12,6 +12,7 @@ what it has and the trainer discards samples that turn out too stale.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,9 +107,11 @@ class Rollout(Worker):
             (work.batch.ack if done else work.batch.release)(rows)
             return
         assert self.dispatcher is not None
+        # The router forgets the groups first: a released row may be claimed and routed again
+        # at once.
+        self.dispatcher.complete([a.group for a in work.assignments])
         for a in work.assignments:
             (a.batch.ack if done else a.batch.release)([a.index])
-        self.dispatcher.complete([a.group for a in work.assignments])
 
     def step(self) -> bool:
         self.sync_weights()
@@ -125,30 +128,35 @@ class Rollout(Worker):
                 return True
         with self.busy(f"generate v{self.engine.version}"):
             outputs = self.engine.generate([p.tolist() for p in work.prompts], self.sampling)
-        if work.assignments is not None:
-            assert self.dispatcher is not None
-            mine = [self.dispatcher.still_assigned(self.role, a.group) for a in work.assignments]
-            if not all(mine):  # groups handed to another engine while this one was too slow
-                work = self._only(work, mine)
-                outputs = [o for o, m in zip(outputs, mine, strict=True) if m]
+        # Holding the router while the samples go in: a group it hands to another engine meanwhile
+        # would be generated twice.
+        routing = self.dispatcher.lock if self.dispatcher is not None else contextlib.nullcontext()
+        with self.ctx.state.snapshot_lock, routing:
+            if work.assignments is not None:
+                work, outputs = self._drop_rerouted(work, outputs)
                 if not work.prompts:
                     return True
-        with self.ctx.state.snapshot_lock:
             self._put_samples(work.target, work.prompts, work.answers, work.groups, outputs)
             self._settle(work, done=True)
         return True
 
-    @staticmethod
-    def _only(work: PromptGroups, mine: list[bool]) -> PromptGroups:
-        assert work.assignments is not None
+    def _drop_rerouted(
+        self, work: PromptGroups, outputs: list[list[Completion]]
+    ) -> tuple[PromptGroups, list[list[Completion]]]:
+        """Leaves out the groups handed to another engine while this one was too slow."""
+        assert work.assignments is not None and self.dispatcher is not None
+        mine = [self.dispatcher.still_assigned(self.role, a.group) for a in work.assignments]
+        if all(mine):
+            return work, outputs
         kept = [a for a, m in zip(work.assignments, mine, strict=True) if m]
-        return PromptGroups(
+        rest = PromptGroups(
             [a.prompt for a in kept],
             [a.answer for a in kept],
             np.array([a.group for a in kept], dtype=np.int64),
             work.target,
             assignments=kept,
         )
+        return rest, [o for o, m in zip(outputs, mine, strict=True) if m]
 
     def _put_samples(
         self,

@@ -88,7 +88,8 @@ class Dispatcher(Worker):
         self.router = Router(list(inboxes), heartbeat_timeout=self.config.rollout.heartbeat_timeout)
         #: Routed and not completed, by group: what to hand over if its engine falls silent.
         self.routed: dict[int, Assignment] = {}
-        self.lock = threading.Lock()
+        #: Re-entrant: an engine's worker holds it across its checks and its put.
+        self.lock = threading.RLock()
         self._unroutable: list[Assignment] = []
 
     # -- called by the engines' workers -------------------------------------------------------
