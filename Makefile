@@ -6,34 +6,39 @@
 
 UV := python3 -m uv
 PYTEST_ARGS ?=
+# ENGINES=gpu installs vLLM's CUDA build instead of its CPU build (see the README).
+ENGINES ?= cpu
+ENGINE_GROUPS := $(if $(filter gpu,$(ENGINES)),--no-group engines-cpu --group engines-gpu,)
+# `uv run` re-syncs the environment first: with the same groups, or it would swap vLLM's build.
+RUN := $(UV) run --locked $(ENGINE_GROUPS)
 
 .PHONY: setup train test test-rust test-python lint bench-store bench-sched
 
 setup:
 	@python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
-	$(UV) sync --locked
+	$(UV) sync --locked $(ENGINE_GROUPS)
 
 train: setup
-	$(UV) run asyncflow train
+	$(RUN) asyncflow train
 
 test: setup lint test-rust test-python
 
 lint:
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
-	$(UV) run ruff check python tests benches
-	$(UV) run ruff format --check python tests benches
-	$(UV) run mypy
-	$(UV) run python -m mypy.stubtest asyncflow._native
+	$(RUN) ruff check python tests benches
+	$(RUN) ruff format --check python tests benches
+	$(RUN) mypy
+	$(RUN) python -m mypy.stubtest asyncflow._native
 
 test-rust:
 	cargo test --workspace --locked
 
 test-python:
-	$(UV) run pytest $(PYTEST_ARGS)
+	$(RUN) pytest $(PYTEST_ARGS)
 
 bench-store: setup
-	$(UV) run asyncflow bench store --json bench-out/store.json
+	$(RUN) asyncflow bench store --json bench-out/store.json
 
 bench-sched: setup
-	$(UV) run asyncflow bench sched --json bench-out/sched.json
+	$(RUN) asyncflow bench sched --json bench-out/sched.json

@@ -10,6 +10,8 @@ import torch
 
 from asyncflow.algorithms.advantages import group_advantages
 from asyncflow.algorithms.losses import LossSettings, policy_loss
+from asyncflow.algorithms.lr_schedule import lr_factor
+from asyncflow.config import TrainerConfig
 
 
 def test_grpo_normalises_rewards_within_each_group() -> None:
@@ -116,3 +118,18 @@ def test_sequence_aggregation_weights_sequences_equally() -> None:
     )
     assert float(tok) == pytest.approx((-3 + 1) / 4)
     assert float(seq) == pytest.approx(0.0)
+
+
+def test_the_learning_rate_warms_up_linearly_then_stays_constant() -> None:
+    factor = lr_factor(TrainerConfig(warmup_steps=4, lr_schedule="constant", max_steps=10))
+    assert [factor(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_the_cosine_schedule_decays_to_its_floor_at_the_last_step() -> None:
+    factor = lr_factor(
+        TrainerConfig(warmup_steps=2, lr_schedule="cosine", max_steps=12, min_lr_ratio=0.1)
+    )
+    assert factor(1) == 1.0 and factor(2) == pytest.approx(1.0)
+    assert factor(7) == pytest.approx(0.55)
+    assert factor(12) == pytest.approx(0.1) and factor(20) == pytest.approx(0.1)
+    assert all(factor(s) >= factor(s + 1) for s in range(2, 15))

@@ -39,6 +39,11 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["data.task=parquet", "data.train_file=/no/file.parquet"], "does not exist"),
         (["run.seed"], "not of the form"),
         (["trainer.groups_per_step=5", "trainer.dp_size=2"], "multiple of trainer.dp_size"),
+        (["rollout.kv_cache_memory=lots"], "rollout.kv_cache_memory"),
+        (["rollout.kv_cache_memory=0"], "rollout.kv_cache_memory must be a positive size"),
+        (["trainer.lr_schedule=linear"], "trainer.lr_schedule must be one of"),
+        (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio must be in"),
+        (["trainer.timeout=0"], "trainer.timeout must be positive"),
     ],
 )
 def test_bad_settings_are_rejected_with_the_key_named(override: list[str], message: str) -> None:

@@ -6,6 +6,7 @@ One run is shared by the tests that only inspect its outputs, to keep the suite 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,45 @@ def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(tmp_path: Pat
     assert sorted(trained) == list(range(8 * GROUPS)), "every prompt group trained exactly once"
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9)), "one record per step"
+
+
+def test_two_rollout_engines_share_the_prompt_groups_through_the_router(tmp_path: Path) -> None:
+    summary = run(tmp_path, "rollout.engines=2", "trainer.max_steps=3", "warm_start.steps=10")
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    busy = {e["args"]["name"] for e in trace if e["ph"] == "M"}
+    assert {"router", "rollout-0", "rollout-1"} <= busy
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert sorted(g for entry in ledger for g in entry["trained"]) == list(range(3 * GROUPS))
+    assert summary["samples_generated"] >= 3 * GROUPS * N
+
+
+class StallingEngine(HFRolloutEngine):
+    """The first engine made stops answering for a while on its first call."""
+
+    made = 0
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        StallingEngine.made += 1
+        self.stalls = StallingEngine.made == 1
+
+    def generate(self, prompts, sampling):  # type: ignore[no-untyped-def]
+        if self.stalls:
+            self.stalls = False
+            time.sleep(8)
+        return super().generate(prompts, sampling)
+
+
+def test_a_silent_rollout_engine_loses_its_prompt_groups_to_the_other(tmp_path: Path) -> None:
+    register_rollout_engine("stalling", StallingEngine)
+    summary = run(
+        tmp_path,
+        "rollout.engine=stalling",
+        "rollout.engines=2",
+        "rollout.heartbeat_timeout=1",
+        "trainer.max_steps=2",
+        "warm_start.steps=10",
+    )
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert sorted(g for entry in ledger for g in entry["trained"]) == list(range(2 * GROUPS))
+    assert summary["steps"] == 2

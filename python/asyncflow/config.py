@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from asyncflow.units import parse_size
+
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key and what is wrong."""
@@ -73,7 +75,16 @@ class RolloutConfig:
     max_tokens: int = 8
     #: Prompt groups per generation call.
     groups_per_call: int = 16
+    #: Rollout engines; with more than one, prompt groups are routed to the least-loaded.
     engines: int = 1
+    #: Seconds an engine may go without finishing a generation call before the router takes it
+    #: out of rotation and gives its prompt groups to another engine.
+    heartbeat_timeout: float = 120.0
+    #: vLLM: the KV cache, allocated up front; and the longest sequence (None: the model's own).
+    kv_cache_memory: str = "64MiB"
+    max_model_len: int | None = None
+    #: vLLM: fraction of device memory (on CPU: of host memory) it checks is free at start-up.
+    gpu_memory_utilization: float = 0.1
 
 
 @dataclass
@@ -102,8 +113,18 @@ class TrainerConfig:
     #: Samples older than allowed: ``wait`` (rollout waits for fresh weights, nothing is
     #: discarded) or ``drop`` (rollout never waits; too-stale samples are discarded).
     staleness_policy: Literal["wait", "drop"] = "wait"
+    #: Data-parallel ranks. More than one runs each rank in its own process; they share the
+    #: store through a daemon (``store.address``, or one started for the run).
     dp_size: int = 1
+    #: DeepSpeed ZeRO stage (0: plain data parallelism; 3: parameters sharded too).
     zero_stage: int = 1
+    #: ``constant`` after the warm-up, or ``cosine`` decay to ``min_lr_ratio`` at ``max_steps``.
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    #: Seconds to wait for trainer ranks to start, and for a peer rank in any collective, before
+    #: failing with an error that names the rank.
+    timeout: float = 900.0
 
 
 @dataclass
@@ -331,6 +352,23 @@ def validate(c: Config) -> None:
     )
     _require(0 <= c.warm_start.mistake_rate <= 1, "warm_start.mistake_rate must be in [0, 1]")
     _require(c.store.lease_timeout > 0, "store.lease_timeout must be positive")
+    _require(c.trainer.warmup_steps >= 0, "trainer.warmup_steps cannot be negative")
+    _require(0 <= c.trainer.min_lr_ratio <= 1, "trainer.min_lr_ratio must be in [0, 1]")
+    _require(c.trainer.timeout > 0, "trainer.timeout must be positive")
+    _require(c.rollout.heartbeat_timeout > 0, "rollout.heartbeat_timeout must be positive")
+    _require(
+        0 < c.rollout.gpu_memory_utilization <= 1,
+        "rollout.gpu_memory_utilization must be in (0, 1]",
+    )
+    try:
+        _require(
+            (parse_size(c.rollout.kv_cache_memory) or 0) > 0,
+            "rollout.kv_cache_memory must be a positive size such as 64MiB",
+        )
+    except ValueError as e:
+        raise ConfigError(f"rollout.kv_cache_memory: {e}") from None
+    if c.rollout.max_model_len is not None:
+        _require(c.rollout.max_model_len >= 1, "rollout.max_model_len must be at least 1")
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
     if c.data.task == "parquet":

@@ -10,6 +10,7 @@ the timeline trace and the summary figure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -21,8 +22,10 @@ import torch
 
 from asyncflow import checkpoint, weights
 from asyncflow.config import Config, ConfigError
-from asyncflow.engines.base import RolloutEngine, Sampling, TrainEngine
+from asyncflow.daemon import DaemonProcess, connect
+from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
 from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
+from asyncflow.engines.ranks import RankGroup
 from asyncflow.engines.registry import (
     create_rollout_engine,
     create_train_engine,
@@ -31,13 +34,14 @@ from asyncflow.engines.registry import (
 from asyncflow.evaluation import accuracy, pass_at_k
 from asyncflow.launch.local import run_threads
 from asyncflow.models.tiny import create_tiny_model, parameter_count
-from asyncflow.models.tokenizer import load_tokenizer
+from asyncflow.models.tokenizer import Tokenizer, load_tokenizer
 from asyncflow.progress import Reporter
 from asyncflow.store import Store
 from asyncflow.tasks import Task, load_task
 from asyncflow.telemetry.figure import write_summary_png
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
+from asyncflow.units import parse_size
 from asyncflow.warm_start import warm_start
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
@@ -46,10 +50,21 @@ from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.reference import ReferenceWorker
 from asyncflow.workers.reward import RewardWorker, resolve_reward
 from asyncflow.workers.rollout import Rollout
+from asyncflow.workers.routing import Dispatcher, Inbox
 from asyncflow.workers.trainer import Ledger, Trainer
 
 SAMPLES = "step-"
 PASS_K = 8
+
+
+def close_all(engines: list[RolloutEngine]) -> None:
+    for engine in engines:
+        engine.close()
+
+
+def rollout_label(i: int, count: int) -> str:
+    """A rollout engine's name in traces, routing and errors."""
+    return "rollout" if count == 1 else f"rollout-{i}"
 
 
 @dataclass
@@ -73,16 +88,29 @@ def resolve_run_dir(config: Config, run_dir: Path | None) -> Path:
     return candidate
 
 
-def open_store(config: Config) -> Store:
+def open_store(config: Config, daemon: DaemonProcess | None) -> Store:
     s = config.store
+    if daemon is not None:
+        return connect(daemon.url)
     if s.address == "embedded":
         return Store(shards=s.shards, memory_limit=s.memory_limit, lease_timeout=s.lease_timeout)
-    import asyncflow
+    return connect(s.address, token=s.token)
 
-    connect = getattr(asyncflow, "connect", None)
-    if connect is None:
-        raise ConfigError("store.address names a daemon, but this build has no daemon client")
-    return connect(s.address, token=s.token)  # type: ignore[no-any-return]
+
+def start_daemon(config: Config) -> DaemonProcess | None:
+    """A store daemon for this run, when trainer ranks in other processes need one and none is
+    configured."""
+    s = config.store
+    if config.trainer.dp_size == 1 or s.address != "embedded":
+        return None
+    limit = parse_size(s.memory_limit)
+    return DaemonProcess(
+        "--shards",
+        str(s.shards),
+        "--lease-timeout",
+        str(s.lease_timeout),
+        *(["--memory-limit", str(limit)] if limit is not None else []),
+    )
 
 
 def logprob_agreement(
@@ -155,21 +183,65 @@ class Run:
         task = load_task(c.data)
         model_dir = self.prepare_model(task)
         tokenizer = load_tokenizer(model_dir)
-        store = open_store(c)
+        with contextlib.ExitStack() as cleanup:
+            daemon = start_daemon(c)
+            if daemon is not None:
+                cleanup.enter_context(daemon)
+                self.reporter.line(f"store daemon for the trainer ranks at {daemon.url}")
+            address = daemon.url if daemon is not None else c.store.address
+            store = open_store(c, daemon)
+            since = time.monotonic()
+            rollout_name = resolve_engine_name("rollout", c.rollout.engine)
+            train_name = resolve_engine_name("train", c.trainer.engine)
+            self.reporter.line(
+                f"starting engines: rollout={rollout_name} x{c.rollout.engines}, "
+                f"trainer={train_name} x{c.trainer.dp_size}"
+            )
+            # The trainer first: its process group must exist before vLLM would make its own.
+            trainer_engine = self._train_engine(train_name, model_dir, store, address)
+            cleanup.callback(trainer_engine.close)
+            rollouts: list[RolloutEngine] = []
+            # Last in, first out: the rollout engines close before the trainer (vLLM's shutdown
+            # tears down the process group, which an in-process trainer has stopped using).
+            cleanup.callback(close_all, rollouts)
+            for i in range(c.rollout.engines):
+                rollouts.append(create_rollout_engine(rollout_name, model_dir, c))
+                rollouts[-1].label = rollout_label(i, c.rollout.engines)
+            evaluator = HFRolloutEngine(model_dir, c)
+            self.phases.timed("engine_start", since)
+            return self._run(
+                task,
+                model_dir,
+                tokenizer,
+                store,
+                rollouts,
+                trainer_engine,
+                evaluator,
+                rollout_name,
+                train_name,
+            )
 
-        since = time.monotonic()
-        rollout_name = resolve_engine_name("rollout", c.rollout.engine)
-        train_name = resolve_engine_name("train", c.trainer.engine)
-        self.reporter.line(
-            f"starting engines: rollout={rollout_name} x{c.rollout.engines}, trainer={train_name}"
-        )
-        rollouts = [
-            create_rollout_engine(rollout_name, model_dir, c) for _ in range(c.rollout.engines)
-        ]
-        trainer_engine = create_train_engine(train_name, model_dir, c)
-        evaluator = HFRolloutEngine(model_dir, c)
-        self.phases.timed("engine_start", since)
+    def _train_engine(self, name: str, model_dir: Path, store: Store, address: str) -> TrainEngine:
+        c = self.config
+        if c.trainer.dp_size == 1:
+            return create_train_engine(name, model_dir, c)
+        if name != "deepspeed":
+            raise ConfigError(f"trainer.dp_size > 1 needs trainer.engine deepspeed, not {name!r}")
+        return RankGroup(model_dir, c, store, address, self.run_dir / "logs")
 
+    def _run(
+        self,
+        task: Task,
+        model_dir: Path,
+        tokenizer: Tokenizer,
+        store: Store,
+        rollouts: list[RolloutEngine],
+        trainer_engine: TrainEngine,
+        evaluator: RolloutEngine,
+        rollout_name: str,
+        train_name: str,
+    ) -> dict[str, Any]:
+        c = self.config
         eval_set = task.eval_set()
         max_tokens = c.rollout.max_tokens
         ckpt = checkpoint.latest(self.run_dir) if self.resume else None
@@ -222,7 +294,8 @@ class Run:
             return extra
 
         self._register_tasks(store)
-        weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
+        if not isinstance(trainer_engine, StepTrainEngine):  # its ranks publish their own
+            weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
         workers = self._workers(
             ctx, task, rollouts, trainer_engine, model_dir, metrics, ledger, after_step, start_group
         )
@@ -264,9 +337,6 @@ class Run:
         )
         write_summary_png(self.run_dir / "summary.png", metrics.history, evals, busy)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        for engine in [*rollouts, evaluator]:
-            engine.close()
-        trainer_engine.close()
         self.reporter.summary(summary)
         return summary
 
@@ -290,12 +360,12 @@ class Run:
         start_group: int,
     ) -> list[Worker]:
         workers: list[Worker] = [Feeder(ctx, task, start_group)]
-        names = (
-            ["rollout"] if len(rollouts) == 1 else [f"rollout-{i}" for i in range(len(rollouts))]
-        )
-        workers += [
-            Rollout(ctx, engine, name) for engine, name in zip(rollouts, names, strict=True)
-        ]
+        if len(rollouts) == 1:
+            workers.append(Rollout(ctx, rollouts[0], rollouts[0].label))
+        else:
+            dispatcher = Dispatcher(ctx, {engine.label: Inbox() for engine in rollouts})
+            workers.append(dispatcher)
+            workers += [Rollout(ctx, engine, engine.label, dispatcher) for engine in rollouts]
         workers.append(RewardWorker(ctx, resolve_reward(self.config.reward.fn)))
         if self.config.algorithm.reference:
             workers.append(ReferenceWorker(ctx, HFTrainEngine(model_dir, self.config)))

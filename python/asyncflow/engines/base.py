@@ -9,12 +9,17 @@ responses were sampled from.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from asyncflow.workers.steps import StepResult
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class RolloutEngine(ABC):
     """Generates responses; holds one policy version at a time."""
 
     name: str = "rollout"
+    #: Which engine of the run this is (in logs and errors).
+    label: str = "rollout"
 
     def __init__(self) -> None:
         self.version = 0
@@ -93,7 +100,9 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """Accumulates the gradients of ``loss_fn`` on one micro-batch."""
+        """Accumulates the gradients of ``loss_fn`` on one micro-batch. A step's gradient is the
+        sum of its micro-batches' (``loss_fn`` gives each its share of the step's loss), however
+        many there are."""
 
     @abstractmethod
     def optimizer_step(self) -> dict[str, float]:
@@ -118,6 +127,17 @@ class TrainEngine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Frees the engine's resources."""
+
+
+class StepTrainEngine(TrainEngine):
+    """A train engine whose data-parallel ranks (in processes of their own) claim and train each
+    step's samples themselves and publish the new weights; the trainer asks for a step and
+    records what it trained. Its other methods act on all ranks."""
+
+    @abstractmethod
+    def train_step(self, step: int, stop: threading.Event) -> StepResult | None:
+        """Trains step ``step`` (its samples are in the store's partition ``step-<step>``), bumps
+        ``version`` and publishes it; None if ``stop`` was set before the step finished."""
 
 
 def token_logprobs(

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config
 from asyncflow.engines.base import (
     Completion,
@@ -151,6 +152,7 @@ class HFTrainEngine(TrainEngine):
             betas=(0.9, 0.99),
             weight_decay=config.trainer.weight_decay,
         )
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.trainer))
 
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -167,10 +169,12 @@ class HFTrainEngine(TrainEngine):
 
     def optimizer_step(self) -> dict[str, float]:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
+        self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        return {"grad_norm": float(norm), "lr": float(self.optimizer.param_groups[0]["lr"])}
+        return {"grad_norm": float(norm), "lr": lr}
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
@@ -181,6 +185,7 @@ class HFTrainEngine(TrainEngine):
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
             "version": self.version,
         }
         torch.save(state, directory / "trainer.pt")
@@ -189,6 +194,8 @@ class HFTrainEngine(TrainEngine):
         state = torch.load(directory / "trainer.pt", weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if "schedule" in state:  # checkpoints written before schedules existed have none
+            self.schedule.load_state_dict(state["schedule"])
         self.version = int(state["version"])
 
     def save_pretrained(self, directory: Path) -> None:

@@ -1,6 +1,10 @@
 """Rollout: prompt groups -> n responses each, with per-token behaviour log-probs and the policy
 version used. New weights are loaded between generation batches (deferred update), never mid-batch.
 
+With several engines, a dispatcher routes prompt groups to them (see
+:mod:`asyncflow.workers.routing`) and each engine's worker takes its groups from its inbox instead
+of claiming them from the store.
+
 Staleness: the samples of training step ``S`` must come from policy version ``>= S - k``. Under
 ``wait`` the worker waits for such weights before generating; under ``drop`` it generates with
 what it has and the trainer discards samples that turn out too stale.
@@ -8,20 +12,48 @@ what it has and the trainer discards samples that turn out too stale.
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import numpy as np
 
 from asyncflow import weights
+from asyncflow.batch import Batch
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
-from asyncflow.workers.base import Context, Worker, step_partition
+from asyncflow.workers.base import POLL, Context, Worker, step_partition
+from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
+
+FIELDS = ["prompt_ids", "answer", "target_step"]
+
+
+@dataclass
+class PromptGroups:
+    """Prompt groups taken for one generation call, all for one target step; from a claim of
+    this worker's own, or from the dispatcher (then ``batch`` is None)."""
+
+    prompts: list[np.ndarray]
+    answers: list[bytes]
+    groups: np.ndarray
+    target: int
+    batch: Batch | None = None
+    assignments: list[Assignment] | None = None
 
 
 class Rollout(Worker):
     role = "rollout"
 
-    def __init__(self, ctx: Context, engine: RolloutEngine, name: str = "rollout") -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        engine: RolloutEngine,
+        name: str = "rollout",
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
         super().__init__(ctx)
         self.engine = engine
         self.role = name
+        self.dispatcher = dispatcher
+        self.inbox: Inbox | None = dispatcher.inboxes[name] if dispatcher is not None else None
         r = self.config.rollout
         self.sampling = Sampling(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens)
 
@@ -33,37 +65,98 @@ class Rollout(Worker):
                 version, tensors = weights.fetch(self.store, newest)
                 self.engine.load_weights(version, tensors)
 
-    def step(self) -> bool:
-        self.sync_weights()
-        batch = self.claim(
-            "rollout", ["prompt_ids", "answer", "target_step"], self.config.rollout.groups_per_call
-        )
+    def _claim(self) -> PromptGroups | None:
+        batch = self.claim("rollout", FIELDS, self.config.rollout.groups_per_call)
         if len(batch) == 0:
-            return True
+            return None
         data = batch.read()
         targets = np.array([int(t) for t in data["target_step"]])
         target = int(targets.min())
         later = targets > target
         if later.any():  # one target step per call, oldest first
             batch.release(batch.indexes[later])
-        keep = ~later
+        keep = np.flatnonzero(~later)
+        return PromptGroups(
+            [data["prompt_ids"][i] for i in keep],
+            [data["answer"][i] for i in keep],
+            batch.groups[keep],
+            target,
+            batch=batch,
+        )
+
+    def _take(self) -> PromptGroups | None:
+        assert self.inbox is not None and self.dispatcher is not None
+        self.dispatcher.report(self.role)  # a heartbeat, also while idle
+        taken = self.inbox.take(self.config.rollout.groups_per_call, POLL)
+        self.note_progress(bool(taken), f"prompt groups routed to {self.role}")
+        if not taken:
+            return None
+        return PromptGroups(
+            [a.prompt for a in taken],
+            [a.answer for a in taken],
+            np.array([a.group for a in taken]),
+            taken[0].target,
+            assignments=taken,
+        )
+
+    def _settle(self, work: PromptGroups, done: bool) -> None:
+        """Acks the prompt rows (``done``) or hands them back to the store."""
+        if work.assignments is None:
+            assert work.batch is not None
+            rows = work.batch.indexes[np.isin(work.batch.groups, work.groups)]
+            (work.batch.ack if done else work.batch.release)(rows)
+            return
+        assert self.dispatcher is not None
+        # The router forgets the groups first: a released row may be claimed and routed again
+        # at once.
+        self.dispatcher.complete([a.group for a in work.assignments])
+        for a in work.assignments:
+            (a.batch.ack if done else a.batch.release)([a.index])
+
+    def step(self) -> bool:
+        self.sync_weights()
+        work = self._claim() if self.inbox is None else self._take()
+        if work is None:
+            return True
         if self.config.trainer.staleness_policy == "wait":
-            oldest_allowed = target - self.config.trainer.max_staleness
+            oldest_allowed = work.target - self.config.trainer.max_staleness
             if self.engine.version < oldest_allowed:
-                batch.release(batch.indexes[keep])
+                self._settle(work, done=False)
                 with self.waiting(f"weights v{oldest_allowed}"):
                     self.ctx.stop.wait(0.02)
                 self.note_progress(False, f"policy weights version {oldest_allowed}")
                 return True
-        prompts = [data["prompt_ids"][i] for i in np.flatnonzero(keep)]
-        answers = [data["answer"][i] for i in np.flatnonzero(keep)]
-        groups = batch.groups[keep]
         with self.busy(f"generate v{self.engine.version}"):
-            outputs = self.engine.generate([p.tolist() for p in prompts], self.sampling)
-        with self.ctx.state.snapshot_lock:
-            self._put_samples(target, prompts, answers, groups, outputs)
-            batch.ack(batch.indexes[keep])
+            outputs = self.engine.generate([p.tolist() for p in work.prompts], self.sampling)
+        # Holding the router while the samples go in: a group it hands to another engine meanwhile
+        # would be generated twice.
+        routing = self.dispatcher.lock if self.dispatcher is not None else contextlib.nullcontext()
+        with self.ctx.state.snapshot_lock, routing:
+            if work.assignments is not None:
+                work, outputs = self._drop_rerouted(work, outputs)
+                if not work.prompts:
+                    return True
+            self._put_samples(work.target, work.prompts, work.answers, work.groups, outputs)
+            self._settle(work, done=True)
         return True
+
+    def _drop_rerouted(
+        self, work: PromptGroups, outputs: list[list[Completion]]
+    ) -> tuple[PromptGroups, list[list[Completion]]]:
+        """Leaves out the groups handed to another engine while this one was too slow."""
+        assert work.assignments is not None and self.dispatcher is not None
+        mine = [self.dispatcher.still_assigned(self.role, a.group) for a in work.assignments]
+        if all(mine):
+            return work, outputs
+        kept = [a for a, m in zip(work.assignments, mine, strict=True) if m]
+        rest = PromptGroups(
+            [a.prompt for a in kept],
+            [a.answer for a in kept],
+            np.array([a.group for a in kept], dtype=np.int64),
+            work.target,
+            assignments=kept,
+        )
+        return rest, [o for o, m in zip(outputs, mine, strict=True) if m]
 
     def _put_samples(
         self,

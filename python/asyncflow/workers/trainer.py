@@ -1,30 +1,27 @@
 """Trainer: streams the samples of step ``s`` (partition ``step-s``) in whole-group micro-batches
 as soon as their advantages are ready, accumulates gradients on each as it arrives, steps the
 optimiser once the step's groups are in, and publishes the new weights as version ``s + 1``.
+Each micro-batch's loss is its fixed share of the step's (see :mod:`asyncflow.workers.steps`), so
+it can be applied while later ones are still being generated.
 
-The loss is normalised by a constant (the step's rows times ``rollout.max_tokens`` for token
-aggregation, its rows for sequence aggregation), so a micro-batch's gradient does not depend on
-which other micro-batches share its step and can be applied while later ones are still being
-generated.
+With a :class:`~asyncflow.engines.base.StepTrainEngine` (data-parallel ranks in processes of
+their own) the ranks claim and train the step themselves; the trainer then only records it.
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from asyncflow import weights
-from asyncflow.algorithms.losses import LossSettings, policy_loss
-from asyncflow.engines.base import TrainBatch, TrainEngine
+from asyncflow.engines.base import StepTrainEngine, TrainBatch, TrainEngine
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.workers.base import Context, Worker, step_partition
-from asyncflow.workers.batches import to_train_batch
+from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, update
 
 #: Runs in the trainer's thread after each step (evaluation, checkpoints); returns extra metrics.
 StepHook = Callable[[int], dict[str, Any]]
@@ -69,18 +66,9 @@ class Trainer(Worker):
         self.metrics = metrics
         self.ledger = ledger
         self.after_step = after_step
-        t, a = self.config.trainer, self.config.algorithm
-        self.loss_settings = LossSettings(
-            clip_eps=t.clip_eps,
-            correction=t.correction,
-            is_cap=t.is_cap,
-            kl_coef=t.kl_coef,
-            aggregation=a.loss_aggregation,
-        )
-        self.fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage", "reward"]
-        if a.reference:
-            self.fields.append("ref_logprobs")
-        self.rows_per_step = t.groups_per_step * self.config.rollout.n
+        self.loss = StepLoss(self.config, ctx.tokenizer.pad_id)
+        self.fields = sample_fields(self.config)
+        self.rows_per_step = self.loss.rows_per_step
         self._last_step_end = ctx.tracer.now()
         self._last_tokens = 0
 
@@ -91,53 +79,38 @@ class Trainer(Worker):
         groups = max(1, self.config.trainer.micro_batch_tokens // (longest * n))
         return groups * n
 
-    def _loss(self, logp: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        extras = batch.extras
-        loss, stats = policy_loss(
-            logp,
-            extras["behaviour_logp"],
-            extras["advantage"],
-            batch.response_mask,
-            self.loss_settings,
-            prox_logp=extras.get("prox_logp", logp.detach()),
-            ref_logp=extras.get("ref_logp"),
-        )
-        if self.loss_settings.aggregation == "token":
-            share = float(batch.response_mask.sum()) / (
-                self.rows_per_step * self.config.rollout.max_tokens
-            )
-        else:
-            share = batch.input_ids.shape[0] / self.rows_per_step
-        return loss * share, stats
-
-    def _train_batch(self, data: dict[str, list[Any]]) -> TrainBatch:
-        per_token = {"behaviour_logp": data["behaviour_logprobs"]}
-        if "ref_logprobs" in data:
-            per_token["ref_logp"] = data["ref_logprobs"]
-        return to_train_batch(
-            data["prompt_ids"],
-            data["response_ids"],
-            self.ctx.tokenizer.pad_id,
-            per_token=per_token,
-            per_row={"advantage": np.array([float(a) for a in data["advantage"]])},
-        )
-
     def step(self) -> bool:
         s = self.engine.version
         if s >= self.config.trainer.max_steps:
             return False
-        outcome = self._train_step(s)
-        if outcome is None:
+        if isinstance(self.engine, StepTrainEngine):
+            with self.busy(f"ranks train step {s}"):
+                result = self.engine.train_step(s, self.ctx.stop)
+        else:
+            result = self._train_here(s)
+        if result is None:
             return False  # stopped mid-step
-        self._finish_step(s, *outcome)
+        self.engine.version = s + 1
+        self._record(s, result)
         return True
 
-    def _train_step(self, s: int) -> tuple[list[TrainBatch], dict[str, Any]] | None:
+    def _train_here(self, s: int) -> StepResult | None:
+        outcome = self._accumulate(s)
+        if outcome is None:
+            return None
+        batches, result = outcome
+        with self.busy("optimizer step"):
+            result.optimizer = update(
+                self.engine, batches, self.loss, self.config.trainer.ppo_epochs
+            )
+        with self.busy(f"publish v{s + 1}"):
+            weights.publish(self.store, s + 1, self.engine.export_weights())
+        return result
+
+    def _accumulate(self, s: int) -> tuple[list[TrainBatch], StepResult] | None:
         k = self.config.trainer.max_staleness
-        got, trained, dropped = 0, [], []
-        ages: Counter[int] = Counter()
-        rewards: list[float] = []
-        stats: list[dict[str, float]] = []
+        got = 0
+        result = StepResult()
         kept_batches: list[TrainBatch] = []
         while got < self.rows_per_step:
             if self.ctx.stop.is_set():
@@ -150,64 +123,43 @@ class Trainer(Worker):
                 continue
             age = s - batch.versions.astype(np.int64)
             stale = age > k
-            if stale.any():  # only under the "drop" policy can samples arrive too old
-                batch.ack(batch.indexes[stale])
-                dropped += sorted({int(g) for g in batch.groups[stale]})
-                got += int(stale.sum())
             keep = np.flatnonzero(~stale)
+            data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
+            if stale.any():  # only under the "drop" policy can samples arrive too old
+                batch.ack(batch.indexes[stale])  # (which frees them: read before)
             if keep.size:
-                data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
-                tb = self._train_batch(data)
+                tb = self.loss.batch(data)
                 with self.busy("forward/backward"):
                     if self.config.trainer.ppo_epochs > 1:
                         tb.extras["prox_logp"] = self.engine.logprobs(tb)
-                    stats.append(self.engine.forward_backward(tb, self._loss))
+                    result.loss_stats.append(self.engine.forward_backward(tb, self.loss))
                 kept_batches.append(tb)
                 batch.ack(batch.indexes[keep])
-                got += int(keep.size)
-                ages.update(int(a) for a in age[keep])
-                rewards += [float(r) for r in data["reward"]]
-                trained += sorted({int(g) for g in batch.groups[keep]})
-        summary = {
-            "trained_groups": trained,
-            "dropped_groups": dropped,
-            "staleness": {str(a): c for a, c in sorted(ages.items())},
-            "rewards": rewards,
-            "loss_stats": stats,
-        }
-        return kept_batches, summary
+            result.note(batch.groups, age, stale, data["reward"])
+            got += len(batch)
+        return kept_batches, result
 
-    def _finish_step(self, s: int, batches: list[TrainBatch], summary: dict[str, Any]) -> None:
-        with self.busy("optimizer step"):
-            opt = self.engine.optimizer_step()
-            for _ in range(self.config.trainer.ppo_epochs - 1):
-                for tb in batches:
-                    self.engine.forward_backward(tb, self._loss)
-                opt = self.engine.optimizer_step()
-        self.engine.version = s + 1
-        with self.busy(f"publish v{s + 1}"):
-            weights.publish(self.store, s + 1, self.engine.export_weights())
-        self.ledger.write(s, summary["trained_groups"], summary["dropped_groups"])
+    def _record(self, s: int, result: StepResult) -> None:
+        self.ledger.write(s, result.trained_groups, result.dropped_groups)
         state = self.ctx.state
         with state.lock:
             state.trained_steps = s + 1
-            state.dropped_samples += len(summary["dropped_groups"]) * self.config.rollout.n
-            for age, count in summary["staleness"].items():
-                state.staleness[int(age)] += count
+            state.dropped_samples += len(result.dropped_groups) * self.config.rollout.n
+            state.staleness.update(result.staleness)
             tokens = state.generated_tokens
         now = self.ctx.tracer.now()
-        rewards = summary["rewards"] or [0.0]
+        rewards = result.rewards or [0.0]
         record: dict[str, Any] = {
             "step": s + 1,
             "time": round(now, 3),
             "reward_mean": float(np.mean(rewards)),
             "accuracy": float(np.mean(np.array(rewards) >= 1.0)),
-            "staleness": summary["staleness"],
-            "dropped_groups": len(summary["dropped_groups"]),
+            "staleness": {str(a): c for a, c in sorted(result.staleness.items())},
+            "dropped_groups": len(result.dropped_groups),
             "tokens_per_s": (tokens - self._last_tokens) / max(now - self._last_step_end, 1e-9),
             "busy": self.ctx.tracer.busy_fraction(self._last_step_end, now),
-            **opt,
-            **_mean_stats(summary["loss_stats"]),
+            **result.optimizer,
+            **_mean_stats(result.loss_stats),
         }
         self._last_step_end, self._last_tokens = now, tokens
         if self.after_step is not None:

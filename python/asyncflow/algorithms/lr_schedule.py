@@ -1,0 +1,25 @@
+"""The learning-rate schedule of RL training, as a factor of ``trainer.lr`` per optimiser step;
+every train engine applies the same one."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from asyncflow.config import TrainerConfig
+
+
+def lr_factor(t: TrainerConfig) -> Callable[[int], float]:
+    """Linear warm-up over ``warmup_steps`` (from ``1/warmup_steps``, so no step is wasted at
+    zero), then constant, or a cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        span = max(1, t.max_steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

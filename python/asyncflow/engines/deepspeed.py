@@ -1,0 +1,172 @@
+"""The ``deepspeed`` train engine: a transformers model under DeepSpeed ZeRO (stage 0 to 3), fp32
+or bf16, on CPU (gloo) or GPU (NCCL).
+
+Gradient accumulation is unmanaged: a step has as many token-budget micro-batches as its samples
+need (the number varies from step to step), each ``forward_backward`` accumulates, and
+``optimizer_step`` is the accumulation boundary, where gradients are reduced across data-parallel
+ranks, clipped, and applied. Under ZeRO-2/3 every backward also talks to the other ranks, so all
+ranks run the same number of micro-batches (the trainer pads with empty ones).
+
+The optimiser is ``torch.optim.AdamW`` and the schedule a ``LambdaLR`` (the hf engine's), so
+nothing needs compiling and both engines follow the same recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow.algorithms.lr_schedule import lr_factor
+from asyncflow.config import Config
+from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, token_logprobs
+from asyncflow.engines.errors import EngineStartError
+from asyncflow.engines.hf import copy_tokenizer, load_model
+from asyncflow.engines.process_group import Rendezvous, init_process_group, prepare_environment
+
+#: Checkpoint tag inside a save directory.
+TAG = "trainer"
+
+
+def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
+    t = config.trainer
+    zero: dict[str, Any] = {"stage": t.zero_stage}
+    if t.zero_stage == 3:
+        # The default keeps every parameter under 1e5 elements whole on every rank (all of a
+        # small model's); 0 shards them all.
+        zero["stage3_param_persistence_threshold"] = 0
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": config.model.dtype == "bfloat16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedTrainEngine(TrainEngine):
+    """One data-parallel rank. Every method that touches parameters is collective under ZeRO-3:
+    all ranks call it, in the same order."""
+
+    name = "deepspeed"
+
+    def __init__(
+        self, model_dir: Path, config: Config, rendezvous: Rendezvous | None = None
+    ) -> None:
+        super().__init__()
+        prepare_environment()
+        try:
+            import deepspeed
+        except ImportError as e:
+            raise EngineStartError(
+                f"deepspeed train engine: DeepSpeed is not installed ({e}); install the "
+                "engines-cpu or engines-gpu dependency group, or set trainer.engine=hf"
+            ) from e
+        self.model_dir = model_dir
+        self.temperature = config.rollout.temperature
+        rank = 0 if rendezvous is None else rendezvous.rank
+        try:
+            init_process_group(rendezvous, config.trainer.timeout)
+            import torch.distributed as dist
+
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            model = load_model(model_dir, "float32")
+            optimizer = torch.optim.AdamW(
+                model.parameters(),
+                lr=config.trainer.lr,
+                betas=(0.9, 0.99),
+                weight_decay=config.trainer.weight_decay,
+            )
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config.trainer))
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=schedule,
+                config=deepspeed_config(config, self.world_size),
+            )
+        except Exception as e:
+            raise EngineStartError(
+                f"deepspeed train engine (rank {rank}) failed to start on {model_dir}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        self.zero_stage = config.trainer.zero_stage
+
+    def _on_device(self, batch: TrainBatch) -> TrainBatch:
+        device = self.engine.device
+        if batch.input_ids.device == device:
+            return batch
+        return TrainBatch(
+            batch.input_ids.to(device),
+            batch.attention_mask.to(device),
+            batch.response_mask.to(device),
+            {k: v.to(device) for k, v in batch.extras.items()},
+        )
+
+    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        return token_logprobs(out.logits, batch.input_ids, self.temperature)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._logprobs(self._on_device(batch)).float().cpu()
+
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        batch = self._on_device(batch)
+        loss, stats = loss_fn(self._logprobs(batch), batch)
+        # ``loss`` is this rank's share of the step's loss; DeepSpeed averages gradients over
+        # the ranks, so the shares are scaled back up to make the average their sum.
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        return stats
+
+    def optimizer_step(self) -> dict[str, float]:
+        lr = float(self.engine.get_lr()[0])  # the rate this step applies
+        self.engine.step()
+        self.version += 1
+        norm = self.engine.get_global_grad_norm()
+        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr}
+
+    def _full_weights(self) -> list[tuple[str, torch.Tensor]]:
+        params = list(self.engine.module.named_parameters())
+        if self.zero_stage != 3:
+            return [(n, p.detach()) for n, p in params]
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            return [(n, p.detach().clone()) for n, p in params]
+
+    @torch.no_grad()
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights (gathered from every rank under ZeRO-3: a collective call)."""
+        return iter(self._full_weights())
+
+    def save(self, directory: Path) -> None:
+        """Every rank writes its optimiser shard (a collective call)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(
+            str(directory), tag=TAG, client_state={"version": self.version}, save_latest=False
+        )
+
+    def load(self, directory: Path) -> None:
+        _, client = self.engine.load_checkpoint(str(directory), tag=TAG)
+        if client is None:
+            raise FileNotFoundError(f"no deepspeed checkpoint in {directory}")
+        self.version = int(client["version"])
+
+    @torch.no_grad()
+    def save_pretrained(self, directory: Path) -> None:
+        """Rank 0 writes the full model (gathered from every rank: a collective call)."""
+        weights = dict(self._full_weights())
+        if self.rank == 0:
+            self.engine.module.save_pretrained(
+                str(directory), state_dict=weights, safe_serialization=True
+            )
+            copy_tokenizer(self.model_dir, directory)
+
+    def close(self) -> None:
+        self.__dict__.pop("engine", None)

@@ -1,0 +1,22 @@
+"""Errors of the engines. Every message names the engine and what was being waited for, so that a
+run that cannot go on says why instead of hanging."""
+
+from __future__ import annotations
+
+import builtins
+
+
+class EngineError(RuntimeError):
+    """An engine failed; the message names it."""
+
+
+class EngineStartError(EngineError):
+    """An engine could not be started (missing package, bad model, a rank that exited)."""
+
+
+class EngineTimeoutError(EngineError, builtins.TimeoutError):
+    """An engine did not answer in time; the message says what was waited for."""
+
+
+class EngineDiedError(EngineError):
+    """An engine's process exited while it was working or being waited for."""

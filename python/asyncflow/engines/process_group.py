@@ -1,0 +1,98 @@
+"""DeepSpeed's process group: which accelerator and backend (CPU with gloo when there is no GPU,
+CUDA with NCCL when there is), the rendezvous environment, and a timeout on every collective so
+that a rank whose peer died fails instead of waiting for ever.
+
+The group must exist before vLLM is created in the same process: vLLM creates a one-process group
+of its own when there is none, and DeepSpeed would then silently run as a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one trainer meet."""
+
+    rank: int
+    world_size: int
+    master_port: int
+    master_addr: str = "127.0.0.1"
+
+    def environ(self) -> dict[str, str]:
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def prepare_environment() -> None:
+    """Settings DeepSpeed reads when it is imported."""
+    if "DS_ACCELERATOR" not in os.environ and not on_gpu():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    # DeepSpeed builds its ops with ninja, which the environment installs beside this Python;
+    # a process started without the environment's bin/ on PATH would not find it.
+    if shutil.which("ninja") is None:
+        bin_dir = str(Path(sys.executable).parent)
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _skip_inference_comm_op() -> None:
+    """On CPU, DeepSpeed compiles a shared-memory all-reduce when the group is created (about
+    80 s the first time, and it needs a C++ compiler). Only tensor-parallel inference uses it;
+    training collectives go through gloo. Marking it incompatible skips the build."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
+    """Joins (or, alone, creates) the default process group. Without ``rendezvous`` an existing
+    group is reused, else a group of one is made on a free port."""
+    import deepspeed
+    import torch.distributed as dist
+
+    prepare_environment()
+    if rendezvous is None:
+        if dist.is_initialized():
+            # deepspeed.init_distributed adopts the existing group.
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
+            return
+        rendezvous = Rendezvous(rank=0, world_size=1, master_port=free_port())
+    os.environ.update(rendezvous.environ())
+    _skip_inference_comm_op()
+    deepspeed.init_distributed(
+        dist_backend="nccl" if on_gpu() else "gloo", timeout=timedelta(seconds=timeout)
+    )
+    if on_gpu():
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().set_device(rendezvous.rank % max(1, get_accelerator().device_count()))

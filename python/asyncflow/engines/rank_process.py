@@ -1,0 +1,109 @@
+"""The process of one data-parallel trainer rank.
+
+Start-up order: send output to the rank's log file; join the process group (before anything else
+can create one); build the DeepSpeed engine; connect to the store daemon; publish the initial
+weights (rank 0); report ready. Then it serves the job's commands, one at a time, until told to
+close or until the job's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from asyncflow.config import Config
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    master_port: int
+    model_dir: Path
+    config: Config
+    store_address: str
+    store_token: str | None
+    log_path: Path
+
+
+def describe(error: BaseException) -> str:
+    """An error and where it happened, for the job's message (the log has the rest)."""
+    where = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    place = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+    return f"{type(error).__name__}: {error}{place}"
+
+
+def _log_to(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def main(spec: RankSpec, conn: Connection) -> None:
+    """Entry point of the rank's process."""
+    _log_to(spec.log_path)
+    try:
+        handlers = _start(spec)
+    except BaseException as e:
+        traceback.print_exc()
+        conn.send(("error", describe(e)))
+        return
+    conn.send(("ok", handlers["version"](None)))
+    while True:
+        try:
+            command, argument = conn.recv()
+        except (EOFError, OSError):
+            return  # the job is gone
+        try:
+            conn.send(("ok", handlers[command](argument)))
+        except BaseException as e:
+            traceback.print_exc()
+            conn.send(("error", describe(e)))
+        if command == "close":
+            return
+
+
+def _start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
+    from asyncflow.daemon import connect
+    from asyncflow.engines.deepspeed import DeepSpeedTrainEngine
+    from asyncflow.engines.process_group import Rendezvous
+    from asyncflow.models.tokenizer import load_tokenizer
+    from asyncflow.workers.rank_step import RankStep
+
+    rendezvous = Rendezvous(spec.rank, spec.world_size, spec.master_port)
+    engine = DeepSpeedTrainEngine(spec.model_dir, spec.config, rendezvous)
+    store = connect(spec.store_address, token=spec.store_token)
+    pad_id = load_tokenizer(spec.model_dir).pad_id
+    step = RankStep(
+        store, spec.config, engine, pad_id, spec.rank, spec.world_size, threading.Event()
+    )
+    step.publish()
+
+    def load(directory: Path) -> int:
+        engine.load(directory)
+        step.publish()
+        return engine.version
+
+    def close(_: Any) -> None:
+        engine.close()
+
+    return {
+        "version": lambda _: engine.version,
+        "step": step.run,
+        "logprobs": engine.logprobs,
+        "save": engine.save,
+        "load": load,
+        "save_pretrained": engine.save_pretrained,
+        "close": close,
+    }

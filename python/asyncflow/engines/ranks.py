@@ -1,0 +1,210 @@
+"""Data-parallel DeepSpeed ranks, each in a process of its own, driven from the job's process.
+
+The job holds a :class:`RankGroup`, a train engine whose every call is sent to all ranks (under
+ZeRO-3 nearly everything is collective) and answered by them. The ranks reach the samples and
+publish weights through the store daemon. Every wait has a deadline and watches the processes: a
+rank that exits or does not answer in time becomes an error naming it, what the job was waiting
+for, and the end of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow import weights
+from asyncflow.config import Config
+from asyncflow.engines.base import LossFn, StepTrainEngine, TrainBatch
+from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
+from asyncflow.engines.process_group import free_port
+from asyncflow.engines.rank_process import RankSpec, main
+from asyncflow.store import Store
+from asyncflow.workers.steps import StepResult
+
+#: Lines of a rank's log quoted in an error.
+LOG_TAIL = 15
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:]) or "(empty log)"
+
+
+class RankGroup(StepTrainEngine):
+    """``trainer.dp_size`` DeepSpeed ranks in their own processes, behind one train engine."""
+
+    name = "deepspeed"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        config: Config,
+        store: Store,
+        store_address: str,
+        log_dir: Path,
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.timeout = config.trainer.timeout
+        #: A step may first wait for its samples as long as any worker may wait for its input.
+        self.step_timeout = config.run.stall_timeout + config.trainer.timeout
+        self.logs = [log_dir / f"trainer-rank-{r}.log" for r in range(config.trainer.dp_size)]
+        port = free_port()
+        # Spawned, not forked: the job's process already runs threads and the store client.
+        context = multiprocessing.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        for rank, log in enumerate(self.logs):
+            ours, theirs = context.Pipe()
+            spec = RankSpec(
+                rank,
+                config.trainer.dp_size,
+                port,
+                model_dir,
+                config,
+                store_address,
+                config.store.token,
+                log,
+            )
+            proc = context.Process(
+                target=main, args=(spec, theirs), name=f"trainer-rank-{rank}", daemon=True
+            )
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.conns.append(ours)
+        self._started = False
+
+    # -- talking to the ranks -----------------------------------------------------------------
+
+    def _ready(self) -> None:
+        if not self._started:
+            versions = self._collect("starting", self.timeout)
+            assert versions is not None
+            self.version = int(versions[0])
+            self._started = True
+
+    def _call(
+        self,
+        command: str,
+        argument: Any,
+        what: str,
+        timeout: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> list[Any] | None:
+        self._ready()
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((command, argument))
+            except OSError:
+                raise self._died(rank, what) from None
+        return self._collect(what, timeout or self.timeout, stop)
+
+    def _died(self, rank: int, what: str) -> EngineDiedError:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        return EngineDiedError(
+            f"deepspeed trainer rank {rank} exited (code {proc.exitcode}) while the job waited "
+            f"for it to finish {what}; the end of {self.logs[rank]}:\n{log_tail(self.logs[rank])}"
+        )
+
+    def _collect(
+        self, what: str, timeout: float, stop: threading.Event | None = None
+    ) -> list[Any] | None:
+        """Every rank's answer, in rank order; None if ``stop`` is set first."""
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < len(self.conns):
+            waiting = [r for r in range(len(self.conns)) if r not in replies]
+            for rank in waiting:
+                conn = self.conns[rank]
+                if conn.poll():
+                    try:
+                        kind, value = conn.recv()
+                    except (EOFError, OSError):
+                        raise self._died(rank, what) from None
+                    if kind == "error":
+                        raise EngineError(
+                            f"deepspeed trainer rank {rank} failed while {what}: {value}; "
+                            f"its log: {self.logs[rank]}"
+                        )
+                    replies[rank] = value
+                elif not self.procs[rank].is_alive():
+                    raise self._died(rank, what)
+            if stop is not None and stop.is_set():
+                return None
+            if len(replies) < len(self.conns):
+                if time.monotonic() > deadline:
+                    late = [r for r in range(len(self.conns)) if r not in replies]
+                    raise EngineTimeoutError(
+                        f"deepspeed trainer rank(s) {late} did not finish {what} within "
+                        f"{timeout:.0f}s (trainer.timeout); see {self.logs[late[0]]}"
+                    )
+                sentinels = [self.procs[r].sentinel for r in waiting]
+                wait([self.conns[r] for r in waiting] + sentinels, timeout=0.5)
+        return [replies[r] for r in range(len(self.conns))]
+
+    # -- the train engine ---------------------------------------------------------------------
+
+    def train_step(self, step: int, stop: threading.Event) -> StepResult | None:
+        parts = self._call("step", step, f"training step {step}", self.step_timeout, stop)
+        if parts is None or any(p is None for p in parts):
+            return None
+        self.version = step + 1
+        return StepResult.merge(parts)
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        answers = self._call("logprobs", batch, "computing log-probs")
+        assert answers is not None
+        return answers[0]  # type: ignore[no-any-return]
+
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        raise NotImplementedError("the ranks train whole steps: use train_step")
+
+    def optimizer_step(self) -> dict[str, float]:
+        raise NotImplementedError("the ranks train whole steps: use train_step")
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current version's weights, as rank 0 published them (views of the store)."""
+        self._ready()
+        return iter(weights.fetch(self.store, self.version)[1])
+
+    def save(self, directory: Path) -> None:
+        self._call("save", directory, f"saving a checkpoint to {directory}")
+
+    def load(self, directory: Path) -> None:
+        versions = self._call("load", directory, f"loading the checkpoint in {directory}")
+        assert versions is not None
+        self.version = int(versions[0])
+
+    def save_pretrained(self, directory: Path) -> None:
+        self._call("save_pretrained", directory, f"saving the model to {directory}")
+
+    def close(self) -> None:
+        """Asks every rank to stop, then ends those that do not within ten seconds (one mid-step
+        cannot read the request until its step ends)."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # a rank that is gone needs no asking
+                conn.send(("close", None))
+        deadline = time.monotonic() + 10.0
+        for proc in self.procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()

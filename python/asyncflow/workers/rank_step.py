@@ -1,0 +1,135 @@
+"""A training step as one data-parallel rank runs it, in its own process.
+
+Every rank asks the store for its part of the step with a shared claim: the first to ask claims
+the step's whole batch, split into token-balanced parts with a GRPO group on one rank. A rank cuts
+its part into token-budget micro-batches; since ZeRO-2/3 talk to the peers in every backward, the
+ranks agree on the largest count and pad with empty micro-batches. The optimiser step reduces the
+gradients across ranks; rank 0 publishes the new weights.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncflow import weights
+from asyncflow.batch import Batch
+from asyncflow.config import Config
+from asyncflow.engines.base import TrainBatch, TrainEngine
+from asyncflow.errors import StoreTimeoutError
+from asyncflow.scheduler import micro_batches
+from asyncflow.store import Store
+from asyncflow.workers.base import POLL, StallError, step_partition
+from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, update
+
+
+def agree_on_most(count: int) -> int:
+    """The largest ``count`` over all ranks (a collective call)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([count], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+class RankStep:
+    """Runs training steps for rank ``rank`` of ``world_size``."""
+
+    def __init__(
+        self,
+        store: Store,
+        config: Config,
+        engine: TrainEngine,
+        pad_id: int,
+        rank: int,
+        world_size: int,
+        stop: threading.Event,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.engine = engine
+        self.rank = rank
+        self.world_size = world_size
+        self.stop = stop
+        self.loss = StepLoss(config, pad_id)
+        self.fields = sample_fields(config)
+        self._parent = os.getppid()
+
+    def _claim(self, s: int) -> Batch | None:
+        """This rank's part of step ``s``, once the whole step's samples are ready."""
+        waited_since = time.monotonic()
+        while not self.stop.is_set():
+            try:
+                return self.store.claim(
+                    "train",
+                    self.fields,
+                    self.loss.rows_per_step,
+                    timeout=POLL * 4,
+                    partition=step_partition(s),
+                    whole_groups=True,
+                    step=s,
+                    dp_rank=self.rank,
+                    dp_size=self.world_size,
+                    balance_field="response_ids",
+                )
+            except StoreTimeoutError:
+                waited = time.monotonic() - waited_since
+                if waited > self.config.run.stall_timeout:
+                    raise StallError(
+                        f"trainer rank {self.rank} has waited {waited:.0f}s for the samples of "
+                        f"step {s}; is an upstream worker stuck or dead?"
+                    ) from None
+                if os.getppid() != self._parent:
+                    return None  # the job that started this rank is gone
+        return None
+
+    def run(self, s: int) -> StepResult | None:
+        batch = self._claim(s)
+        if batch is None:
+            return None
+        result = StepResult()
+        age = s - batch.versions.astype(np.int64)
+        stale = age > self.config.trainer.max_staleness
+        keep = np.flatnonzero(~stale)
+        data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
+        result.note(batch.groups, age, stale, data["reward"])
+        micro = self._micro_batches(data)
+        for tb in micro:
+            stats = self.engine.forward_backward(tb, self.loss)
+            if tb.response_mask.any():  # padding micro-batches train nothing
+                result.loss_stats.append(stats)
+        result.optimizer = update(self.engine, micro, self.loss, self.config.trainer.ppo_epochs)
+        batch.ack()
+        self.engine.version = s + 1
+        self.publish()
+        return result
+
+    def _micro_batches(self, data: dict[str, list[Any]]) -> list[TrainBatch]:
+        lengths = [
+            len(p) + len(r) for p, r in zip(data["prompt_ids"], data["response_ids"], strict=True)
+        ]
+        budget = self.config.trainer.micro_batch_tokens
+        count = agree_on_most(len(micro_batches(lengths, budget)) if lengths else 0)
+        parts = micro_batches(lengths, budget, min_count=count) if lengths else [[]] * count
+        batches = []
+        for part in parts:
+            if part:
+                batches.append(self.loss.batch({k: [v[i] for i in part] for k, v in data.items()}))
+            else:
+                batches.append(self.loss.empty_batch(self.config.algorithm.reference))
+        for tb in batches:
+            if self.config.trainer.ppo_epochs > 1:
+                tb.extras["prox_logp"] = self.engine.logprobs(tb)
+        return batches
+
+    def publish(self) -> None:
+        """Rank 0 puts the current weights in the store (gathering them is collective)."""
+        exported = self.engine.export_weights()
+        if self.rank == 0:
+            weights.publish(self.store, self.engine.version, exported)

@@ -1,0 +1,141 @@
+"""One optimiser step of the trainer: the loss of each of its micro-batches, and what it trained.
+
+The loss is normalised by a constant (the step's rows times ``rollout.max_tokens`` for token
+aggregation, its rows for sequence aggregation), so a micro-batch's gradient does not depend on
+which other micro-batches share its step (or on which data-parallel rank trains it): the step's
+gradient is the plain sum over its micro-batches, however many there are and wherever they run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncflow.algorithms.losses import LossSettings, policy_loss
+from asyncflow.config import Config
+from asyncflow.engines.base import TrainBatch, TrainEngine
+from asyncflow.workers.batches import to_train_batch
+
+#: Fields a training step reads from each sample row.
+SAMPLE_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage", "reward"]
+
+
+def sample_fields(config: Config) -> list[str]:
+    extra = ["ref_logprobs"] if config.algorithm.reference else []
+    return [*SAMPLE_FIELDS, *extra]
+
+
+class StepLoss:
+    """Builds a step's micro-batches from sample rows and computes their share of its loss."""
+
+    def __init__(self, config: Config, pad_id: int) -> None:
+        t, a = config.trainer, config.algorithm
+        self.settings = LossSettings(
+            clip_eps=t.clip_eps,
+            correction=t.correction,
+            is_cap=t.is_cap,
+            kl_coef=t.kl_coef,
+            aggregation=a.loss_aggregation,
+        )
+        self.rows_per_step = t.groups_per_step * config.rollout.n
+        self.max_tokens = config.rollout.max_tokens
+        self.pad_id = pad_id
+
+    def __call__(
+        self, logp: torch.Tensor, batch: TrainBatch
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        extras = batch.extras
+        loss, stats = policy_loss(
+            logp,
+            extras["behaviour_logp"],
+            extras["advantage"],
+            batch.response_mask,
+            self.settings,
+            prox_logp=extras.get("prox_logp", logp.detach()),
+            ref_logp=extras.get("ref_logp"),
+        )
+        if self.settings.aggregation == "token":
+            share = float(batch.response_mask.sum()) / (self.rows_per_step * self.max_tokens)
+        else:
+            share = batch.input_ids.shape[0] / self.rows_per_step
+        return loss * share, stats
+
+    def batch(self, data: Mapping[str, Sequence[Any]]) -> TrainBatch:
+        per_token = {"behaviour_logp": data["behaviour_logprobs"]}
+        if "ref_logprobs" in data:
+            per_token["ref_logp"] = data["ref_logprobs"]
+        return to_train_batch(
+            data["prompt_ids"],
+            data["response_ids"],
+            self.pad_id,
+            per_token=per_token,
+            per_row={"advantage": np.array([float(a) for a in data["advantage"]])},
+        )
+
+    def empty_batch(self, with_reference: bool) -> TrainBatch:
+        """A micro-batch that trains nothing (no response token): a data-parallel rank with
+        fewer micro-batches than its peers runs these, so every rank joins every collective."""
+        data: dict[str, Sequence[Any]] = {
+            "prompt_ids": [np.full(2, self.pad_id, np.int64)],
+            "response_ids": [np.zeros(0, np.int64)],
+            "behaviour_logprobs": [np.zeros(0, np.float32)],
+            "advantage": [0.0],
+        }
+        if with_reference:
+            data["ref_logprobs"] = [np.zeros(0, np.float32)]
+        return self.batch(data)
+
+
+def update(
+    engine: TrainEngine, batches: Sequence[TrainBatch], loss: StepLoss, epochs: int
+) -> dict[str, float]:
+    """The optimiser step on the accumulated gradients, then ``epochs - 1`` further passes over
+    the step's micro-batches, each ending in an optimiser step; returns the last one's figures."""
+    figures = engine.optimizer_step()
+    for _ in range(epochs - 1):
+        for tb in batches:
+            engine.forward_backward(tb, loss)
+        figures = engine.optimizer_step()
+    return figures
+
+
+@dataclass
+class StepResult:
+    """What one step trained, and its optimiser's figures."""
+
+    trained_groups: list[int] = field(default_factory=list)
+    dropped_groups: list[int] = field(default_factory=list)
+    #: Trained samples by age (policy versions behind the step).
+    staleness: Counter[int] = field(default_factory=Counter)
+    rewards: list[float] = field(default_factory=list)
+    loss_stats: list[dict[str, float]] = field(default_factory=list)
+    optimizer: dict[str, float] = field(default_factory=dict)
+
+    def note(
+        self, groups: np.ndarray, ages: np.ndarray, stale: np.ndarray, rewards: Sequence[Any]
+    ) -> None:
+        """Records a claim's rows: the ``stale`` ones as dropped, the others as trained (with
+        their ``rewards``)."""
+        self.dropped_groups += sorted({int(g) for g in groups[stale]})
+        self.trained_groups += sorted({int(g) for g in groups[~stale]})
+        self.staleness.update(int(a) for a in ages[~stale])
+        self.rewards += [float(r) for r in rewards]
+
+    @staticmethod
+    def merge(parts: Sequence[StepResult]) -> StepResult:
+        """The step as a whole, from its data-parallel ranks' parts (figures of the first)."""
+        merged = StepResult(optimizer=dict(parts[0].optimizer) if parts else {})
+        for p in parts:
+            merged.trained_groups += p.trained_groups
+            merged.dropped_groups += p.dropped_groups
+            merged.staleness += p.staleness
+            merged.rewards += p.rewards
+            merged.loss_stats += p.loss_stats
+        merged.trained_groups.sort()
+        merged.dropped_groups.sort()
+        return merged
