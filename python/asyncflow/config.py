@@ -88,6 +88,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     #: Token budget of one micro-batch (gradient accumulation splits a step into these).
     micro_batch_tokens: int = 4096
+    #: Train each micro-batch as soon as its samples are ready (true), or first wait until the
+    #: whole step's samples are, as synchronous frameworks do (false: a baseline to compare with).
+    streaming: bool = True
     #: Optimisation passes over each step's samples.
     ppo_epochs: int = 1
     clip_eps: float = 0.2
@@ -143,6 +146,9 @@ class RunConfig:
     checkpoint_every: int = 10
     #: Seconds any worker may wait for its input before the run fails with a clear error.
     stall_timeout: float = 300.0
+    #: Seconds a worker waits in one claim for a full batch before it takes what is ready (and
+    #: looks at the stop flag again).
+    poll_interval: float = 0.25
     progress: bool = True
 
 
@@ -331,6 +337,7 @@ def validate(c: Config) -> None:
     )
     _require(0 <= c.warm_start.mistake_rate <= 1, "warm_start.mistake_rate must be in [0, 1]")
     _require(c.store.lease_timeout > 0, "store.lease_timeout must be positive")
+    _require(c.run.poll_interval > 0, "run.poll_interval must be positive")
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
     if c.data.task == "parquet":

@@ -27,7 +27,7 @@ class Rollout(Worker):
 
     def sync_weights(self) -> None:
         """Loads the newest published weights if they are newer than the engine's."""
-        newest = weights.latest_version(self.store)
+        newest = self.ctx.weights.latest()
         if newest is not None and newest > self.engine.version:
             with self.busy(f"load weights v{newest}"):
                 version, tensors = weights.fetch(self.store, newest)
@@ -52,22 +52,26 @@ class Rollout(Worker):
             if self.engine.version < oldest_allowed:
                 batch.release(batch.indexes[keep])
                 with self.waiting(f"weights v{oldest_allowed}"):
-                    self.ctx.stop.wait(0.02)
+                    self.ctx.weights.wait_for(oldest_allowed, self.config.run.poll_interval)
                 self.note_progress(False, f"policy weights version {oldest_allowed}")
                 return True
         prompts = [data["prompt_ids"][i] for i in np.flatnonzero(keep)]
         answers = [data["answer"][i] for i in np.flatnonzero(keep)]
         groups = batch.groups[keep]
-        with self.busy(f"generate v{self.engine.version}"):
+        # Read before generating: an engine shared by several workers may load newer weights while
+        # this call is in flight, and a sample is as old as the oldest policy that wrote it.
+        version = self.engine.version
+        with self.busy(f"generate v{version}"):
             outputs = self.engine.generate([p.tolist() for p in prompts], self.sampling)
         with self.ctx.state.snapshot_lock:
-            self._put_samples(target, prompts, answers, groups, outputs)
+            self._put_samples(target, version, prompts, answers, groups, outputs)
             batch.ack(batch.indexes[keep])
         return True
 
     def _put_samples(
         self,
         target: int,
+        version: int,
         prompts: list[np.ndarray],
         answers: list[bytes],
         groups: np.ndarray,
@@ -97,6 +101,6 @@ class Rollout(Worker):
                 partition=step_partition(target),
                 groups=np.array(rows_group),
                 group_size=n,
-                version=self.engine.version,
+                version=version,
             )
         self.ctx.state.add(generated_tokens=tokens, generated_samples=len(rows_resp))

@@ -1,6 +1,7 @@
 """Trainer: streams the samples of step ``s`` (partition ``step-s``) in whole-group micro-batches
 as soon as their advantages are ready, accumulates gradients on each as it arrives, steps the
 optimiser once the step's groups are in, and publishes the new weights as version ``s + 1``.
+With ``trainer.streaming: false`` it first waits for the whole step, as synchronous frameworks do.
 
 The loss is normalised by a constant (the step's rows times ``rollout.max_tokens`` for token
 aggregation, its rows for sequence aggregation), so a micro-batch's gradient does not depend on
@@ -22,6 +23,7 @@ import torch
 from asyncflow import weights
 from asyncflow.algorithms.losses import LossSettings, policy_loss
 from asyncflow.engines.base import TrainBatch, TrainEngine
+from asyncflow.errors import StoreTimeoutError
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.batches import to_train_batch
@@ -132,8 +134,32 @@ class Trainer(Worker):
         self._finish_step(s, *outcome)
         return True
 
+    def _whole_step_ready(self, s: int) -> bool:
+        """Whether every sample of step ``s`` is ready for training (the barrier of
+        ``trainer.streaming: false``): claims the whole step at once, then hands it straight back
+        to the micro-batch claims that follow."""
+        try:
+            with self.waiting("whole step"):
+                whole = self.store.claim(
+                    "train",
+                    self.fields,
+                    self.rows_per_step,
+                    timeout=self.config.run.poll_interval,
+                    partition=step_partition(s),
+                    whole_groups=True,
+                )
+        except StoreTimeoutError:
+            self.note_progress(False, f"all samples of step {s}")
+            return False
+        whole.release()
+        return True
+
     def _train_step(self, s: int) -> tuple[list[TrainBatch], dict[str, Any]] | None:
         k = self.config.trainer.max_staleness
+        if not self.config.trainer.streaming:
+            while not self._whole_step_ready(s):
+                if self.ctx.stop.is_set():
+                    return None
         got, trained, dropped = 0, [], []
         ages: Counter[int] = Counter()
         rewards: list[float] = []
