@@ -7,7 +7,7 @@
 UV := python3 -m uv
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-rust test-python lint bench-store bench-sched
+.PHONY: setup train test test-rust test-python lint bench bench-store bench-sched bench-pipeline bench-sim bench-e2e
 
 setup:
 	@python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
@@ -32,8 +32,10 @@ test-rust:
 test-python:
 	$(UV) run pytest $(PYTEST_ARGS)
 
-bench-store: setup
-	$(UV) run asyncflow bench store --json bench-out/store.json
+# Benchmarks (not tests): each writes bench-out/SUITE.json, .md and .png; see benches/RESULTS.md.
+BENCHES := store sched pipeline sim e2e
 
-bench-sched: setup
-	$(UV) run asyncflow bench sched --json bench-out/sched.json
+bench: $(addprefix bench-,$(BENCHES))
+
+$(addprefix bench-,$(BENCHES)): bench-%: setup
+	$(UV) run asyncflow bench $* --json bench-out/$*.json
