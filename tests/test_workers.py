@@ -68,9 +68,8 @@ class ReloadedMidCall(RolloutEngine):
         self.version = version
 
 
-def test_samples_carry_the_version_their_generation_started_with() -> None:
-    ctx = context()
-    ctx.store.put(
+def put_prompt(store: af.Store) -> None:
+    store.put(
         {
             "prompt_ids": [np.array([3, 4], np.int64)],
             "answer": [b"2"],
@@ -80,8 +79,26 @@ def test_samples_carry_the_version_their_generation_started_with() -> None:
         groups=[0],
         group_size=1,
     )
+
+
+def test_samples_carry_the_version_their_generation_started_with() -> None:
+    ctx = context()
+    put_prompt(ctx.store)
     Rollout(ctx, ReloadedMidCall()).step()
     assert list(ctx.store.rows(partition=step_partition(0)).versions) == [0, 0]
+
+
+class Saturated(ReloadedMidCall):
+    def wait_for_room(self, timeout: float) -> bool:
+        return False
+
+
+def test_a_rollout_worker_claims_no_prompts_while_its_engine_is_full() -> None:
+    ctx = context()
+    put_prompt(ctx.store)
+    Rollout(ctx, Saturated()).step()
+    assert len(ctx.store.rows(partition=step_partition(0))) == 0
+    assert len(ctx.store.claim("rollout", "prompt_ids", 1, timeout=1)) == 1
 
 
 def test_waiting_workers_see_new_weights_once_they_are_published() -> None:

@@ -302,7 +302,9 @@ impl Cluster {
         }
         let mut started = false;
         for d in 0..self.rollout_devices {
-            while self.calls_on[d] < self.calls_per_device {
+            // A worker claims prompts only while its device has no sequence waiting for a slot,
+            // as the real rollout worker asks its engine for room first.
+            while self.calls_on[d] < self.calls_per_device && self.devices[d].queued() == 0 {
                 match self.start_call(d)? {
                     Ok(()) => started = true,
                     Err(why) => {

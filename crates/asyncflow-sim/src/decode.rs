@@ -70,9 +70,9 @@ impl DecodeDevice {
         self.window = (start, end);
     }
 
-    /// Sequences queued or in flight.
-    pub fn outstanding(&self) -> usize {
-        self.active.len() + self.queue.len()
+    /// Sequences waiting for a slot.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
     }
 
     /// Queues one call's sequences (response lengths in tokens).

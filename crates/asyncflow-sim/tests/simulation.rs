@@ -30,7 +30,7 @@ fn params() -> HashMap<String, f64> {
         ("reward.per_sample_s", 0.01),
         ("colocated.to_train_s", 3.0),
         ("colocated.to_generate_s", 6.0),
-        ("emulation.calls_per_device", 24.0),
+        ("emulation.calls_per_device", 32.0),
         ("emulation.groups_per_call", 1.0),
         ("emulation.micro_batch_groups", 4.0),
     ]
@@ -55,7 +55,7 @@ fn busy(outcome: &Outcome, role: &str) -> f64 {
 #[test]
 fn the_same_scenario_gives_the_same_figures() {
     let (a, b) = (run(&costs(), "async-1"), run(&costs(), "async-1"));
-    assert_eq!(a.samples_per_s, b.samples_per_s);
+    assert_eq!(a.samples_per_s.to_bits(), b.samples_per_s.to_bits());
     assert_eq!(a.busy, b.busy);
     assert_eq!(a.index_calls, b.index_calls);
 }
@@ -97,7 +97,7 @@ fn a_colocated_pool_does_one_thing_at_a_time() {
         ["rollout", "reference", "trainer", "switch"].iter().map(|r| busy(&o, r)).sum();
     assert!(total <= 1.0 + 1e-9, "{o:?}");
     assert!(busy(&o, "switch") > 0.0);
-    assert_eq!(busy(&o, "publish"), 0.0, "colocated weights are resharded, not sent");
+    assert!(busy(&o, "publish") < 1e-12, "colocated weights are resharded, not sent");
 }
 
 #[test]

@@ -35,6 +35,9 @@ class Rollout(Worker):
 
     def step(self) -> bool:
         self.sync_weights()
+        with self.waiting("engine room"):
+            if not self.engine.wait_for_room(self.config.run.poll_interval):
+                return True
         batch = self.claim(
             "rollout", ["prompt_ids", "answer", "target_step"], self.config.rollout.groups_per_call
         )

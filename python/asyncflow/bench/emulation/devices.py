@@ -181,7 +181,10 @@ class DecodeDevice:
         self._pool = pool
         self._meter = meter
         self._compression = compression
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        #: Signalled (one waiter at a time) when the last queued sequence gets a slot.
+        self._room = threading.Condition(lock)
         self._queue: deque[_Sequence] = deque()
         self._active: list[_Sequence] = []
         self._pauses: deque[_Pause] = deque()
@@ -211,6 +214,12 @@ class DecodeDevice:
                 return False
         return not self._closed
 
+    def wait_for_room(self, timeout: float) -> bool:
+        """Waits until no sequence is waiting for a slot. One waiter is woken each time the
+        queue empties: it will queue its own call, so the next waits for that one to start."""
+        with self._cond:
+            return self._room.wait_for(lambda: not self._queue or self._closed, timeout)
+
     def pause(self, seconds: float) -> None:
         """Stops decoding for ``seconds`` of modelled time (e.g. to load weights); returns when
         the pause is over. Sequences in flight resume afterwards."""
@@ -227,6 +236,7 @@ class DecodeDevice:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            self._room.notify_all()
         self._thread.join(timeout=5)
 
     # -- the serving thread -----------------------------------------------------------------------
@@ -278,10 +288,13 @@ class DecodeDevice:
     def _plan(self) -> float:
         """Admits queued sequences into free slots; returns the modelled seconds until the next
         sequence finishes."""
+        admitted = bool(self._queue)
         while self._queue and len(self._active) < self._cost.max_batch:
             seq = self._queue.popleft()
             self._active.append(seq)
             self._debt += seq.prompt_tokens / self._cost.prefill_tokens_per_s
+        if admitted and not self._queue:
+            self._room.notify()
         step = self._cost.decode_step(len(self._active))
         soonest = min(s.remaining for s in self._active)
         return max(0.0, self._debt + soonest * step - self._carry)

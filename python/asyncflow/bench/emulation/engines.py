@@ -84,6 +84,9 @@ class EmulatedRollout(RolloutEngine):
             for group in lengths
         ]
 
+    def wait_for_room(self, timeout: float) -> bool:
+        return self.device.wait_for_room(timeout)
+
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         with self._load_lock:
             if version <= self.version:
