@@ -12,7 +12,7 @@ ENGINE_GROUPS := $(if $(filter gpu,$(ENGINES)),--no-group engines-cpu --group en
 # `uv run` re-syncs the environment first: with the same groups, or it would swap vLLM's build.
 RUN := $(UV) run --locked $(ENGINE_GROUPS)
 
-.PHONY: setup train test test-rust test-python lint bench-store bench-sched
+.PHONY: setup train test test-rust test-python lint bench bench-store bench-sched bench-pipeline bench-sim bench-e2e
 
 setup:
 	@python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
@@ -37,8 +37,10 @@ test-rust:
 test-python:
 	$(RUN) pytest $(PYTEST_ARGS)
 
-bench-store: setup
-	$(RUN) asyncflow bench store --json bench-out/store.json
+# Benchmarks (not tests): each writes bench-out/SUITE.json, .md and .png; see benches/RESULTS.md.
+BENCHES := store sched pipeline sim e2e
 
-bench-sched: setup
-	$(RUN) asyncflow bench sched --json bench-out/sched.json
+bench: $(addprefix bench-,$(BENCHES))
+
+$(addprefix bench-,$(BENCHES)): bench-%: setup
+	$(RUN) asyncflow bench $* --json bench-out/$*.json

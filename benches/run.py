@@ -1,6 +1,9 @@
-"""Benchmark entry point: ``python benches/run.py SUITE --json PATH`` (same as ``asyncflow bench``).
+"""Benchmark entry point: ``python benches/run.py SUITE --json PATH`` (same as ``asyncflow bench``;
+``make bench`` runs every suite into ``bench-out/``).
 
-Suites measure their figures and a baseline in the same run; results go to ``benches/RESULTS.md``.
+Suites (``store``, ``sched``, ``pipeline``, ``sim``, ``e2e``) measure their figures and a baseline
+in the same run and write JSON records, a markdown table and a PNG figure; the latest full results
+are in ``benches/RESULTS.md``.
 """
 
 from __future__ import annotations

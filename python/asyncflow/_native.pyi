@@ -131,3 +131,10 @@ class RemoteStore(_Backend):
     ) -> RemoteStore: ...
 
 def serve(args: list[str]) -> int: ...
+def simulate(
+    costs: dict[str, float],
+    mode: str,
+    devices: int | None = None,
+    warmup_steps: int = 4,
+    steps: int = 8,
+) -> dict[str, Any]: ...

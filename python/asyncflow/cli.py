@@ -26,10 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", type=Path, help="continue the run in DIR")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.max_steps=3")
 
-    bench = sub.add_parser("bench", help="run a benchmark suite and write its JSON records")
+    bench = sub.add_parser(
+        "bench", help="run a benchmark suite; write its JSON records, table (.md) and figure (.png)"
+    )
     bench.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
     bench.add_argument("--json", metavar="PATH", help="write the records here as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
+    bench.add_argument(
+        "--costs", metavar="FILE", help="cost model YAML of the pipeline and sim suites"
+    )
     store = sub.add_parser("store", help="the store daemon")
     store_sub = store.add_subparsers(dest="store_command", required=True)
     serve = store_sub.add_parser(
@@ -88,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         from asyncflow.bench import run_suite
 
-        return run_suite(args.suite, json_path=args.json, quick=args.quick)
+        return run_suite(args.suite, json_path=args.json, quick=args.quick, costs=args.costs)
     return 2
 
 

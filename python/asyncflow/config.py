@@ -99,6 +99,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     #: Token budget of one micro-batch (gradient accumulation splits a step into these).
     micro_batch_tokens: int = 4096
+    #: Train each micro-batch as soon as its samples are ready (true), or first wait until the
+    #: whole step's samples are, as synchronous frameworks do (false: a baseline to compare with).
+    streaming: bool = True
     #: Optimisation passes over each step's samples.
     ppo_epochs: int = 1
     clip_eps: float = 0.2
@@ -164,6 +167,9 @@ class RunConfig:
     checkpoint_every: int = 10
     #: Seconds any worker may wait for its input before the run fails with a clear error.
     stall_timeout: float = 300.0
+    #: Seconds a worker waits in one claim for a full batch before it takes what is ready (and
+    #: looks at the stop flag again).
+    poll_interval: float = 0.25
     progress: bool = True
 
 
@@ -369,6 +375,7 @@ def validate(c: Config) -> None:
         raise ConfigError(f"rollout.kv_cache_memory: {e}") from None
     if c.rollout.max_model_len is not None:
         _require(c.rollout.max_model_len >= 1, "rollout.max_model_len must be at least 1")
+    _require(c.run.poll_interval > 0, "run.poll_interval must be positive")
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
     if c.data.task == "parquet":

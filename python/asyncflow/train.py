@@ -137,6 +137,15 @@ def logprob_agreement(
     return worst
 
 
+def register_tasks(store: Store, reference: bool) -> None:
+    """Declares the pipeline's consumers, so that rows are kept until each has acked them."""
+    store.register_task("rollout", partitions=[PROMPTS])
+    for task in ["reward", "advantage", "train"]:
+        store.register_task(task, partitions=[SAMPLES])
+    if reference:
+        store.register_task("reference", partitions=[SAMPLES])
+
+
 class Run:
     """One execution of the main job."""
 
@@ -285,15 +294,17 @@ class Run:
         def after_step(step: int) -> dict[str, Any]:
             extra: dict[str, Any] = {}
             if step % c.run.eval_every == 0 or step == c.trainer.max_steps:
+                since = time.monotonic()
                 evaluator.load_weights(step, trainer_engine.export_weights())
                 acc = accuracy(evaluator, eval_set, tokenizer, max_tokens)
                 evals.append((step, acc))
-                extra["eval_accuracy"] = acc
+                # The trainer waits for evaluation: time-to-accuracy figures subtract it.
+                extra |= {"eval_accuracy": acc, "eval_seconds": time.monotonic() - since}
             if step % c.run.checkpoint_every == 0 and step < c.trainer.max_steps:
                 checkpoint.save(self.run_dir, step, trainer_engine, store, state, figures)
             return extra
 
-        self._register_tasks(store)
+        register_tasks(store, c.algorithm.reference)
         if not isinstance(trainer_engine, StepTrainEngine):  # its ranks publish their own
             weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
         workers = self._workers(
@@ -339,13 +350,6 @@ class Run:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self.reporter.summary(summary)
         return summary
-
-    def _register_tasks(self, store: Store) -> None:
-        store.register_task("rollout", partitions=[PROMPTS])
-        for task in ["reward", "advantage", "train"]:
-            store.register_task(task, partitions=[SAMPLES])
-        if self.config.algorithm.reference:
-            store.register_task("reference", partitions=[SAMPLES])
 
     def _workers(
         self,

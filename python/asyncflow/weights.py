@@ -5,12 +5,16 @@ the newest version between generation batches."""
 
 from __future__ import annotations
 
+import math
+import threading
+import time
 import warnings
 from collections.abc import Iterable
 
 import numpy as np
 import torch
 
+from asyncflow.errors import StoreError
 from asyncflow.store import Store
 
 PARTITION = "__weights__"
@@ -39,6 +43,65 @@ def latest_version(store: Store) -> int | None:
     """The newest published version, or None before the first publication."""
     rows = store.rows(partition=PARTITION)
     return int(rows.versions.max()) if len(rows) else None
+
+
+class Watcher:
+    """The newest published version, as every worker of a process sees it. Workers waiting for
+    new weights share one poller thread, which reads the store every ``interval`` seconds while
+    anyone waits and wakes them only when the version changes."""
+
+    def __init__(self, store: Store, interval: float) -> None:
+        self.store = store
+        self.interval = interval
+        lock = threading.Lock()
+        self._changed = threading.Condition(lock)
+        self._wanted = threading.Condition(lock)
+        self._newest: int | None = None
+        self._read_at = -math.inf
+        self._waiters = 0
+        self._poller: threading.Thread | None = None
+
+    def _read(self) -> int | None:
+        newest = latest_version(self.store)
+        with self._changed:
+            if newest != self._newest:
+                self._newest = newest
+                self._changed.notify_all()
+            self._read_at = time.monotonic()
+        return newest
+
+    def latest(self) -> int | None:
+        """The newest version, read from the store at most ``interval`` seconds ago."""
+        with self._changed:
+            if time.monotonic() - self._read_at < self.interval:
+                return self._newest
+        return self._read()
+
+    def wait_for(self, version: int, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for ``version`` (or a newer one) to be published;
+        returns whether it has been."""
+        with self._changed:
+            self._waiters += 1
+            if self._poller is None:
+                self._poller = threading.Thread(target=self._poll, name="weights", daemon=True)
+                self._poller.start()
+            self._wanted.notify()
+            try:
+                return self._changed.wait_for(
+                    lambda: self._newest is not None and self._newest >= version, timeout
+                )
+            finally:
+                self._waiters -= 1
+
+    def _poll(self) -> None:
+        while True:
+            with self._wanted:
+                self._wanted.wait_for(lambda: self._waiters > 0)
+            try:
+                self._read()
+            except StoreError:
+                return  # the store is gone: the run is over
+            time.sleep(self.interval)
 
 
 def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:

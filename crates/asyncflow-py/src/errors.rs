@@ -4,8 +4,9 @@
 
 use asyncflow_core::StoreError;
 use asyncflow_server::Error as ClientError;
+use asyncflow_sim::SimError;
 use pyo3::PyErr;
-use pyo3::exceptions::PyKeyboardInterrupt;
+use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError};
 
 pyo3::import_exception!(asyncflow.errors, StoreTimeoutError);
 pyo3::import_exception!(asyncflow.errors, MemoryLimitError);
@@ -44,6 +45,18 @@ pub fn client_to_py(err: ClientError) -> PyErr {
         | ClientError::Protocol(_)
         | ClientError::Shm(_)
         | ClientError::Io(_) => ConnectionError::new_err(err.to_string()),
+    }
+}
+
+/// Errors of the simulator: a bad scenario is a bad request; a simulation that stalls is a bug
+/// in the simulated pipeline, raised as `RuntimeError`.
+pub fn sim_to_py(err: SimError) -> PyErr {
+    match err {
+        SimError::Store(e) => to_py(e),
+        SimError::Missing(_) | SimError::Invalid(_) | SimError::UnknownMode(_) => {
+            BadRequestError::new_err(err.to_string())
+        }
+        SimError::Stalled { .. } => PyRuntimeError::new_err(err.to_string()),
     }
 }
 

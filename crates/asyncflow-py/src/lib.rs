@@ -10,6 +10,7 @@ mod convert;
 mod errors;
 mod remote;
 mod scheduler;
+mod sim;
 mod store;
 
 use pyo3::prelude::*;
@@ -26,5 +27,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scheduler::partition, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::micro_batches, m)?)?;
     m.add_function(wrap_pyfunction!(remote::serve, m)?)?;
+    m.add_function(wrap_pyfunction!(sim::simulate, m)?)?;
     Ok(())
 }

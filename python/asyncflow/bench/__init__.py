@@ -1,27 +1,49 @@
 """The benchmark harness behind ``asyncflow bench SUITE``.
 
 Benchmarks are not tests: each suite measures its figures and a baseline in the same run and
-reports ``ratio = value / baseline_value``. Records follow one JSON schema (see ``records.py``).
+reports ``ratio = value / baseline_value``. Records follow one JSON schema (see ``records.py``);
+beside the JSON go a markdown table (``.md``) and a figure (``.png``).
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 from pathlib import Path
 
-from asyncflow.bench.records import Report
+from asyncflow.bench.records import Report, machine
 
 #: Suite name -> module exposing ``run(report, quick)``.
-SUITES = {"store": "asyncflow.bench.store_suite", "sched": "asyncflow.bench.sched_suite"}
+SUITES = {
+    "store": "asyncflow.bench.store_suite",
+    "sched": "asyncflow.bench.sched_suite",
+    "pipeline": "asyncflow.bench.pipeline_suite",
+    "sim": "asyncflow.bench.sim_suite",
+    "e2e": "asyncflow.bench.e2e_suite",
+}
+#: Suites that read a cost model (``costs_path``; default ``costs/paper-7b.yaml``).
+COSTED = ("pipeline", "sim")
 
 
-def run_suite(name: str, json_path: str | None = None, quick: bool = False) -> int:
-    """Runs one suite, prints its table, and writes its records to ``json_path``."""
+def run_suite(
+    name: str, json_path: str | None = None, quick: bool = False, costs: str | None = None
+) -> int:
+    """Runs one suite, prints its table, and writes its records to ``json_path`` (with the
+    table and figure beside it)."""
+    if costs is not None and name not in COSTED:
+        raise ValueError(f"suite {name!r} reads no cost model; --costs is for {COSTED}")
     module = importlib.import_module(SUITES[name])
     report = Report(name)
-    module.run(report, quick=quick)
+    report.note(f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}")
+    module.run(report, quick=quick, **({"costs_path": costs} if costs else {}))
+    report.note(f"finished after {time.monotonic() - report.started:.0f}s; {machine()}")
     print(report.markdown())
     if json_path:
-        report.write_json(Path(json_path))
-        print(f"wrote {len(report.records)} records to {json_path}")
+        from asyncflow.bench.plots import write_png
+
+        path = Path(json_path)
+        report.write_json(path)
+        path.with_suffix(".md").write_text(report.markdown() + "\n")
+        write_png(report, path.with_suffix(".png"))
+        print(f"wrote {len(report.records)} records to {path}, with its .md table and .png figure")
     return 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,10 +31,22 @@ class Record:
         return asdict(self) | {"ratio": self.ratio}
 
 
+def machine() -> str:
+    """Cores, memory and the load average now: timings on a shared machine need all three."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return (
+        f"{os.cpu_count()} cores, {pages / 2**30:.0f} GiB, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}; load average {load}"
+    )
+
+
 @dataclass
 class Report:
     suite: str
     records: list[Record] = field(default_factory=list)
+    #: Lines printed above the table: settings, machine, anything a reader needs.
+    notes: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
     def add(
@@ -50,12 +64,17 @@ class Report:
         self.progress(f"{case:<22} {metric:<14} {value:>12.4g} {unit}{ratio}")
         return record
 
+    def note(self, line: str) -> None:
+        self.notes.append(line)
+        self.progress(line)
+
     def progress(self, message: str) -> None:
         elapsed = time.monotonic() - self.started
         print(f"[{self.suite} {elapsed:6.1f}s] {message}", file=sys.stderr, flush=True)
 
     def markdown(self) -> str:
-        lines = [
+        lines = [f"- {n}" for n in self.notes] + ([""] if self.notes else [])
+        lines += [
             "| case | metric | value | unit | baseline | baseline value | ratio |",
             "|---|---|---:|---|---|---:|---:|",
         ]

@@ -61,6 +61,14 @@ class RolloutEngine(ABC):
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replaces the weights in place (no restart) and records ``version``."""
 
+    def wait_for_room(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds until a new call's sequences would start at once;
+        returns whether they would. An engine that batches the calls of several workers says so
+        when no sequence is waiting for a slot, so that its workers claim prompts only as fast as
+        it takes them (claimed prompts queued behind a full batch are work no other engine can
+        pick up). The default always has room."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Frees the engine's resources."""
 

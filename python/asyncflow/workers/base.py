@@ -20,9 +20,7 @@ from asyncflow.config import Config
 from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.store import Store
 from asyncflow.telemetry.trace import Tracer
-
-#: Seconds a worker waits in one claim before looking at the stop flag again.
-POLL = 0.25
+from asyncflow.weights import Watcher
 
 #: Partition of prompts waiting for rollout; samples of training step s go to ``step-<s>``.
 PROMPTS = "prompts"
@@ -67,6 +65,12 @@ class Context:
     tracer: Tracer
     state: RunState
     stop: threading.Event = field(default_factory=threading.Event)
+    #: The newest published policy version, shared by the process's workers.
+    weights: Watcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        # A tenth of the claim wait: new weights are seen promptly, for one store read.
+        self.weights = Watcher(self.store, self.config.run.poll_interval / 10)
 
 
 class Worker(ABC):
@@ -96,11 +100,16 @@ class Worker(ABC):
         return self.ctx.tracer.span(self.role, "wait", name)
 
     def claim(self, task: str, fields: Sequence[str], batch_size: int, **options: Any) -> Batch:
-        """Claims up to ``batch_size`` ready rows, waiting at most one poll interval; raises
+        """Claims up to ``batch_size`` ready rows, waiting at most ``run.poll_interval``; raises
         :class:`StallError` when nothing has come for ``run.stall_timeout`` seconds."""
         with self.waiting(f"claim {'+'.join(fields)}"):
             batch = self.store.claim(
-                task, list(fields), batch_size, timeout=POLL, allow_partial=True, **options
+                task,
+                list(fields),
+                batch_size,
+                timeout=self.config.run.poll_interval,
+                allow_partial=True,
+                **options,
             )
         self.note_progress(len(batch) > 0, f"rows with {list(fields)} for task {task!r}")
         return batch

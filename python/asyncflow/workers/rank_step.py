@@ -24,7 +24,7 @@ from asyncflow.engines.base import TrainBatch, TrainEngine
 from asyncflow.errors import StoreTimeoutError
 from asyncflow.scheduler import micro_batches
 from asyncflow.store import Store
-from asyncflow.workers.base import POLL, StallError, step_partition
+from asyncflow.workers.base import StallError, step_partition
 from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, update
 
 
@@ -70,7 +70,7 @@ class RankStep:
                     "train",
                     self.fields,
                     self.loss.rows_per_step,
-                    timeout=POLL * 4,
+                    timeout=self.config.run.poll_interval * 4,
                     partition=step_partition(s),
                     whole_groups=True,
                     step=s,

@@ -20,7 +20,7 @@ import numpy as np
 from asyncflow import weights
 from asyncflow.batch import Batch
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
-from asyncflow.workers.base import POLL, Context, Worker, step_partition
+from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 
 FIELDS = ["prompt_ids", "answer", "target_step"]
@@ -59,7 +59,7 @@ class Rollout(Worker):
 
     def sync_weights(self) -> None:
         """Loads the newest published weights if they are newer than the engine's."""
-        newest = weights.latest_version(self.store)
+        newest = self.ctx.weights.latest()
         if newest is not None and newest > self.engine.version:
             with self.busy(f"load weights v{newest}"):
                 version, tensors = weights.fetch(self.store, newest)
@@ -87,7 +87,7 @@ class Rollout(Worker):
     def _take(self) -> PromptGroups | None:
         assert self.inbox is not None and self.dispatcher is not None
         self.dispatcher.report(self.role)  # a heartbeat, also while idle
-        taken = self.inbox.take(self.config.rollout.groups_per_call, POLL)
+        taken = self.inbox.take(self.config.rollout.groups_per_call, self.config.run.poll_interval)
         self.note_progress(bool(taken), f"prompt groups routed to {self.role}")
         if not taken:
             return None
@@ -115,6 +115,9 @@ class Rollout(Worker):
 
     def step(self) -> bool:
         self.sync_weights()
+        with self.waiting("engine room"):
+            if not self.engine.wait_for_room(self.config.run.poll_interval):
+                return True
         work = self._claim() if self.inbox is None else self._take()
         if work is None:
             return True
@@ -123,10 +126,13 @@ class Rollout(Worker):
             if self.engine.version < oldest_allowed:
                 self._settle(work, done=False)
                 with self.waiting(f"weights v{oldest_allowed}"):
-                    self.ctx.stop.wait(0.02)
+                    self.ctx.weights.wait_for(oldest_allowed, self.config.run.poll_interval)
                 self.note_progress(False, f"policy weights version {oldest_allowed}")
                 return True
-        with self.busy(f"generate v{self.engine.version}"):
+        # Read before generating: an engine shared by several workers may load newer weights while
+        # this call is in flight, and a sample is as old as the oldest policy that wrote it.
+        version = self.engine.version
+        with self.busy(f"generate v{version}"):
             outputs = self.engine.generate([p.tolist() for p in work.prompts], self.sampling)
         # Holding the router while the samples go in: a group it hands to another engine meanwhile
         # would be generated twice.
@@ -136,7 +142,9 @@ class Rollout(Worker):
                 work, outputs = self._drop_rerouted(work, outputs)
                 if not work.prompts:
                     return True
-            self._put_samples(work.target, work.prompts, work.answers, work.groups, outputs)
+            self._put_samples(
+                work.target, version, work.prompts, work.answers, work.groups, outputs
+            )
             self._settle(work, done=True)
         return True
 
@@ -161,6 +169,7 @@ class Rollout(Worker):
     def _put_samples(
         self,
         target: int,
+        version: int,
         prompts: list[np.ndarray],
         answers: list[bytes],
         groups: np.ndarray,
@@ -190,6 +199,6 @@ class Rollout(Worker):
                 partition=step_partition(target),
                 groups=np.array(rows_group),
                 group_size=n,
-                version=self.engine.version,
+                version=version,
             )
         self.ctx.state.add(generated_tokens=tokens, generated_samples=len(rows_resp))

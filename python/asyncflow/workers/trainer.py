@@ -3,6 +3,7 @@ as soon as their advantages are ready, accumulates gradients on each as it arriv
 optimiser once the step's groups are in, and publishes the new weights as version ``s + 1``.
 Each micro-batch's loss is its fixed share of the step's (see :mod:`asyncflow.workers.steps`), so
 it can be applied while later ones are still being generated.
+With ``trainer.streaming: false`` it first waits for the whole step, as synchronous frameworks do.
 
 With a :class:`~asyncflow.engines.base.StepTrainEngine` (data-parallel ranks in processes of
 their own) the ranks claim and train the step themselves; the trainer then only records it.
@@ -19,6 +20,7 @@ import numpy as np
 
 from asyncflow import weights
 from asyncflow.engines.base import StepTrainEngine, TrainBatch, TrainEngine
+from asyncflow.errors import StoreTimeoutError
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, update
@@ -107,8 +109,32 @@ class Trainer(Worker):
             weights.publish(self.store, s + 1, self.engine.export_weights())
         return result
 
+    def _whole_step_ready(self, s: int) -> bool:
+        """Whether every sample of step ``s`` is ready for training (the barrier of
+        ``trainer.streaming: false``): claims the whole step at once, then hands it straight back
+        to the micro-batch claims that follow."""
+        try:
+            with self.waiting("whole step"):
+                whole = self.store.claim(
+                    "train",
+                    self.fields,
+                    self.rows_per_step,
+                    timeout=self.config.run.poll_interval,
+                    partition=step_partition(s),
+                    whole_groups=True,
+                )
+        except StoreTimeoutError:
+            self.note_progress(False, f"all samples of step {s}")
+            return False
+        whole.release()
+        return True
+
     def _accumulate(self, s: int) -> tuple[list[TrainBatch], StepResult] | None:
         k = self.config.trainer.max_staleness
+        if not self.config.trainer.streaming:
+            while not self._whole_step_ready(s):
+                if self.ctx.stop.is_set():
+                    return None
         got = 0
         result = StepResult()
         kept_batches: list[TrainBatch] = []

@@ -1,0 +1,219 @@
+"""Emulated engines behind the real :class:`RolloutEngine` / :class:`TrainEngine` interfaces, so
+the real workers drive them. They spend the cost model's time on emulated devices instead of
+computing, and return data of the right shape: responses of the modelled lengths (one stored
+token per ``compression`` modelled tokens), zero log-probs, and a small fixed set of weights.
+
+The emulated task, tokenizer and verifier complete the set: prompts carry their group number (a
+response's length is a function of its prompt, so every mode sees the same workload), and the
+verifier spends its modelled time and reads no text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asyncflow.bench.costs import CostModel
+from asyncflow.bench.emulation.devices import DecodeDevice, DevicePool
+from asyncflow.engines.base import (
+    Completion,
+    LossFn,
+    RolloutEngine,
+    Sampling,
+    TrainBatch,
+    TrainEngine,
+)
+from asyncflow.models.tokenizer import CharTokenizer
+from asyncflow.scheduler import partition
+from asyncflow.tasks.base import Problem
+
+#: Token id of every stored response token (a digit: its value never matters).
+FILLER_TOKEN = 2
+
+
+def stored_tokens(modelled: float, compression: float) -> int:
+    return max(1, math.ceil(modelled / compression))
+
+
+def response_lengths(prompt: list[int], n: int, costs: CostModel) -> list[int]:
+    """Modelled lengths of the ``n`` responses to ``prompt``: a function of the prompt alone."""
+    w = costs.workload
+    rng = np.random.default_rng([w.seed, zlib.crc32(np.asarray(prompt, np.int64).tobytes())])
+    draws = rng.lognormal(math.log(w.response_median_tokens), w.response_sigma, n)
+    return [int(x) for x in np.clip(np.rint(draws), 1, w.response_max_tokens)]
+
+
+class EmulatedRollout(RolloutEngine):
+    """Generation on one emulated device; several workers may call it at once (their sequences
+    share the device's batch), and weights load while calls are in flight."""
+
+    name = "emulated"
+
+    def __init__(self, device: DecodeDevice, costs: CostModel, load_s: float) -> None:
+        super().__init__()
+        self.device = device
+        self.costs = costs
+        self.load_s = load_s
+        self._load_lock = threading.Lock()
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        c = self.costs.emulation.compression
+        cap = self.costs.workload.response_max_tokens
+        lengths = [response_lengths(p, sampling.n, self.costs) for p in prompts]
+        flat = [n for group in lengths for n in group]
+        self.device.generate(flat, self.costs.workload.prompt_tokens)
+        return [
+            [
+                Completion(
+                    token_ids=[FILLER_TOKEN] * stored_tokens(n, c),
+                    logprobs=[0.0] * stored_tokens(n, c),
+                    text="",
+                    finish_reason="length" if n >= cap else "stop",
+                )
+                for n in group
+            ]
+            for group in lengths
+        ]
+
+    def wait_for_room(self, timeout: float) -> bool:
+        return self.device.wait_for_room(timeout)
+
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with self._load_lock:
+            if version <= self.version:
+                return  # another worker sharing this engine loaded it already
+            for _, tensor in weights:
+                float(tensor.view(-1)[0])  # touch the received bytes
+            self.device.pause(self.load_s)
+            self.version = version
+
+
+class DataParallelLoad:
+    """Token loads of the data-parallel ranks of a pool. Each batch's rows are split into as many
+    token-balanced parts as there are ranks (the real scheduler's ``partition``), the heaviest
+    part going to the least-loaded rank; ranks run independently, so a batch costs what it adds
+    to the busiest rank."""
+
+    def __init__(self, ranks: int) -> None:
+        self.loads = np.zeros(ranks)
+
+    def add(self, tokens: np.ndarray) -> float:
+        """Adds a batch with these per-row token counts; returns the growth of the busiest rank."""
+        before = self.loads.max()
+        parts = partition(tokens.astype(np.uint64), len(self.loads))
+        sizes = sorted((float(tokens[p].sum()) for p in parts), reverse=True)
+        order = np.argsort(self.loads)
+        self.loads[order] += np.array(sizes)
+        return float(self.loads.max() - before)
+
+    def reset(self) -> None:
+        """All ranks have synchronised (an optimizer step)."""
+        self.loads[:] = 0
+
+
+class EmulatedTrainer(TrainEngine):
+    """Training (or, with ``role="reference"``, reference log-probs) data-parallel over every
+    device of a pool. Publishing weights costs the modelled gather and broadcast."""
+
+    name = "emulated"
+
+    def __init__(
+        self,
+        pool: DevicePool,
+        costs: CostModel,
+        tokens_per_s: float,
+        publish_s: float,
+        role: str = "trainer",
+    ) -> None:
+        super().__init__()
+        self.pool = pool
+        self.costs = costs
+        self.tokens_per_s = tokens_per_s
+        self.publish_s = publish_s
+        self.role = role
+        self.ranks = DataParallelLoad(pool.devices)
+        mib = costs.emulation.weights_mib
+        self.weights = {f"layer.{i}.weight": torch.zeros(1 << 18) for i in range(mib)}
+
+    def _compute(self, batch: TrainBatch) -> None:
+        tokens = batch.attention_mask.sum(dim=1).numpy() * self.costs.emulation.compression
+        self.pool.run(self.role, self.ranks.add(tokens) / self.tokens_per_s)
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        self._compute(batch)
+        return torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        self._compute(batch)
+        return {}
+
+    def optimizer_step(self) -> dict[str, float]:
+        step = self.costs.trainer.optimizer_step_s
+        self.pool.run(self.role, step + self.costs.network.all_reduce_s(self.pool.devices))
+        self.ranks.reset()
+        self.version += 1
+        return {}
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.publish_s > 0 and self.version > 0:
+            self.pool.run("publish", self.publish_s)
+        return iter(self.weights.items())
+
+    def save(self, directory: Path) -> None:
+        raise NotImplementedError("an emulated trainer holds no weights to save")
+
+    def load(self, directory: Path) -> None:
+        raise NotImplementedError("an emulated trainer holds no weights to load")
+
+    def save_pretrained(self, directory: Path) -> None:
+        raise NotImplementedError("an emulated trainer holds no weights to save")
+
+
+class EmulatedTask:
+    """Prompts that carry their group number, zero-padded to the stored prompt length."""
+
+    name = "emulated"
+
+    def __init__(self, costs: CostModel) -> None:
+        self.width = stored_tokens(costs.workload.prompt_tokens, costs.emulation.compression)
+
+    def train_stream(self, seed: int, start: int = 0) -> Iterator[Problem]:
+        for k in itertools.count(start):
+            yield Problem(prompt=f"{k:0{self.width}d}", answer="0")
+
+    def eval_set(self) -> list[Problem]:
+        return []
+
+
+class EmulatedTokenizer(CharTokenizer):
+    """Emulated responses carry no text (the emulated verifier reads none), so decoding is free."""
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+class ModelledVerifier:
+    """A reward function that spends ``per_sample_s`` of modelled time per response and passes a
+    random half of them. Short waits are batched into one sleep per thread."""
+
+    def __init__(self, per_sample_s: float, compression: float) -> None:
+        self.per_sample = per_sample_s / compression
+        self._owed = threading.local()
+        self._rng = random.Random(0)
+
+    def __call__(self, response: str, truth: str) -> float:
+        owed = getattr(self._owed, "seconds", 0.0) + self.per_sample
+        if owed >= 1e-3:
+            time.sleep(owed)
+            owed = 0.0
+        self._owed.seconds = owed
+        return float(self._rng.random() < 0.5)

@@ -1,0 +1,77 @@
+"""The pipeline, sim and e2e benchmark suites run (``--quick``) and report in the shared record
+schema, with their table and figure beside the JSON. Their figures are not checked: benchmarks
+are not tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncflow.bench import run_suite
+from asyncflow.bench.emulation.modes import MODES
+
+KEYS = {"suite", "case", "metric", "value", "unit", "baseline", "baseline_value", "ratio"}
+
+
+def records(tmp_path: Path, suite: str) -> list[dict[str, Any]]:
+    out = tmp_path / f"{suite}.json"
+    assert run_suite(suite, json_path=str(out), quick=True) == 0
+    table = [line for line in out.with_suffix(".md").read_text().splitlines() if line[:2] == "| "]
+    assert len(table) == len(json.loads(out.read_text())) + 1  # a header, then one row each
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    rows: list[dict[str, Any]] = json.loads(out.read_text())
+    assert all(set(r) == KEYS and r["suite"] == suite for r in rows)
+    for r in rows:
+        if r["baseline_value"] is not None:
+            assert r["ratio"] == pytest.approx(r["value"] / r["baseline_value"])
+    return rows
+
+
+def metric(rows: list[dict[str, Any]], case: str, name: str, baseline: str | None = None) -> Any:
+    return next(
+        r for r in rows if r["case"] == case and r["metric"] == name and r["baseline"] == baseline
+    )
+
+
+def test_the_pipeline_suite_compares_every_mode_with_the_colocated_baseline(
+    tmp_path: Path,
+) -> None:
+    rows = records(tmp_path, "pipeline")
+    assert [r["case"] for r in rows if r["metric"] == "step_time"] == list(MODES)
+    for case in MODES:
+        assert metric(rows, case, "samples_per_s", "colocated-sync")["value"] > 0
+        assert metric(rows, case, "samples_per_s", "ideal")["baseline_value"] > 0
+        for role in ("rollout", "reference", "trainer", "reward", "bottleneck"):
+            assert 0 <= metric(rows, case, f"busy_{role}")["value"] <= 1.05
+        assert 0 < metric(rows, case, "decode_fill")["value"] <= 1
+        assert metric(rows, case, "overhead_per_sample")["unit"] == "ms"
+    assert metric(rows, "colocated-sync", "samples_per_s", "colocated-sync")["ratio"] == 1
+    assert metric(rows, "async-1", "staleness_mean")["value"] <= 1
+
+
+def test_the_sim_suite_reports_scaling_from_the_smallest_cluster(tmp_path: Path) -> None:
+    rows = records(tmp_path, "sim")
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    assert cases == ["32", "64", "128"]
+    assert metric(rows, "32", "scaling_efficiency")["value"] == 1
+    for case in cases:
+        assert metric(rows, case, "samples_per_s", "colocated-sync")["value"] > 0
+        assert metric(rows, case, "index_us_per_sample")["value"] > 0
+
+
+def test_the_e2e_suite_times_the_main_job_at_each_staleness(tmp_path: Path) -> None:
+    rows = records(tmp_path, "e2e")
+    for k in (0, 1, 2):
+        case = f"staleness-{k}"
+        for name in ("time_to_target_s", "tokens_per_s", "rl_seconds"):
+            assert metric(rows, case, name, "staleness-0")["value"] > 0
+        assert 0 <= metric(rows, case, "final_accuracy", "staleness-0")["value"] <= 1
+        low, high = (
+            metric(rows, case, "final_accuracy_min"),
+            metric(rows, case, "final_accuracy_max"),
+        )
+        assert 0 <= low["value"] <= high["value"] <= 1
+        assert metric(rows, case, "reached_target")["value"] == 1  # the quick target is 0
