@@ -60,7 +60,7 @@ impl Controller {
                 if let Some(f) = fields.iter().find(|&&f| f as usize >= known) {
                     return Err(StoreError::bad_request(format!("unknown field id {f}")));
                 }
-                self.store.commit(&rows, &fields);
+                self.store.commit(&rows, &fields)?;
                 Ok((Reply::Done, Answer::default()))
             }
             other => metadata::execute(&self.store, session, other, payload, wait),
