@@ -409,6 +409,9 @@ impl Failure {
                 StoreError::Interrupted => {
                     w.u8(8);
                 }
+                StoreError::Persistence(m) => {
+                    w.u8(9).str(m);
+                }
             },
             Failure::Auth(m) => {
                 w.u8(20).str(m);
@@ -436,6 +439,7 @@ impl Failure {
             6 => store(StoreError::Lease { id: r.u64()?, reason: r.string()? }),
             7 => store(StoreError::BadRequest(r.string()?)),
             8 => store(StoreError::Interrupted),
+            9 => store(StoreError::Persistence(r.string()?)),
             20 => Failure::Auth(r.string()?),
             21 => Failure::Protocol(r.string()?),
             22 => Failure::Unavailable(r.string()?),
@@ -478,6 +482,7 @@ mod tests {
             StoreError::Lease { id: 3, reason: "expired".into() },
             StoreError::BadRequest("bad".into()),
             StoreError::Interrupted,
+            StoreError::Persistence("disk full".into()),
         ];
         for e in errors {
             let f = Failure::Store(e);
