@@ -459,10 +459,17 @@ impl Store {
     /// Live rows on which no field is ready: rows whose put never completed (its producer or
     /// the daemon stopped between admitting and committing it).
     pub fn unfinished_rows(&self) -> Vec<u64> {
+        let live = self.index.lock().live_rows(None);
+        self.unfinished(&live)
+    }
+
+    /// Those of `rows` that are live with no field ready (see [`Store::unfinished_rows`]).
+    pub fn unfinished(&self, rows: &[u64]) -> Vec<u64> {
         let index = self.index.lock();
-        let live = index.live_rows(None);
-        let ready = index.ready_fields(&live).unwrap_or_default();
-        live.into_iter().zip(ready).filter(|(_, f)| f.is_empty()).map(|(i, _)| i).collect()
+        rows.iter()
+            .copied()
+            .filter(|&i| index.ready_fields(&[i]).is_ok_and(|f| f[0].is_empty()))
+            .collect()
     }
 
     pub fn stats(&self) -> StoreStats {
