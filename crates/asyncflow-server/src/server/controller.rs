@@ -12,7 +12,7 @@ use asyncflow_proto::{PayloadSource, Reply, Request};
 use super::metadata::{self, Outcome, check_cell_sizes};
 use super::outgoing::Answer;
 use super::session::Session;
-use crate::client::{Connection, Preference};
+use crate::client::{Link, Policy, Preference};
 
 pub struct Controller {
     pub store: Arc<Store>,
@@ -63,6 +63,9 @@ impl Controller {
                 if let Some(f) = fields.iter().find(|&&f| f as usize >= known) {
                     return Err(StoreError::bad_request(format!("unknown field id {f}")));
                 }
+                // Rows dropped meanwhile (their client left, or this daemon restarted before the
+                // put completed) must fail the put, not complete it with nothing in it.
+                self.store.row_info(&rows)?;
                 self.store.commit(&rows, &fields)?;
                 let mut admitted = session.admitted.lock();
                 for row in &rows {
@@ -98,7 +101,7 @@ const DROP_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 /// storage daemon that restarts from its data directory still forgets what was freed meanwhile.
 fn forward_drops(rx: &mpsc::Receiver<Vec<u64>>, addresses: &[String], token: Option<&str>) {
     let n = addresses.len();
-    let mut links: Vec<Option<Connection>> = addresses.iter().map(|_| None).collect();
+    let mut links: Vec<Option<Arc<Link>>> = addresses.iter().map(|_| None).collect();
     let mut waiting: Vec<Vec<u64>> = vec![Vec::new(); n];
     loop {
         match rx.recv_timeout(DROP_RETRY) {
@@ -116,8 +119,8 @@ fn forward_drops(rx: &mpsc::Receiver<Vec<u64>>, addresses: &[String], token: Opt
             if waiting[owner].is_empty() {
                 continue;
             }
-            if link.is_none() {
-                match Connection::open(&addresses[owner], token, Preference::Tcp) {
+            if link.as_ref().is_none_or(|l| l.is_broken()) {
+                match Link::open(&addresses[owner], token, Preference::Tcp, Policy::default()) {
                     Ok(c) => *link = Some(c),
                     Err(e) => {
                         tracing::warn!(storage = %addresses[owner], error = %e, rows = waiting[owner].len(), "cannot forward freed rows yet");
