@@ -441,14 +441,13 @@ impl Store {
     /// Replays one change read back from a journal; `cells` (`[field][row]`) are the payload of
     /// a `Ready` change. Used before the store is shared, while it has no journal.
     pub fn restore(&self, change: &Change, cells: Option<Vec<Vec<Cell>>>) -> Result<()> {
-        if let (Change::Ready { rows, fields }, Some(cells)) = (change, &cells) {
+        if let (Change::Ready { rows, fields }, Some(cells)) = (change, cells) {
             if cells.len() != fields.len() || cells.iter().any(|c| c.len() != rows.len()) {
                 return Err(StoreError::Persistence(
                     "log does not fit: cells do not match their rows and fields".into(),
                 ));
             }
-            let columns: Vec<(FieldId, Vec<Cell>)> =
-                fields.iter().copied().zip(cells.iter().cloned()).collect();
+            let columns: Vec<(FieldId, Vec<Cell>)> = fields.iter().copied().zip(cells).collect();
             self.shards.insert(rows, &columns);
         }
         let freed = self.index.lock().apply(change)?;

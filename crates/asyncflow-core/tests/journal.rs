@@ -89,10 +89,13 @@ fn restore_snapshot(into: &Store, snapshot: Snapshot) {
     }
 }
 
+/// A row's index, partition, group, version and tags.
+type RowMeta = (u64, String, Option<u64>, u64, Vec<(String, String)>);
+
 /// Everything a restart must keep, in a comparable form.
 #[derive(Debug, PartialEq)]
 struct Observed {
-    rows: Vec<(u64, String, Option<u64>, u64, Vec<(String, String)>)>,
+    rows: Vec<RowMeta>,
     ready: Vec<Vec<String>>,
     bytes: Vec<Vec<Vec<u8>>>,
     /// Per task, the rows it could claim now (leases forgotten).

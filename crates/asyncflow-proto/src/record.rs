@@ -272,8 +272,7 @@ mod tests {
     use super::*;
 
     fn records() -> Vec<Record> {
-        let mut counters = Counters::default();
-        counters.rows_put = 7;
+        let counters = Counters { rows_put: 7, ..Counters::default() };
         vec![
             Record::Change(Change::Task { name: "t".into(), scope: Some(vec!["p".into()]) }),
             Record::Change(Change::Field {

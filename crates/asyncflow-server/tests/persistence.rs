@@ -2,7 +2,7 @@
 //! every row not yet acked, with their payloads, and nothing that was acked; leases are gone, so
 //! rows that were leased are delivered again. Holds for a standalone daemon, a controller and
 //! its storage daemons, across snapshots, and with a log whose tail was torn by a crash.
-//! (SIGKILL of real daemon processes is tested from Python, in tests/test_faults.py.)
+//! (SIGKILL of real daemon processes is tested from Python, in `tests/test_faults.py`.)
 
 mod support;
 
@@ -60,7 +60,7 @@ fn newest_log(dir: &Path) -> PathBuf {
     let mut logs: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().unwrap().to_str().unwrap().ends_with(".meta"))
+        .filter(|p| p.extension().is_some_and(|e| e == "meta"))
         .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("log-"))
         .collect();
     logs.sort();
@@ -112,7 +112,7 @@ fn a_snapshot_replaces_the_log_and_restores_the_same_store() {
         std::fs::read_dir(&dir).unwrap().any(|e| {
             let name = e.unwrap().file_name();
             let name = name.to_str().unwrap();
-            name.starts_with("snap-") && name.ends_with(".meta")
+            name.starts_with("snap-") && Path::new(name).extension().is_some_and(|e| e == "meta")
         })
     };
     while !has_snapshot() {

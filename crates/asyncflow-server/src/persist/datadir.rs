@@ -128,7 +128,7 @@ impl DataDir {
                 .or_else(|| name.strip_prefix("log-"))
                 .and_then(|rest| rest.split('.').next())
                 .and_then(|g| g.parse::<u64>().ok());
-            let unfinished = name.ends_with(".tmp");
+            let unfinished = Path::new(name).extension().is_some_and(|e| e == "tmp");
             if generation.is_some_and(|g| g < keep_from) || unfinished {
                 let _ = std::fs::remove_file(entry.path());
             }
