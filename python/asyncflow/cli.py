@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--soak-seconds", type=float, default=60.0, help="length of each soak")
     rel.add_argument("--fuzz-log", type=Path, help="output of the cargo fuzz run to report")
     rel.add_argument("--examples", type=int, default=500, help="hypothesis examples per test")
+    rel.add_argument(
+        "--render-only", action="store_true", help="rewrite the report from the kept results"
+    )
     store = sub.add_parser("store", help="the store daemon")
     store_sub = store.add_subparsers(dest="store_command", required=True)
     serve = store_sub.add_parser(
@@ -101,7 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "reliability":
         from asyncflow.reliability.report import run
 
-        return run(args.out, args.trials, args.soak_seconds, args.fuzz_log, args.examples)
+        return run(
+            args.out,
+            args.trials,
+            args.soak_seconds,
+            args.fuzz_log,
+            args.examples,
+            render_only=args.render_only,
+        )
     return 2
 
 

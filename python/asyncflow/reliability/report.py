@@ -4,6 +4,7 @@ Separate from the fast CI tests, which run each fault once."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -12,8 +13,9 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from asyncflow.reliability import faults
 from asyncflow.reliability.deployment import Kind
@@ -154,21 +156,56 @@ def run(
     soak_seconds: float = 60.0,
     fuzz_log: Path | None = None,
     examples: int = 500,
+    render_only: bool = False,
 ) -> int:
-    started = time.monotonic()
-    load_before = load_average()
-    rows = faults_table(trials)
-    soaks = []
-    kinds: tuple[Kind, ...] = ("standalone", "cluster")
-    for kind in kinds:
-        progress(f"soak: 64 clients against {kind} for {soak_seconds:.0f}s")
-        soaks.append(soak(kind, soak_seconds))
-    progress(f"random-input tests, {examples} examples each")
-    summary, code = random_input_tests(examples)
+    """Runs everything (results kept in ``bench-out/reliability.json``), then writes the
+    report; with ``render_only``, writes it from the kept results and the fuzz log alone."""
+    results = Path("bench-out/reliability.json")
+    if not render_only:
+        started = time.monotonic()
+        load_before = load_average()
+        rows = faults_table(trials)
+        kinds: tuple[Kind, ...] = ("standalone", "cluster")
+        soaks = []
+        for kind in kinds:
+            progress(f"soak: 64 clients against {kind} for {soak_seconds:.0f}s")
+            soaks.append(soak(kind, soak_seconds))
+        progress(f"random-input tests, {examples} examples each")
+        summary, code = random_input_tests(examples)
+        kept = {
+            "faults": [vars(r) | {"expected": dict(r.expected)} for r in rows],
+            "soaks": [asdict(s) for s in soaks],
+            "random_input": {"summary": summary, "code": code, "examples": examples},
+            "machine": {
+                "load_before": load_before,
+                "load_after": load_average(),
+                "minutes": (time.monotonic() - started) / 60,
+            },
+        }
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(kept, indent=1) + "\n")
+    kept = json.loads(results.read_text())
+    rows = [Row(**(r | {"expected": Counter(r["expected"])})) for r in kept["faults"]]
+    soaks = [SoakResult(**s) for s in kept["soaks"]]
+    text, failed = render(rows, soaks, kept["random_input"], kept["machine"], fuzz_log)
+    out.write_text(text)
+    progress(f"wrote {out}")
+    return 1 if failed else 0
+
+
+def render(
+    rows: list[Row],
+    soaks: list[SoakResult],
+    random_input: dict[str, Any],
+    machine: dict[str, Any],
+    fuzz_log: Path | None,
+) -> tuple[str, bool]:
+    """The report's markdown, and whether anything in it failed."""
     runs, seconds, crashes = fuzz_figures(
         fuzz_log, Path("crates/asyncflow-proto/fuzz/artifacts/decode_frame")
     )
     corpus = len(list(Path("crates/asyncflow-proto/fuzz/corpus/decode_frame").glob("*")))
+    examples, code = random_input["examples"], random_input["code"]
     lines = [
         "# Reliability",
         "",
@@ -177,8 +214,9 @@ def run(
         "its output; the fast CI tests in `tests/test_faults.py` run each fault once).",
         "",
         f"Machine: {platform.machine()}, {platform.system()} {platform.release()}, "
-        f"{_cores()} cores, shared with other work (load average {load_before} at the start, "
-        f"{load_average()} at the end). Run took {(time.monotonic() - started) / 60:.0f} min.",
+        f"{_cores()} cores, shared with other work (load average {machine['load_before']} at "
+        f"the start, {machine['load_after']} at the end). The faults, soak and random-input "
+        f"tests took {machine['minutes']:.0f} min.",
         "",
         "## Faults",
         "",
@@ -208,7 +246,7 @@ def run(
         f"| hypothesis: random dtypes, shapes, lengths, options (embedded and daemon) "
         f"| {examples} examples per test | {'0' if code == 0 else 'see below'} |",
         "",
-        f"Random-input tests: `{summary}`.",
+        f"Random-input tests: `{random_input['summary']}`.",
         "",
         "## Soak",
         "",
@@ -219,11 +257,8 @@ def run(
         *soak_lines(soaks),
         "",
     ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    progress(f"wrote {out}")
     failed = any("FAILED" in r.markdown() for r in rows) or not all(s.clean for s in soaks)
-    return 1 if failed or code != 0 or crashes else 0
+    return "\n".join(lines), failed or code != 0 or crashes > 0
 
 
 def _cores() -> int:

@@ -344,12 +344,19 @@ impl Client {
                 let subset = positions.iter().map(|&k| rows[k]).collect();
                 let conn = &self.storage[owner];
                 let req = Request::FetchCells { rows: subset, fields: ids.clone() };
-                Ok((owner, conn.send(&req, &[], wait)?))
+                let sent = conn.send(&req, &[], wait)?;
+                Ok((owner, req, sent))
             })
             .collect::<Result<Vec<_>>>()?;
         let mut merged: Vec<Vec<Option<Cell>>> = vec![vec![None; rows.len()]; ids.len()];
-        for (owner, p) in pending {
-            let columns = cells_of(p.wait(wait)?)?;
+        for (owner, req, p) in pending {
+            let answer = match p.wait(wait) {
+                // Sent to every owner at once; one whose link broke is asked again (a read
+                // changes nothing), reconnecting as a call does.
+                Err(Error::Connection(_)) => self.storage[owner].call(&req, &[], wait)?,
+                other => other?,
+            };
+            let columns = cells_of(answer)?;
             for (f, (_, _, cells)) in columns.into_iter().enumerate() {
                 for (&k, cell) in owners[owner].iter().zip(cells) {
                     merged[f][k] = Some(cell);
