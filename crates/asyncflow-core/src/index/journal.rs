@@ -123,14 +123,8 @@ impl Index {
             self.rows.clear();
             self.base = index - index % 64;
             self.next = self.base;
-            let words = self.live.words();
-            self.live.drop_front_words(words);
-            for f in &mut self.fields {
-                f.ready.drop_front_words(words);
-            }
+            self.drop_front_words(self.live.words());
             for t in &mut self.tasks {
-                t.busy.drop_front_words(words);
-                t.acked.drop_front_words(words);
                 t.low_water = t.low_water.max(self.base);
             }
         }

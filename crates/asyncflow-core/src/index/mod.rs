@@ -563,6 +563,18 @@ impl Index {
         (start..self.next).collect()
     }
 
+    /// Drops the first `words` words of every bitmap (the caller drops their rows).
+    fn drop_front_words(&mut self, words: usize) {
+        self.live.drop_front_words(words);
+        for f in &mut self.fields {
+            f.ready.drop_front_words(words);
+        }
+        for t in &mut self.tasks {
+            t.busy.drop_front_words(words);
+            t.acked.drop_front_words(words);
+        }
+    }
+
     /// Grows every bitmap to cover the slots up to `next`.
     fn resize_bitmaps(&mut self) {
         let words = (self.next - self.base).div_ceil(64) as usize;
@@ -695,14 +707,7 @@ impl Index {
         if drop_words == 0 {
             return;
         }
-        self.live.drop_front_words(drop_words);
-        for f in &mut self.fields {
-            f.ready.drop_front_words(drop_words);
-        }
-        for t in &mut self.tasks {
-            t.busy.drop_front_words(drop_words);
-            t.acked.drop_front_words(drop_words);
-        }
+        self.drop_front_words(drop_words);
         self.rows.drain(..drop_words * 64);
         self.base += drop_words as u64 * 64;
         for t in &mut self.tasks {
