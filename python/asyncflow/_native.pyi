@@ -127,7 +127,13 @@ class Store(_Backend):
 @final
 class RemoteStore(_Backend):
     def __new__(
-        cls, url: str, *, token: str | None = None, transport: str = "auto"
+        cls,
+        url: str,
+        *,
+        token: str | None = None,
+        transport: str = "auto",
+        request_timeout: float = 60.0,
+        reconnect_timeout: float = 30.0,
     ) -> RemoteStore: ...
 
 def serve(args: list[str]) -> int: ...

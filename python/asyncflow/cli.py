@@ -1,4 +1,4 @@
-"""The ``asyncflow`` command line: ``train``, ``bench``."""
+"""The ``asyncflow`` command line: ``train``, ``bench``, ``reliability``, ``store serve``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
     bench.add_argument(
         "--costs", metavar="FILE", help="cost model YAML of the pipeline and sim suites"
+    )
+    rel = sub.add_parser(
+        "reliability",
+        help="inject faults many times, soak, and write the report (docs/reliability.md)",
+    )
+    rel.add_argument("--out", type=Path, default=Path("docs/reliability.md"), help="report path")
+    rel.add_argument("--trials", type=int, default=20, help="trials of each fault")
+    rel.add_argument("--soak-seconds", type=float, default=60.0, help="length of each soak")
+    rel.add_argument("--fuzz-log", type=Path, help="output of the cargo fuzz run to report")
+    rel.add_argument("--examples", type=int, default=500, help="hypothesis examples per test")
+    rel.add_argument(
+        "--render-only", action="store_true", help="rewrite the report from the kept results"
     )
     store = sub.add_parser("store", help="the store daemon")
     store_sub = store.add_subparsers(dest="store_command", required=True)
@@ -94,6 +106,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from asyncflow.bench import run_suite
 
         return run_suite(args.suite, json_path=args.json, quick=args.quick, costs=args.costs)
+    if args.command == "reliability":
+        from asyncflow.reliability.report import run
+
+        return run(
+            args.out,
+            args.trials,
+            args.soak_seconds,
+            args.fuzz_log,
+            args.examples,
+            render_only=args.render_only,
+        )
     return 2
 
 

@@ -37,10 +37,19 @@ def to_native(data: Mapping[str, Any]) -> list[NativeField]:
     return [(name, *_column(name, value)) for name, value in data.items()]
 
 
+def _asarray(value: Any, error: type[Exception], what: str) -> np.ndarray:
+    """``np.asarray``, with NumPy's refusals (ragged nesting, unconvertible values) raised as
+    ``error`` about ``what``."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise error(f"{what}: {e}") from e
+
+
 def uint64_array(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     """A 1-D sequence of non-negative integers (row indexes, token counts) as a contiguous uint64
     array, or ``BadRequestError`` naming ``what``."""
-    arr = np.asarray(values)
+    arr = _asarray(values, BadRequestError, what)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
         raise BadRequestError(f"{what} must be a 1-D sequence of integers")
     if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
@@ -95,7 +104,7 @@ def _column(name: str, value: Any) -> tuple[Any, str | None]:
         if isinstance(first, (bytes, bytearray, memoryview, str)):
             return [_as_bytes(name, k, v) for k, v in enumerate(value)], None
         if isinstance(first, _SCALARS):
-            return _from_array(name, np.asarray(value)), None
+            return _from_array(name, _asarray(value, SchemaError, f"field {name!r}")), None
         return _cells(name, value)
     raise SchemaError(
         f"field {name!r}: expected an array, a tensor or a list with one value per row, "
@@ -110,7 +119,7 @@ def _cells(name: str, value: Sequence[Any]) -> tuple[list[np.ndarray], str | Non
         if _is_tensor(v):
             arr, dtype = _from_tensor(v)
         else:
-            arr, dtype = _from_array(name, np.asarray(v)), None
+            arr, dtype = _from_array(name, _asarray(v, SchemaError, f"field {name!r}")), None
         cells.append(arr)
         dtypes.add(dtype)
     if len(dtypes) > 1:

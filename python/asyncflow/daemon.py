@@ -28,6 +28,9 @@ def connect(
     url: str,
     token: str | None = None,
     transport: Literal["auto", "tcp", "shm"] = "auto",
+    *,
+    request_timeout: float = 60.0,
+    reconnect_timeout: float = 30.0,
 ) -> Store:
     """Connects to the store daemon at ``url`` (``"tcp://HOST:PORT"``).
 
@@ -38,12 +41,28 @@ def connect(
         transport: ``"auto"`` uses shared memory when the daemon is on this machine and TCP
             otherwise; ``"tcp"`` or ``"shm"`` insist on one. ``store.stats()["transport"]`` says
             which is in use.
+        request_timeout: seconds a request waits for its reply beyond its own ``timeout``; a
+            daemon that answers nothing (not even the pings sent while requests wait) for this
+            long fails them with :class:`~asyncflow.TimeoutError` or
+            :class:`~asyncflow.ConnectionError`.
+        reconnect_timeout: when the connection breaks (the daemon restarted), later calls
+            connect again, backing off, for up to this many seconds before raising
+            :class:`~asyncflow.ConnectionError`. Reads and claims that were waiting when it broke
+            are sent again; a put, ack or other change raises, saying it may or may not have
+            been applied.
 
-    Raises :class:`~asyncflow.ConnectionError` if the daemon cannot be reached.
+    Raises :class:`~asyncflow.ConnectionError` if the daemon cannot be reached now.
     """
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
-    return Store._over(_native.RemoteStore(url, token=token, transport=transport))
+    native = _native.RemoteStore(
+        url,
+        token=token,
+        transport=transport,
+        request_timeout=request_timeout,
+        reconnect_timeout=reconnect_timeout,
+    )
+    return Store._over(native)
 
 
 def serve(args: Sequence[str] = ()) -> int:
@@ -81,6 +100,23 @@ class DaemonProcess:
             raise RuntimeError(f"the store daemon did not start (flags {flags}): {line!r}")
         #: ``tcp://HOST:PORT``
         self.url = line.split()[-1]
+        self._killed = False
+
+    @property
+    def port(self) -> int:
+        """The TCP port it listens on (to start it again at the same address)."""
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def killed(self) -> bool:
+        """Whether :meth:`kill` ended it."""
+        return self._killed
+
+    def kill(self) -> int:
+        """Ends it with SIGKILL, as a crash would: nothing is flushed, nothing cleaned up."""
+        self._killed = True
+        self.proc.kill()
+        return self.proc.wait()
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

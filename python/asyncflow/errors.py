@@ -15,6 +15,7 @@ __all__ = [
     "ConnectionError",
     "LeaseError",
     "MemoryLimitError",
+    "PersistenceError",
     "SchemaError",
     "StoreError",
     "StoreTimeoutError",
@@ -71,3 +72,8 @@ class ConnectionError(StoreError, builtins.ConnectionError):
 
 class AuthError(ConnectionError):
     """The daemon refused the connection's token."""
+
+
+class PersistenceError(StoreError, OSError):
+    """The daemon could not make a change durable (its write-ahead log failed); it refuses
+    further changes until it is restarted."""

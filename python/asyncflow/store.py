@@ -9,9 +9,10 @@ subclass and leaves the store unchanged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -26,6 +27,25 @@ Indexes = Sequence[int] | np.ndarray
 
 #: Default seconds a claim or put waits before raising ``TimeoutError`` / ``MemoryLimitError``.
 DEFAULT_TIMEOUT = 60.0
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _arguments(method: Callable[P, R]) -> Callable[P, R]:
+    """Turns an argument the native module cannot take at all (a negative or oversized
+    integer, a value of the wrong type) into :class:`BadRequestError`, like every other
+    rejection. The native call never started, so nothing changed."""
+
+    @functools.wraps(method)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except (OverflowError, TypeError) as e:
+            raise BadRequestError(f"{method.__name__}: {e}") from e
+
+    return checked
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,7 @@ class Store:
         s = self.stats()
         return f"<asyncflow.Store {s['transport']} rows={s['live_rows']} memory={s['memory_used']}>"
 
+    @_arguments
     def register_task(self, name: str, partitions: Sequence[str] | None = None) -> None:
         """Declares a consumer. Rows are kept until every registered task has acked them.
 
@@ -106,6 +127,7 @@ class Store:
         """
         self._native.register_task(name, None if partitions is None else list(partitions))
 
+    @_arguments
     def put(
         self,
         data: Mapping[str, Any],
@@ -138,6 +160,7 @@ class Store:
             timeout=timeout,
         )
 
+    @_arguments
     def claim(
         self,
         task: str,
@@ -208,6 +231,7 @@ class Store:
     def _lease(batch: Batch | int) -> int | None:
         return batch.lease if isinstance(batch, Batch) else int(batch)
 
+    @_arguments
     def ack(self, batch: Batch | int, indexes: Indexes | None = None) -> None:
         """Commits a claimed batch (or only ``indexes`` of it) for its task. Raises
         ``LeaseError`` if the lease expired or was already acked; then nothing changes."""
@@ -219,6 +243,7 @@ class Store:
         if isinstance(batch, Batch):
             batch._settle(None if subset is None else len(subset))
 
+    @_arguments
     def release(self, batch: Batch | int, indexes: Indexes | None = None) -> None:
         """Hands a batch's rows (or ``indexes`` of them) back for immediate redelivery."""
         lease = self._lease(batch)
@@ -229,6 +254,7 @@ class Store:
         if isinstance(batch, Batch):
             batch._settle(None if subset is None else len(subset))
 
+    @_arguments
     def renew(self, batch: Batch | int, timeout: float | None = None) -> float:
         """Extends a lease to ``timeout`` seconds from now (default: the lease timeout)."""
         lease = self._lease(batch)
@@ -236,30 +262,36 @@ class Store:
             raise BadRequestError("an empty batch holds no lease")
         return float(self._native.renew(lease, timeout))
 
+    @_arguments
     def read(self, indexes: Indexes, fields: str | Sequence[str]) -> dict[str, list[Any]]:
         """``{field: [value per row]}`` of any live rows: read-only NumPy views (no copy), or
         ``bytes`` for bytes fields."""
         names = [fields] if isinstance(fields, str) else list(fields)
         return self._native.read(_index_array(indexes), names)  # type: ignore[no-any-return]
 
+    @_arguments
     def rows(self, indexes: Indexes | None = None, *, partition: str | None = None) -> Rows:
         """Metadata of ``indexes``, or of every live row (of ``partition``), oldest first."""
         idx = None if indexes is None else _index_array(indexes)
         i, parts, groups, versions, tags = self._native.rows(idx, partition=partition)
         return Rows(i, parts, groups, versions, [dict(t) for t in tags])
 
+    @_arguments
     def ready_fields(self, indexes: Indexes) -> list[list[str]]:
         """The names of the fields ready on each row."""
         return self._native.ready_fields(_index_array(indexes))  # type: ignore[no-any-return]
 
+    @_arguments
     def clear(self, partition: str) -> int:
         """Frees every row of ``partition``; returns how many rows were freed."""
         return int(self._native.clear(partition))
 
+    @_arguments
     def delete(self, indexes: Indexes) -> None:
         """Frees the given rows (all of them, or none if any is unknown)."""
         self._native.delete(_index_array(indexes))
 
+    @_arguments
     def schema(self, field: str) -> tuple[str, tuple[int, ...] | None]:
         """``(dtype, trailing shape)`` of a field; the shape is None for scalar fields."""
         dtype, trailing = self._native.schema(field)

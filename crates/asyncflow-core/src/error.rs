@@ -39,6 +39,11 @@ pub enum StoreError {
     /// A blocking call was interrupted by its caller (e.g. Ctrl-C in Python).
     #[error("interrupted")]
     Interrupted,
+
+    /// A change could not be made durable (the daemon's write-ahead log failed); the daemon
+    /// refuses further changes until it is restarted.
+    #[error("persistence: {0}")]
+    Persistence(String),
 }
 
 impl StoreError {

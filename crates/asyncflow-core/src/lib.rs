@@ -4,6 +4,7 @@
 //! writers never serialise on one lock while bytes move.
 
 pub mod bitmap;
+pub mod durability;
 pub mod error;
 pub mod index;
 pub mod memory;
@@ -14,10 +15,11 @@ pub mod shards;
 pub mod store;
 pub mod wait;
 
+pub use durability::{Journal, Position, Receipt, Snapshot};
 pub use error::{Result, StoreError};
 pub use index::{
-    Admitted, ClaimSpec, Claimed, ColumnSpec, FieldId, Index, LeaseId, NewRows, PutTarget, RowInfo,
-    Share, TokenLengths,
+    Admitted, Change, ClaimSpec, Claimed, ColumnSpec, FieldId, Index, LeaseId, NewRows, PutTarget,
+    RowInfo, Share, TokenLengths,
 };
 pub use memory::{MemoryBudget, MemoryGuard};
 pub use payload::{Cell, Chunk, ChunkLayout, copy_into_chunk};

@@ -122,6 +122,28 @@ impl Shards {
         }
     }
 
+    /// Every row's cells, by field: `(field, rows ascending, their cells)` (for snapshots of
+    /// stores that keep payloads only).
+    pub fn by_field(&self) -> Vec<(FieldId, Vec<u64>, Vec<Cell>)> {
+        let mut fields: std::collections::BTreeMap<FieldId, Vec<(u64, Cell)>> =
+            std::collections::BTreeMap::new();
+        for shard in &self.shards {
+            for (&row, cells) in shard.lock().iter() {
+                for (field, cell) in cells {
+                    fields.entry(*field).or_default().push((row, cell.clone()));
+                }
+            }
+        }
+        fields
+            .into_iter()
+            .map(|(field, mut cells)| {
+                cells.sort_unstable_by_key(|(row, _)| *row);
+                let (rows, cells) = cells.into_iter().unzip();
+                (field, rows, cells)
+            })
+            .collect()
+    }
+
     /// Rows with a payload, across all shards.
     pub fn rows(&self) -> usize {
         self.shards.iter().map(|s| s.lock().len()).sum()

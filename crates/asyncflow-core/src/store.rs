@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::durability::{Journal, Position, Receipt, Snapshot};
 use crate::error::{Result, StoreError};
 use crate::index::{
-    Admitted, ClaimSpec, Claimed, ColumnSpec, FieldId, Index, IndexStats, LeaseId, PutTarget,
-    RowInfo,
+    Admitted, Change, ClaimSpec, Claimed, ColumnSpec, FieldId, Index, IndexStats, LeaseId,
+    PutTarget, RowInfo,
 };
 use crate::memory::{MemoryBudget, MemoryGuard};
 use crate::payload::{Cell, ChunkLayout, copy_into_chunk};
@@ -101,10 +102,18 @@ pub struct Store {
     shards: Shards,
     memory: Arc<MemoryBudget>,
     on_free: OnceHook,
+    /// Where durable changes go; unset for a store that forgets everything when it stops.
+    journal: OnceLock<Arc<dyn Journal>>,
 }
 
 #[derive(Default)]
 struct OnceHook(OnceLock<FreeHook>);
+
+impl fmt::Debug for dyn Journal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Journal")
+    }
+}
 
 impl fmt::Debug for OnceHook {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -126,8 +135,51 @@ impl Store {
             shards: Shards::new(config.shards),
             memory: MemoryBudget::new(config.memory_limit),
             on_free: OnceHook::default(),
+            journal: OnceLock::new(),
             config,
         })
+    }
+
+    /// Sends every later durable change to `journal` (see [`Journal`]). Only the first journal
+    /// set counts; set it before the store is shared.
+    pub fn set_journal(&self, journal: Arc<dyn Journal>) {
+        let mut index = self.index.lock();
+        if self.journal.set(journal).is_ok() {
+            index.set_journaling(true);
+        }
+    }
+
+    /// Lease ids handed out from now on are at least `floor` (see [`Index::set_lease_floor`]).
+    pub fn set_lease_floor(&self, floor: u64) {
+        self.index.lock().set_lease_floor(floor);
+    }
+
+    /// Hands the index's latest changes to the journal; call with the index lock held.
+    fn append(&self, index: &mut Index, receipt: Option<Receipt>) -> Option<Position> {
+        let journal = self.journal.get()?;
+        let changes = index.take_changes();
+        if changes.is_empty() && receipt.is_none() {
+            return None;
+        }
+        Some(journal.append(changes, receipt))
+    }
+
+    /// Makes the changes appended up to `at` durable; call after the index lock is released.
+    fn sync(&self, at: Option<Position>) -> Result<()> {
+        match (self.journal.get(), at) {
+            (Some(journal), Some(at)) => journal.sync(at),
+            _ => Ok(()),
+        }
+    }
+
+    /// Runs `change` on the index, journals what it did, and makes that durable.
+    fn change<T>(&self, change: impl FnOnce(&mut Index) -> Result<T>) -> Result<T> {
+        let mut index = self.index.lock();
+        let out = change(&mut index);
+        let at = self.append(&mut index, None);
+        drop(index);
+        self.sync(at)?;
+        out
     }
 
     /// Calls `hook` with the rows of every later free (ack by all tasks, clear, delete). Only
@@ -171,7 +223,7 @@ impl Store {
     /// Registers a consumer of the partitions starting with one of `scope`'s prefixes (`None`:
     /// all). Rows are retained until every task whose scope covers them has acked them.
     pub fn register_task(&self, name: &str, scope: Option<Vec<String>>) -> Result<()> {
-        self.index.lock().register_task(name, scope).map(|_| ())
+        self.change(|index| index.register_task(name, scope).map(|_| ()))
     }
 
     /// Writes new rows, or fields of existing rows. The rows' fields become ready (claimable)
@@ -184,25 +236,59 @@ impl Store {
             .iter()
             .map(|c| ColumnSpec { name: &c.name, schema: &c.schema, rows: c.cells.len() })
             .collect();
-        let admitted = self.index.lock().admit_put(&specs, target)?;
+        let admitted = self.admit(&specs, target)?;
         drop(specs);
-        let cells = admitted.fields.iter().copied().zip(columns.into_iter().map(|c| c.cells));
-        self.shards.insert(&admitted.rows, &cells.collect::<Vec<_>>());
-        self.commit(&admitted.rows, &admitted.fields);
+        let cells: Vec<(FieldId, Vec<Cell>)> =
+            admitted.fields.iter().copied().zip(columns.into_iter().map(|c| c.cells)).collect();
+        let receipt = match self.journal.get() {
+            None => None,
+            Some(journal) => {
+                let views: Vec<(FieldId, &[Cell])> =
+                    cells.iter().map(|(f, c)| (*f, c.as_slice())).collect();
+                match journal.write_payload(&views) {
+                    Ok(receipt) => Some(receipt),
+                    Err(e) => {
+                        if matches!(target, PutTarget::New(_)) {
+                            let _ = self.delete(&admitted.rows);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        self.shards.insert(&admitted.rows, &cells);
+        self.commit_with(&admitted.rows, &admitted.fields, receipt)?;
         Ok(admitted.rows)
     }
 
     /// The first half of a put whose payloads are kept elsewhere: checks the columns and
     /// creates (or selects) the rows, with nothing ready until [`Store::commit`].
     pub fn admit(&self, columns: &[ColumnSpec<'_>], target: &PutTarget) -> Result<Admitted> {
-        self.index.lock().admit_put(columns, target)
+        let mut index = self.index.lock();
+        let admitted = index.admit_put(columns, target);
+        // Appended, not synced: the commit that completes the put syncs past it.
+        self.append(&mut index, None);
+        admitted
     }
 
     /// Makes `fields` ready on `rows` now that their payloads are in place.
-    pub fn commit(&self, rows: &[u64], fields: &[FieldId]) {
-        let gone = self.index.lock().commit_ready(rows, fields);
+    pub fn commit(&self, rows: &[u64], fields: &[FieldId]) -> Result<()> {
+        self.commit_with(rows, fields, None)
+    }
+
+    fn commit_with(
+        &self,
+        rows: &[u64],
+        fields: &[FieldId],
+        receipt: Option<Receipt>,
+    ) -> Result<()> {
+        let mut index = self.index.lock();
+        let gone = index.commit_ready(rows, fields);
+        let at = self.append(&mut index, receipt);
+        drop(index);
         self.changed.notify_all();
         self.free_payloads(&gone);
+        self.sync(at)
     }
 
     /// Leases up to `spec.batch_size` rows, waiting for a full batch until the wait's deadline;
@@ -255,7 +341,7 @@ impl Store {
 
     /// Commits a lease (or `subset` of its rows); frees rows every task has now acked.
     pub fn ack(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
-        let freed = self.index.lock().ack(lease, subset, Instant::now())?;
+        let freed = self.change(|index| index.ack(lease, subset, Instant::now()))?;
         self.free_payloads(&freed);
         Ok(())
     }
@@ -314,15 +400,15 @@ impl Store {
     }
 
     /// Frees every row of a partition; returns how many.
-    pub fn clear(&self, partition: &str) -> u64 {
-        let freed = self.index.lock().clear_partition(partition);
+    pub fn clear(&self, partition: &str) -> Result<u64> {
+        let freed = self.change(|index| Ok(index.clear_partition(partition)))?;
         self.free_payloads(&freed);
-        freed.len() as u64
+        Ok(freed.len() as u64)
     }
 
     /// Frees the given rows; fails, freeing none, if any is unknown.
     pub fn delete(&self, rows: &[u64]) -> Result<()> {
-        self.index.lock().delete(rows)?;
+        self.change(|index| index.delete(rows))?;
         self.free_payloads(rows);
         Ok(())
     }
@@ -330,6 +416,59 @@ impl Store {
     pub fn field_schema(&self, name: &str) -> Result<FieldSchema> {
         let index = self.index.lock();
         Ok(index.field_schema(index.field_id(name)?).clone())
+    }
+
+    /// The live part of the store as changes and, with `payloads`, cells (see [`Snapshot`]);
+    /// a store whose payloads live elsewhere (a controller's) has none to give. `rotate` runs
+    /// while nothing can change the index, so a journal can start its next log exactly here.
+    pub fn snapshot(&self, payloads: bool, rotate: impl FnOnce()) -> Result<Snapshot> {
+        let mut index = self.index.lock();
+        // Changes noted but not yet appended belong before the snapshot, in the old log.
+        let at = self.append(&mut index, None);
+        let changes = index.dump();
+        let mut cells = Vec::new();
+        for change in &changes {
+            if let (true, Change::Ready { rows, fields }) = (payloads, change) {
+                cells.push(self.shards.get(rows, fields)?);
+            }
+        }
+        rotate();
+        drop(index);
+        self.sync(at)?;
+        Ok(Snapshot { changes, cells })
+    }
+
+    /// Replays one change read back from a journal; `cells` (`[field][row]`) are the payload of
+    /// a `Ready` change. Used before the store is shared, while it has no journal.
+    pub fn restore(&self, change: &Change, cells: Option<Vec<Vec<Cell>>>) -> Result<()> {
+        if let (Change::Ready { rows, fields }, Some(cells)) = (change, cells) {
+            if cells.len() != fields.len() || cells.iter().any(|c| c.len() != rows.len()) {
+                return Err(StoreError::Persistence(
+                    "log does not fit: cells do not match their rows and fields".into(),
+                ));
+            }
+            let columns: Vec<(FieldId, Vec<Cell>)> = fields.iter().copied().zip(cells).collect();
+            self.shards.insert(rows, &columns);
+        }
+        let freed = self.index.lock().apply(change)?;
+        self.free_payloads(&freed);
+        Ok(())
+    }
+
+    /// Live rows on which no field is ready: rows whose put never completed (its producer or
+    /// the daemon stopped between admitting and committing it).
+    pub fn unfinished_rows(&self) -> Vec<u64> {
+        let live = self.index.lock().live_rows(None);
+        self.unfinished(&live)
+    }
+
+    /// Those of `rows` that are live with no field ready (see [`Store::unfinished_rows`]).
+    pub fn unfinished(&self, rows: &[u64]) -> Vec<u64> {
+        let index = self.index.lock();
+        rows.iter()
+            .copied()
+            .filter(|&i| index.ready_fields(&[i]).is_ok_and(|f| f[0].is_empty()))
+            .collect()
     }
 
     pub fn stats(&self) -> StoreStats {

@@ -290,7 +290,7 @@ fn pinned_partitions_survive_acks_until_cleared() {
     let c = s.claim(&spec("t", &["prompt"], 2), false, no_wait()).unwrap();
     s.ack(c.lease.unwrap(), None).unwrap();
     assert_eq!(read_ints(&s, &idx, "prompt").len(), 2);
-    assert_eq!(s.clear("__weights__"), 2);
+    assert_eq!(s.clear("__weights__"), Ok(2));
     assert!(matches!(s.read(&idx, &["prompt".into()]), Err(StoreError::UnknownIndex(_))));
     assert_eq!(s.stats().memory_used, 0);
 }
@@ -466,7 +466,7 @@ fn an_admitted_put_is_claimable_only_after_commit_and_frees_are_reported() {
     let admitted = s.admit(&[column], &new_rows("p")).unwrap();
     let claim = spec("t", &["x"], 2);
     assert!(s.claim(&claim, false, no_wait()).is_err(), "nothing is ready before commit");
-    s.commit(&admitted.rows, &admitted.fields);
+    s.commit(&admitted.rows, &admitted.fields).unwrap();
     let claimed = s.claim(&claim, false, no_wait()).unwrap();
     assert_eq!(s.locate(&claimed.rows, &["x".into()]).unwrap(), vec![(0, schema)]);
     s.ack(claimed.lease.unwrap(), None).unwrap();

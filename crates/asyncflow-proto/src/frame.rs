@@ -58,6 +58,7 @@ ops! {
     FetchCells = 20,
     DropRows = 21,
     ReadyFields = 22,
+    Ping = 23,
     Reply = 128,
     Failure = 129,
 }

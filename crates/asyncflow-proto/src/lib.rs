@@ -5,12 +5,14 @@
 //! A frame is a fixed [`FrameHeader`] (magic, version, operation, request id, two lengths), then
 //! a metadata section (the message, encoded by [`Request`] / [`Reply`]), then a payload section
 //! of raw cell bytes that the metadata points into. Payloads are bytes plus dtype and shape,
-//! never serialised objects.
+//! never serialised objects. The daemon's write-ahead log uses the same primitives for its
+//! records (`record.rs`).
 
 pub mod claim;
 pub mod error;
 pub mod frame;
 pub mod message;
+pub mod record;
 pub mod reply;
 pub mod untrusted;
 pub mod wire;
@@ -23,6 +25,7 @@ pub use frame::{
 pub use message::{
     CellMeta, ColumnMeta, Hello, PayloadSource, PutRequest, Request, Role, StoreCells,
 };
+pub use record::{CellLoc, ChunkRef, FileId, Record, Stored, decode_record};
 pub use reply::{
     CellPlace, Claimed, Failure, Reply, Segments, ServerHello, SharedCell, WireCell, WireColumn,
     decode_answer,

@@ -142,6 +142,9 @@ pub enum Request {
         rows: Vec<u64>,
     },
     Stats,
+    /// Are you there? Answered at once with `Done`; a client sends it to tell a daemon that is
+    /// slow to answer from one that has stopped answering.
+    Ping,
     /// Reserve a shared-memory region of `bytes` for a put that follows.
     Stage {
         bytes: u64,
@@ -233,29 +236,39 @@ fn put_target(w: &mut Writer, target: &PutTarget) {
             w.u8(1).u64s(rows);
         }
         PutTarget::New(new) => {
-            w.u8(0).str(&new.partition);
-            w.opt(new.groups.as_ref(), |w, g| {
-                w.u64s(g);
-            });
-            w.opt(new.group_size, |w, s| {
-                w.u32(s);
-            });
-            w.u64s(&new.versions);
-            w.list(&new.tags, |w, t| put_tags(w, t));
+            w.u8(0);
+            put_new_rows(w, new);
         }
     }
+}
+
+/// The metadata of rows a put creates (also part of log records).
+pub(crate) fn put_new_rows(w: &mut Writer, new: &NewRows) {
+    w.str(&new.partition);
+    w.opt(new.groups.as_ref(), |w, g| {
+        w.u64s(g);
+    });
+    w.opt(new.group_size, |w, s| {
+        w.u32(s);
+    });
+    w.u64s(&new.versions);
+    w.list(&new.tags, |w, t| put_tags(w, t));
+}
+
+pub(crate) fn get_new_rows(r: &mut Reader<'_>) -> Result<NewRows, ProtoError> {
+    Ok(NewRows {
+        partition: r.string()?,
+        groups: r.opt(Reader::u64s)?,
+        group_size: r.opt(Reader::u32)?,
+        versions: r.u64s()?,
+        tags: r.list(4, |r| get_tags(r).map(Arc::new))?,
+    })
 }
 
 fn get_target(r: &mut Reader<'_>) -> Result<PutTarget, ProtoError> {
     match r.u8()? {
         1 => Ok(PutTarget::Existing(r.u64s()?)),
-        0 => Ok(PutTarget::New(NewRows {
-            partition: r.string()?,
-            groups: r.opt(Reader::u64s)?,
-            group_size: r.opt(Reader::u32)?,
-            versions: r.u64s()?,
-            tags: r.list(4, |r| get_tags(r).map(Arc::new))?,
-        })),
+        0 => Ok(PutTarget::New(get_new_rows(r)?)),
         t => Err(ProtoError::malformed(format!("unknown put target {t}"))),
     }
 }
@@ -291,6 +304,7 @@ impl Request {
             Request::Schema { .. } => Op::Schema,
             Request::ReadyFields { .. } => Op::ReadyFields,
             Request::Stats => Op::Stats,
+            Request::Ping => Op::Ping,
             Request::Stage { .. } => Op::Stage,
             Request::Unpin { .. } => Op::Unpin,
             Request::Cancel { .. } => Op::Cancel,
@@ -359,7 +373,7 @@ impl Request {
             Request::Schema { field } => {
                 w.str(field);
             }
-            Request::Stats => {}
+            Request::Stats | Request::Ping => {}
             Request::Stage { bytes, timeout } => {
                 w.u64(*bytes);
                 put_timeout(&mut w, *timeout);
@@ -431,6 +445,7 @@ impl Request {
             Op::ReadyFields => Request::ReadyFields { rows: r.u64s()? },
             Op::Schema => Request::Schema { field: r.string()? },
             Op::Stats => Request::Stats,
+            Op::Ping => Request::Ping,
             Op::Stage => Request::Stage { bytes: r.u64()?, timeout: r.opt(Reader::duration)? },
             Op::Unpin => Request::Unpin { pins: r.u64s()? },
             Op::Cancel => Request::Cancel { request: r.u64()? },

@@ -360,7 +360,8 @@ impl Reply {
                 pin: r.opt(Reader::u64)?,
                 segments: get_segments(r)?,
             },
-            7 => Reply::RowInfos(r.list(30, get_row_info)?),
+            // Index 8, partition 4 + its bytes, group tag 1, version 8, tags 4.
+            7 => Reply::RowInfos(r.list(25, get_row_info)?),
             8 => Reply::Count(r.u64()?),
             9 => Reply::Schema(r.schema()?),
             10 => Reply::Stats(Box::new(get_stats(r)?)),
@@ -409,6 +410,9 @@ impl Failure {
                 StoreError::Interrupted => {
                     w.u8(8);
                 }
+                StoreError::Persistence(m) => {
+                    w.u8(9).str(m);
+                }
             },
             Failure::Auth(m) => {
                 w.u8(20).str(m);
@@ -436,6 +440,7 @@ impl Failure {
             6 => store(StoreError::Lease { id: r.u64()?, reason: r.string()? }),
             7 => store(StoreError::BadRequest(r.string()?)),
             8 => store(StoreError::Interrupted),
+            9 => store(StoreError::Persistence(r.string()?)),
             20 => Failure::Auth(r.string()?),
             21 => Failure::Protocol(r.string()?),
             22 => Failure::Unavailable(r.string()?),
@@ -478,6 +483,7 @@ mod tests {
             StoreError::Lease { id: 3, reason: "expired".into() },
             StoreError::BadRequest("bad".into()),
             StoreError::Interrupted,
+            StoreError::Persistence("disk full".into()),
         ];
         for e in errors {
             let f = Failure::Store(e);
@@ -506,6 +512,20 @@ mod tests {
         let back = Reply::decode(&reply.encode(), 72).unwrap();
         assert_eq!(format!("{back:?}"), format!("{reply:?}"));
         assert!(Reply::decode(&reply.encode(), 71).is_err());
+    }
+
+    #[test]
+    fn row_infos_with_short_partition_names_round_trip() {
+        let info = |index| RowInfo {
+            index,
+            partition: String::new(),
+            group: None,
+            version: 1,
+            tags: Arc::new(Vec::new()),
+        };
+        let reply = Reply::RowInfos((0..6).map(info).collect());
+        let back = Reply::decode(&reply.encode(), 0).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{reply:?}"));
     }
 
     #[test]

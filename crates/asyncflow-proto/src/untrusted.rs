@@ -3,11 +3,13 @@
 
 use crate::frame::{Limits, Op, decode_frame};
 use crate::message::Request;
+use crate::record::{Record, decode_record};
 use crate::reply::{Failure, Reply, decode_answer};
 
 /// Decodes `data` every way a daemon or client might: as a stream of frames (each body as a
-/// request and as an answer), and as the metadata of every operation. Returns how many frames
-/// were found; errors are expected and ignored, panics are bugs.
+/// request and as an answer), as the metadata of every operation, and as a write-ahead log (a
+/// daemon reads its data directory back after a crash). Returns how many frames were found;
+/// errors are expected and ignored, panics are bugs.
 pub fn decode_everything(data: &[u8]) -> usize {
     let limits = Limits { max_meta: 1 << 20, max_payload: 1 << 20 };
     let mut rest = data;
@@ -28,5 +30,10 @@ pub fn decode_everything(data: &[u8]) -> usize {
     let _ = Reply::decode(data, 0);
     let _ = Reply::decode(data, u64::MAX);
     let _ = Failure::decode(data);
+    let mut log = data;
+    while let Ok(Some((_, used))) = decode_record(log) {
+        log = &log[used..];
+    }
+    let _ = Record::decode_body(data);
     frames
 }

@@ -18,6 +18,7 @@ pyo3::import_exception!(asyncflow.errors, LeaseError);
 pyo3::import_exception!(asyncflow.errors, BadRequestError);
 pyo3::import_exception!(asyncflow.errors, ConnectionError);
 pyo3::import_exception!(asyncflow.errors, AuthError);
+pyo3::import_exception!(asyncflow.errors, PersistenceError);
 
 pub fn to_py(err: StoreError) -> PyErr {
     let msg = err.to_string();
@@ -31,6 +32,7 @@ pub fn to_py(err: StoreError) -> PyErr {
         StoreError::Lease { .. } => LeaseError::new_err(msg),
         StoreError::BadRequest(_) => BadRequestError::new_err(msg),
         StoreError::Interrupted => PyKeyboardInterrupt::new_err(msg),
+        StoreError::Persistence(_) => PersistenceError::new_err(msg),
     }
 }
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use asyncflow_core::Wait;
-use asyncflow_server::client::{Client, Preference, PutColumn};
+use asyncflow_server::client::{Client, Policy, Preference, PutColumn};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -24,6 +24,7 @@ pub struct RemoteStore {
     url: String,
     token: Option<String>,
     prefer: Preference,
+    policy: Policy,
     /// The client and the process that opened it.
     client: Mutex<(u32, Arc<Client>)>,
 }
@@ -34,7 +35,7 @@ impl RemoteStore {
         let mut slot = self.client.lock();
         if slot.0 != std::process::id() {
             let fresh = detached(py, None, |_| {
-                Client::connect(&self.url, self.token.as_deref(), self.prefer)
+                Client::connect_with(&self.url, self.token.as_deref(), self.prefer, self.policy)
             })?;
             *slot = (std::process::id(), Arc::new(fresh));
         }
@@ -57,10 +58,20 @@ impl RemoteStore {
 #[pymethods]
 impl RemoteStore {
     /// Connects to `url` (`tcp://HOST:PORT`). `transport`: `"auto"` (shared memory when the
-    /// daemon is on this machine, else TCP), `"tcp"` or `"shm"`.
+    /// daemon is on this machine, else TCP), `"tcp"` or `"shm"`. `request_timeout`: seconds a
+    /// request waits for its reply beyond its own timeout, and a silent daemon may go
+    /// unanswered before the connection is given up; `reconnect_timeout`: seconds a broken
+    /// connection is tried again before requests fail.
     #[new]
-    #[pyo3(signature = (url, *, token = None, transport = "auto"))]
-    fn new(py: Python<'_>, url: String, token: Option<String>, transport: &str) -> PyResult<Self> {
+    #[pyo3(signature = (url, *, token = None, transport = "auto", request_timeout = 60.0, reconnect_timeout = 30.0))]
+    fn new(
+        py: Python<'_>,
+        url: String,
+        token: Option<String>,
+        transport: &str,
+        request_timeout: f64,
+        reconnect_timeout: f64,
+    ) -> PyResult<Self> {
         let prefer = match transport {
             "auto" => Preference::Auto,
             "tcp" => Preference::Tcp,
@@ -71,8 +82,19 @@ impl RemoteStore {
                 )));
             }
         };
-        let client = detached(py, None, |_| Client::connect(&url, token.as_deref(), prefer))?;
-        Ok(Self { url, token, prefer, client: Mutex::new((std::process::id(), Arc::new(client))) })
+        let policy = Policy {
+            request_timeout: seconds(request_timeout, "request_timeout")?,
+            reconnect_timeout: seconds(reconnect_timeout, "reconnect_timeout")?,
+        };
+        let client =
+            detached(py, None, |_| Client::connect_with(&url, token.as_deref(), prefer, policy))?;
+        Ok(Self {
+            url,
+            token,
+            prefer,
+            policy,
+            client: Mutex::new((std::process::id(), Arc::new(client))),
+        })
     }
 
     #[pyo3(signature = (name, partitions = None))]

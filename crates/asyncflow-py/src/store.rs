@@ -188,8 +188,8 @@ impl Store {
     }
 
     /// Frees every row of a partition; returns how many were freed.
-    fn clear(&self, partition: &str) -> u64 {
-        self.inner.clear(partition)
+    fn clear(&self, partition: &str) -> PyResult<u64> {
+        self.inner.clear(partition).py_err()
     }
 
     /// Frees the given rows (all or none).

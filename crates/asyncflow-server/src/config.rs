@@ -11,6 +11,7 @@ use clap::Parser;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+use crate::persist::{Fsync, PersistConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -74,6 +75,25 @@ pub struct Flags {
     /// Largest payload one frame may carry, e.g. 1GiB [default: 1GiB].
     #[arg(long)]
     pub max_frame: Option<String>,
+    /// Keep the store in this directory (write-ahead log and snapshots) so that a restart
+    /// restores every completed put and every row not yet acked [default: nothing kept].
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// With --data-dir: when the log is forced to disk: always (before each change is
+    /// acknowledged), never (left to the kernel), or an interval such as 100ms [default: always].
+    #[arg(long)]
+    pub fsync: Option<String>,
+    /// With --data-dir: replace the log by a snapshot once it holds this much, or twice the live
+    /// payload if that is more [default: 256MiB].
+    #[arg(long)]
+    pub compact_after: Option<String>,
+    /// Connections served at once; more are refused [default: 1024].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Request bytes one connection may have in flight (read, not yet answered); its reading
+    /// pauses beyond that [default: twice --max-frame].
+    #[arg(long)]
+    pub max_connection_bytes: Option<String>,
 }
 
 /// Checked settings.
@@ -92,6 +112,10 @@ pub struct Config {
     pub role: Role,
     pub storage: Vec<String>,
     pub limits: Limits,
+    /// `None`: the store is forgotten when the daemon stops.
+    pub persist: Option<PersistConfig>,
+    pub max_connections: usize,
+    pub max_connection_bytes: u64,
 }
 
 /// Bytes in a size such as `4GiB`, `512MB` or `1048576`.
@@ -163,6 +187,11 @@ impl Flags {
             role: self.role.or(file.role),
             storage: if self.storage.is_empty() { file.storage } else { self.storage },
             max_frame: self.max_frame.or(file.max_frame),
+            data_dir: self.data_dir.or(file.data_dir),
+            fsync: self.fsync.or(file.fsync),
+            compact_after: self.compact_after.or(file.compact_after),
+            max_connections: self.max_connections.or(file.max_connections),
+            max_connection_bytes: self.max_connection_bytes.or(file.max_connection_bytes),
         })
     }
 
@@ -198,6 +227,36 @@ impl Flags {
         let max_payload = f.max_frame.as_deref().map(parse_size).transpose()?.unwrap_or(1 << 30);
         let max_payload = u32::try_from(max_payload)
             .map_err(|_| Error::Config("--max-frame must be below 4GiB".into()))?;
+        let persist = match f.data_dir {
+            None if f.fsync.is_some() || f.compact_after.is_some() => {
+                return Err(Error::Config("--fsync and --compact-after need --data-dir".into()));
+            }
+            None => None,
+            Some(dir) => Some(PersistConfig {
+                dir,
+                fsync: Fsync::parse(f.fsync.as_deref().unwrap_or("always"))
+                    .map_err(Error::Config)?,
+                compact_after: f
+                    .compact_after
+                    .as_deref()
+                    .map(parse_size)
+                    .transpose()?
+                    .unwrap_or(256 << 20),
+            }),
+        };
+        let max_connections = f.max_connections.unwrap_or(1024);
+        if max_connections == 0 {
+            return Err(Error::Config("--max-connections must be at least 1".into()));
+        }
+        let max_connection_bytes = match f.max_connection_bytes.as_deref().map(parse_size) {
+            Some(bytes) => bytes?,
+            None => 2 * u64::from(max_payload),
+        };
+        if max_connection_bytes < u64::from(max_payload) {
+            return Err(Error::Config(
+                "--max-connection-bytes must hold at least one frame of --max-frame".into(),
+            ));
+        }
         Ok(Config {
             listen,
             shards,
@@ -212,6 +271,9 @@ impl Flags {
             role,
             storage: f.storage,
             limits: Limits { max_payload, ..Limits::DEFAULT },
+            persist,
+            max_connections,
+            max_connection_bytes,
         })
     }
 }
@@ -257,6 +319,29 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!((c.shards, c.memory_limit), (5, Some(1 << 20)));
         assert_eq!(c.lease_timeout, Duration::from_secs_f64(2.5));
+    }
+
+    #[test]
+    fn persistence_is_off_unless_a_data_dir_is_given() {
+        assert!(config(&[]).unwrap().persist.is_none());
+        let c = config(&["--data-dir", "/tmp/x", "--fsync", "50ms"]).unwrap();
+        let p = c.persist.unwrap();
+        assert_eq!(p.fsync, Fsync::Every(Duration::from_millis(50)));
+        assert_eq!(p.compact_after, 256 << 20);
+        assert_eq!(
+            config(&["--data-dir", "/tmp/x"]).unwrap().persist.unwrap().fsync,
+            Fsync::Always
+        );
+        assert!(config(&["--fsync", "always"]).is_err(), "--fsync alone means a mistake");
+        assert!(config(&["--data-dir", "/tmp/x", "--fsync", "often"]).is_err());
+    }
+
+    #[test]
+    fn connection_limits_have_defaults_and_sane_bounds() {
+        let c = config(&["--max-frame", "1MiB"]).unwrap();
+        assert_eq!((c.max_connections, c.max_connection_bytes), (1024, 2 << 20));
+        assert!(config(&["--max-connections", "0"]).is_err());
+        assert!(config(&["--max-frame", "1MiB", "--max-connection-bytes", "1KiB"]).is_err());
     }
 
     #[test]

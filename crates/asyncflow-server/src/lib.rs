@@ -8,6 +8,7 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod host;
+pub mod persist;
 mod received;
 pub mod server;
 

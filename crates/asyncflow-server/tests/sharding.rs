@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use asyncflow_core::ClaimSpec;
 use asyncflow_proto::{Reply, Request};
-use asyncflow_server::client::{Client, Connection, Preference};
+use asyncflow_server::client::{Client, Connection, Policy, Preference};
 use support::{Daemon, NOW, put_ints, read_ints};
 
 struct Cluster {
@@ -24,7 +24,9 @@ fn cluster(n: usize) -> Cluster {
 
 /// Payload rows a storage daemon holds (asked directly: clients normally never talk to it alone).
 fn payload_rows(daemon: &Daemon) -> u64 {
-    let conn = Connection::open(&daemon.address.to_string(), None, Preference::Tcp).unwrap();
+    let conn =
+        Connection::open(&daemon.address.to_string(), None, Preference::Tcp, Policy::default())
+            .unwrap();
     match conn.call(&Request::Stats, &[], NOW).unwrap().reply {
         Reply::Stats(s) => s.payload_rows,
         other => panic!("unexpected {other:?}"),
@@ -45,7 +47,7 @@ fn spec(batch_size: usize) -> ClaimSpec {
 
 fn rows_spread_over_storage_daemons_and_come_back_in_order(prefer: Preference, transport: &str) {
     let c = cluster(3);
-    let client = Client::connect(&c.controller.url(), None, prefer).unwrap();
+    let client = Client::connect_with(&c.controller.url(), None, prefer, support::POLICY).unwrap();
     assert_eq!((client.storage_daemons(), client.transport()), (3, transport));
     client.register_task("t", None, NOW).unwrap();
     let values: Vec<i64> = (0..12).map(|v| v * 100).collect();
@@ -78,7 +80,8 @@ fn rows_spread_over_storage_daemons_over_shared_memory() {
 #[test]
 fn nothing_is_claimable_until_every_storage_daemon_holds_its_part() {
     let c = cluster(3);
-    let client = Client::connect(&c.controller.url(), None, Preference::Auto).unwrap();
+    let client =
+        Client::connect_with(&c.controller.url(), None, Preference::Auto, support::POLICY).unwrap();
     client.register_task("t", None, NOW).unwrap();
     drop(c.storage.into_iter().nth(1));
     let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -7,6 +7,8 @@
   batch is released, so the resident count stays fixed.
 - ``ready_updates`` (per s): field-ready updates from batched fills of existing rows, against a
   pure-Python set-based readiness index doing the same bookkeeping.
+- ``put_throughput_fsync_*`` (GB/s): puts to a daemon with ``--data-dir`` under each fsync
+  policy, against the same puts without one (see ``persist_cases.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import numpy as np
 
 import asyncflow as af
-from asyncflow.bench import daemon_cases, peer_cases
+from asyncflow.bench import daemon_cases, peer_cases, persist_cases
 from asyncflow.bench.records import Report
 from asyncflow.bench.workload import CLAIM_BATCH, Rounds, best_of, memcpy_seconds, store_seconds
 
@@ -97,4 +99,5 @@ def run(report: Report, quick: bool = False) -> None:
     report.add("inproc/1KiB", "ready_updates", ours, "1/s", "python-set-index", baseline)
 
     daemon_cases.run(report, SIZES, quick)
+    persist_cases.run(report, SIZES, quick)
     peer_cases.run(report, SIZES, quick)

@@ -44,6 +44,11 @@ impl Leases {
         self.active.len()
     }
 
+    /// Makes every id granted from now on at least `floor`.
+    pub(super) fn raise_floor(&mut self, floor: u64) {
+        self.next_id = self.next_id.max(floor.saturating_sub(1));
+    }
+
     /// A fresh id from the lease id space, for holders that share a lease (see `shared.rs`).
     pub(super) fn reserve_id(&mut self) -> LeaseId {
         self.next_id += 1;
@@ -135,14 +140,28 @@ impl Index {
         }
         self.check_lease(id, subset, now)?;
         let (task, rows) = self.take_rows(id, subset);
+        self.tasks[task as usize].leased_rows -= rows.len() as u64;
+        let live: Vec<u64> = rows.into_iter().filter(|&i| self.is_live(i)).collect();
+        if self.journal.is_some() {
+            let rows = live.clone();
+            self.note(|| super::Change::Acked { task, rows });
+        }
+        Ok(self.commit_rows(task, &live))
+    }
+
+    /// Marks live `rows` acked by `task` (and busy, so it never claims them again); frees the
+    /// rows every task that must has now acked, unless pinned. Returns the freed rows.
+    pub(super) fn commit_rows(&mut self, task: TaskId, rows: &[u64]) -> Vec<u64> {
         let mut freed = Vec::new();
-        for index in rows {
-            self.tasks[task as usize].leased_rows -= 1;
+        for &index in rows {
             let Some(slot) = self.slot(index).filter(|&s| self.live.get(s)) else {
                 continue;
             };
             let t = &mut self.tasks[task as usize];
-            t.acked.set(slot);
+            t.busy.set(slot);
+            if !t.acked.set(slot) {
+                continue;
+            }
             t.acked_rows += 1;
             self.counters.rows_acked += 1;
             let meta = &mut self.rows[slot];
@@ -157,7 +176,7 @@ impl Index {
         if !freed.is_empty() {
             self.compact();
         }
-        Ok(freed)
+        freed
     }
 
     /// Hands rows of a lease (all, or `subset`) back at once, to be delivered again.

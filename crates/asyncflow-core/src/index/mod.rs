@@ -4,6 +4,7 @@
 //! in the store and under virtual time in the simulator.
 
 mod claim;
+mod journal;
 mod lease;
 mod shared;
 
@@ -11,6 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 pub use claim::{ClaimSpec, Claimed, TokenLengths};
+pub use journal::Change;
 pub use lease::LeaseId;
 use lease::Leases;
 pub use shared::Share;
@@ -32,7 +34,7 @@ pub type Tags = Vec<(String, String)>;
 pub const PINNED_PREFIX: &str = "__";
 
 /// Rows a put creates.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NewRows {
     pub partition: String,
     /// One group id per row, or `None` for rows that belong to no group.
@@ -214,6 +216,8 @@ pub struct Index {
     leases: Leases,
     shared: SharedClaims,
     counters: Counters,
+    /// Durable changes not yet taken, when journaling is on (see `journal.rs`).
+    journal: Option<Vec<journal::Change>>,
 }
 
 impl Index {
@@ -258,6 +262,10 @@ impl Index {
             acked_rows: 0,
         });
         self.task_ids.insert(name.to_owned(), id);
+        if self.journal.is_some() {
+            let scope = self.tasks[id as usize].scope.clone();
+            self.note(|| Change::Task { name: name.to_owned(), scope });
+        }
         Ok(id)
     }
 
@@ -319,6 +327,7 @@ impl Index {
             ready_rows: 0,
         });
         self.field_ids.insert(name.to_owned(), id);
+        self.note(|| Change::Field { name: name.to_owned(), schema: schema.clone() });
         id
     }
 
@@ -516,15 +525,7 @@ impl Index {
         part.live_rows += n as u64;
 
         self.next += n as u64;
-        let words = (self.next - self.base).div_ceil(64) as usize;
-        self.live.resize_words(words);
-        for f in &mut self.fields {
-            f.ready.resize_words(words);
-        }
-        for t in &mut self.tasks {
-            t.busy.resize_words(words);
-            t.acked.resize_words(words);
-        }
+        self.resize_bitmaps();
 
         let empty_tags = Arc::new(Tags::new());
         for k in 0..n {
@@ -558,12 +559,42 @@ impl Index {
             }
         }
         self.counters.rows_put += n as u64;
+        self.note(|| Change::Rows { start, count: n as u64, new: new.clone() });
         (start..self.next).collect()
+    }
+
+    /// Drops the first `words` words of every bitmap (the caller drops their rows).
+    fn drop_front_words(&mut self, words: usize) {
+        self.live.drop_front_words(words);
+        for f in &mut self.fields {
+            f.ready.drop_front_words(words);
+        }
+        for t in &mut self.tasks {
+            t.busy.drop_front_words(words);
+            t.acked.drop_front_words(words);
+        }
+    }
+
+    /// Grows every bitmap to cover the slots up to `next`.
+    fn resize_bitmaps(&mut self) {
+        let words = (self.next - self.base).div_ceil(64) as usize;
+        self.live.resize_words(words);
+        for f in &mut self.fields {
+            f.ready.resize_words(words);
+        }
+        for t in &mut self.tasks {
+            t.busy.resize_words(words);
+            t.acked.resize_words(words);
+        }
     }
 
     /// Marks `fields` ready on `rows` once their payloads are in place. Returns the rows that were
     /// freed meanwhile (their partition was cleared), whose payloads the caller must drop again.
     pub fn commit_ready(&mut self, rows: &[u64], fields: &[FieldId]) -> Vec<u64> {
+        if self.journal.is_some() {
+            let (rows, fields) = (rows.to_vec(), fields.to_vec());
+            self.note(|| Change::Ready { rows, fields });
+        }
         let mut gone = Vec::new();
         for &index in rows {
             let Some(slot) = self.slot(index).filter(|&s| self.live.get(s)) else {
@@ -644,6 +675,9 @@ impl Index {
     /// no rows, so clearing one frees nothing.
     pub fn clear_partition(&mut self, partition: &str) -> Vec<u64> {
         let freed = self.live_rows(Some(partition));
+        if !freed.is_empty() {
+            self.note(|| Change::Cleared { partition: partition.to_owned() });
+        }
         for &index in &freed {
             self.free_slot((index - self.base) as usize);
         }
@@ -654,6 +688,7 @@ impl Index {
     /// Frees the given rows; fails, freeing none, if any is unknown.
     pub fn delete(&mut self, indexes: &[u64]) -> Result<()> {
         let slots = indexes.iter().map(|&i| self.live_slot(i)).collect::<Result<Vec<_>>>()?;
+        self.note(|| Change::Deleted { rows: indexes.to_vec() });
         for slot in slots {
             self.free_slot(slot);
         }
@@ -672,14 +707,7 @@ impl Index {
         if drop_words == 0 {
             return;
         }
-        self.live.drop_front_words(drop_words);
-        for f in &mut self.fields {
-            f.ready.drop_front_words(drop_words);
-        }
-        for t in &mut self.tasks {
-            t.busy.drop_front_words(drop_words);
-            t.acked.drop_front_words(drop_words);
-        }
+        self.drop_front_words(drop_words);
         self.rows.drain(..drop_words * 64);
         self.base += drop_words as u64 * 64;
         for t in &mut self.tasks {

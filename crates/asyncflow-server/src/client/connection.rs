@@ -1,470 +1,219 @@
-//! One connection to a daemon, shared by every thread of a client process. Requests carry ids
-//! and a reader thread hands each reply to whoever waits for it, so a claim waiting a minute
-//! does not hold up an ack sent meanwhile. Plain threads, no async runtime: nothing here has to
-//! survive a fork, and a forked child that touches the connection is told to connect again.
+//! A connection to a daemon that outlives its sockets. When the link breaks (the daemon
+//! restarted, or the network hiccuped), the next request connects again, backing off from
+//! `BACKOFF_FIRST` to `BACKOFF_MAX` with jitter, for up to the policy's reconnect timeout; then
+//! it fails with an error that names the daemon, how long it tried and why it failed.
 //!
-//! On the daemon's machine the connection moves to the daemon's Unix socket, where shared-memory
-//! segments arrive as descriptors and are mapped once.
+//! A request that was in flight when its link broke is sent again on the new link only if that
+//! cannot change its outcome: reads, and claims (a claim whose reply was lost leaves a lease
+//! that expires, so its rows are delivered again all the same). Puts, acks and the other
+//! changes fail instead, saying that they may or may not have been applied.
 
-use std::collections::HashMap;
-use std::io::{BufWriter, Read, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
-use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use asyncflow_core::wait::INTERRUPT_POLL;
 use asyncflow_core::{StoreError, Wait};
-use asyncflow_proto::{
-    FrameHeader, HEADER_LEN, Hello, Limits, Reply, Request, Segments, ServerHello, decode_answer,
-};
-use asyncflow_shm::{Segment, recv_with_fds};
+use asyncflow_proto::{Request, ServerHello};
 use parking_lot::Mutex;
 
+use super::link::{Answer, Link, Pending, Preference};
 use crate::error::{Error, Result};
-use crate::host::host_id;
 
-/// Which data path to use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Preference {
-    /// Shared memory when the daemon is on this machine and its socket is reachable, else TCP.
-    Auto,
-    Tcp,
-    /// Shared memory or an error.
-    Shm,
+const BACKOFF_FIRST: Duration = Duration::from_millis(25);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// How long a client waits on the daemon before it says so.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy {
+    /// The longest a request waits for its reply beyond its own timeout (and for connecting,
+    /// the hello, and each write); also how long a daemon may stay silent, pings unanswered,
+    /// before its link is given up.
+    pub request_timeout: Duration,
+    /// How long a broken link is tried again before requests fail.
+    pub reconnect_timeout: Duration,
 }
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-static PADDING: [u8; 64] = [0; 64];
-
-enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            request_timeout: Duration::from_secs(60),
+            reconnect_timeout: Duration::from_secs(30),
+        }
+    }
 }
 
-impl Stream {
-    fn try_clone(&self) -> std::io::Result<Stream> {
-        Ok(match self {
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
-            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-        })
+impl Policy {
+    /// How often a silent daemon is pinged while requests wait on it.
+    pub fn ping_interval(&self) -> Duration {
+        (self.request_timeout / 4).clamp(Duration::from_millis(20), Duration::from_secs(5))
     }
 
-    fn shutdown(&self) {
-        let _ = match self {
-            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
-            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+    /// When to give up on the reply to `req` if it has not come.
+    pub(crate) fn deadline(&self, req: &Request) -> Option<Instant> {
+        let own = match req {
+            Request::Claim { timeout, .. } | Request::Stage { timeout, .. } => *timeout,
+            Request::Put(p) => p.timeout,
+            Request::StoreCells(s) => s.timeout,
+            _ => Some(Duration::ZERO),
         };
-    }
-
-    /// Reads exactly `buf.len()` bytes, collecting any descriptors that come with them.
-    fn read_exact_with_fds(
-        &mut self,
-        buf: &mut [u8],
-        fds: &mut Vec<OwnedFd>,
-    ) -> std::io::Result<()> {
-        let Stream::Unix(s) = self else {
-            return self.read_exact(buf);
-        };
-        let mut at = 0;
-        while at < buf.len() {
-            match recv_with_fds(s.as_fd(), &mut buf[at..], fds) {
-                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => at += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+        // A request that may wait for ever waits for as long as the daemon answers pings.
+        own.map(|t| Instant::now() + t + self.request_timeout)
     }
 }
 
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.flush(),
-            Stream::Unix(s) => s.flush(),
-        }
-    }
-}
-
-/// A reply with the payload section of its frame.
-pub struct Answer {
-    pub reply: Reply,
-    pub payload: Vec<u8>,
-}
-
-type Delivery = Result<Answer>;
-
-struct Inner {
-    writer: Mutex<BufWriter<Stream>>,
-    pending: Mutex<HashMap<u64, SyncSender<Delivery>>>,
-    next_id: AtomicU64,
-    broken: Mutex<Option<String>>,
-    /// Read pins whose views are gone, to be sent before the next request.
-    unpins: Mutex<Vec<u64>>,
-    segments: Mutex<HashMap<u64, Arc<Segment>>>,
-    pid: u32,
-    shm: bool,
-    hello: ServerHello,
-    address: String,
+/// Whether sending `req` again cannot change what it did.
+fn retry_is_safe(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::Claim { .. }
+            | Request::Read { .. }
+            | Request::Rows { .. }
+            | Request::Schema { .. }
+            | Request::ReadyFields { .. }
+            | Request::Stats
+            | Request::Ping
+            | Request::RegisterTask { .. }
+            | Request::Locate { .. }
+            | Request::FetchCells { .. }
+    )
 }
 
 pub struct Connection {
-    inner: Arc<Inner>,
-    stream: Stream,
-}
-
-/// A request sent and not yet answered.
-pub struct Pending<'c> {
-    conn: &'c Connection,
-    id: u64,
-    rx: Receiver<Delivery>,
-}
-
-fn write_frame(
-    w: &mut impl Write,
-    id: u64,
-    req: &Request,
-    payload: &[&[u8]],
-) -> std::io::Result<()> {
-    let meta = req.encode();
-    let payload_len: usize = payload.iter().map(|p| p.len()).sum();
-    w.write_all(&FrameHeader::new(req.op(), id, meta.len(), payload_len).encode())?;
-    w.write_all(&meta)?;
-    for part in payload {
-        w.write_all(part)?;
-    }
-    Ok(())
-}
-
-struct RawFrame {
-    header: FrameHeader,
-    meta: Vec<u8>,
-    payload: Vec<u8>,
-    fds: Vec<OwnedFd>,
-}
-
-fn read_frame(stream: &mut Stream, limits: Limits) -> Result<RawFrame> {
-    let mut head = [0u8; HEADER_LEN];
-    let mut fds = Vec::new();
-    stream.read_exact_with_fds(&mut head, &mut fds)?;
-    let header = FrameHeader::decode(&head, limits)?;
-    let mut meta = vec![0u8; header.meta_len as usize];
-    stream.read_exact(&mut meta)?;
-    let mut payload = vec![0u8; header.payload_len as usize];
-    stream.read_exact(&mut payload)?;
-    Ok(RawFrame { header, meta, payload, fds })
-}
-
-/// Says hello and returns the daemon's answer; a refused token is [`Error::Auth`].
-fn greet(stream: &mut Stream, token: Option<&str>) -> Result<ServerHello> {
-    let hello = Request::Hello(Hello { token: token.map(str::to_owned), host: host_id().into() });
-    write_frame(stream, 0, &hello, &[])?;
-    let frame = read_frame(stream, Limits::DEFAULT)?;
-    match decode_answer(frame.header.op, &frame.meta, frame.payload.len() as u64)? {
-        Ok(Reply::Hello(h)) => Ok(h),
-        Ok(other) => Err(Error::connection(format!("unexpected answer to hello: {other:?}"))),
-        Err(failure) => Err(failure.into()),
-    }
-}
-
-fn connect_tcp(address: &str) -> Result<TcpStream> {
-    let mut last = None;
-    for addr in
-        address.to_socket_addrs().map_err(|e| Error::connection(format!("{address}: {e}")))?
-    {
-        match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
-            Ok(s) => {
-                s.set_nodelay(true)?;
-                return Ok(s);
-            }
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(Error::connection(format!(
-        "cannot reach the store daemon at {address}: {}",
-        last.map_or_else(|| "no address".to_owned(), |e| e.to_string())
-    )))
-}
-
-impl Inner {
-    fn fail_all(&self, why: &str) {
-        *self.broken.lock() = Some(why.to_owned());
-        for (_, tx) in self.pending.lock().drain() {
-            let _ = tx.try_send(Err(Error::connection(why.to_owned())));
-        }
-    }
-
-    fn map_segments(&self, segments: &Segments, fds: Vec<OwnedFd>) -> Result<()> {
-        if fds.len() != segments.new.len() {
-            return Err(Error::connection(format!(
-                "{} segments announced but {} descriptors received",
-                segments.new.len(),
-                fds.len()
-            )));
-        }
-        let mut map = self.segments.lock();
-        for (&(id, len), fd) in segments.new.iter().zip(fds) {
-            map.insert(id, Arc::new(Segment::open(id, fd, len as usize)?));
-        }
-        for id in &segments.retired {
-            map.remove(id);
-        }
-        Ok(())
-    }
-
-    fn deliver(&self, frame: RawFrame) -> Result<()> {
-        let RawFrame { header, meta, payload, fds } = frame;
-        let answer = decode_answer(header.op, &meta, payload.len() as u64)?;
-        let delivery = match answer {
-            Ok(reply) => {
-                let segments = match &reply {
-                    Reply::Cells { segments, .. } | Reply::Staged { segments, .. } => {
-                        Some(segments)
-                    }
-                    _ => None,
-                };
-                match segments.map(|s| self.map_segments(s, fds)).transpose() {
-                    Ok(_) => Ok(Answer { reply, payload }),
-                    Err(e) => Err(e),
-                }
-            }
-            Err(failure) => Err(failure.into()),
-        };
-        let waiter = self.pending.lock().remove(&header.request_id);
-        match waiter {
-            Some(tx) => {
-                let _ = tx.try_send(delivery);
-            }
-            None => {
-                // Nobody waits any more (interrupted): let go of what the reply pinned.
-                if let Ok(Answer { reply: Reply::Cells { pin: Some(pin), .. }, .. }) = delivery {
-                    self.unpins.lock().push(pin);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn read_loop(self: Arc<Self>, mut stream: Stream) {
-        let why = loop {
-            let frame = match read_frame(&mut stream, Limits::DEFAULT) {
-                Ok(f) => f,
-                Err(e) => break format!("connection to {} lost: {e}", self.address),
-            };
-            if let Err(e) = self.deliver(frame) {
-                break format!("bad reply from {}: {e}", self.address);
-            }
-        };
-        self.fail_all(&why);
-    }
-
-    fn check_usable(&self) -> Result<()> {
-        if std::process::id() != self.pid {
-            return Err(Error::connection(
-                "this connection was opened before a fork; call asyncflow.connect again in the child",
-            ));
-        }
-        match &*self.broken.lock() {
-            Some(why) => Err(Error::connection(why.clone())),
-            None => Ok(()),
-        }
-    }
-
-    /// Writes one frame, preceded by any pending unpins.
-    fn send(&self, id: u64, req: &Request, payload: &[&[u8]]) -> Result<()> {
-        let mut w = self.writer.lock();
-        let pins = std::mem::take(&mut *self.unpins.lock());
-        if !pins.is_empty() {
-            write_frame(&mut *w, 0, &Request::Unpin { pins }, &[])?;
-        }
-        write_frame(&mut *w, id, req, payload)?;
-        w.flush()?;
-        Ok(())
-    }
-
-    /// Lets the daemon reuse the memory of a read whose views are all gone.
-    fn unpin(&self, pin: u64) {
-        if std::process::id() != self.pid {
-            return;
-        }
-        self.unpins.lock().push(pin);
-        let mut w = self.writer.lock();
-        let pins = std::mem::take(&mut *self.unpins.lock());
-        if !pins.is_empty() {
-            let sent =
-                write_frame(&mut *w, 0, &Request::Unpin { pins }, &[]).and_then(|()| w.flush());
-            if sent.is_err() {
-                *self.broken.lock() = Some("connection lost while releasing a read".into());
-            }
-        }
-    }
-}
-
-/// Keeps a read's shared cells pinned on the daemon until the last view of them is dropped.
-pub struct PinToken {
-    inner: Weak<Inner>,
-    pin: u64,
-}
-
-impl Drop for PinToken {
-    fn drop(&mut self) {
-        if let Some(inner) = self.inner.upgrade() {
-            inner.unpin(self.pin);
-        }
-    }
+    address: String,
+    token: Option<String>,
+    prefer: Preference,
+    policy: Policy,
+    link: Mutex<Arc<Link>>,
 }
 
 impl Connection {
-    /// Connects to `address` (HOST:PORT), authenticates with `token`, and moves to the shared
-    /// memory path if `prefer` allows and the daemon is on this machine.
-    pub fn open(address: &str, token: Option<&str>, prefer: Preference) -> Result<Self> {
-        let mut stream = Stream::Tcp(connect_tcp(address)?);
-        let mut hello = greet(&mut stream, token)?;
-        let same_host = hello.host == host_id() && !hello.host.is_empty();
-        let mut shm = false;
-        if prefer != Preference::Tcp {
-            let unix = match (&hello.shm_socket, same_host) {
-                (Some(path), true) => UnixStream::connect(path)
-                    .map_err(|e| Error::connection(format!("shared-memory socket {path}: {e}"))),
-                (None, _) => Err(Error::connection("the daemon offers no shared-memory path")),
-                (_, false) => Err(Error::connection("the daemon is on another machine")),
-            };
-            match unix {
-                Ok(u) => {
-                    let mut local = Stream::Unix(u);
-                    hello = greet(&mut local, token)?;
-                    stream.shutdown();
-                    stream = local;
-                    shm = true;
-                }
-                Err(e) if prefer == Preference::Shm => return Err(e),
-                Err(_) => {}
-            }
-        }
-        let reader = stream.try_clone()?;
-        let writer = BufWriter::with_capacity(256 << 10, stream.try_clone()?);
-        let inner = Arc::new(Inner {
-            writer: Mutex::new(writer),
-            pending: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
-            broken: Mutex::new(None),
-            unpins: Mutex::new(Vec::new()),
-            segments: Mutex::new(HashMap::new()),
-            pid: std::process::id(),
-            shm,
-            hello,
+    /// Connects to `address` (HOST:PORT) once: a daemon that cannot be reached at first is a
+    /// mistake to report at once, not an outage to wait out.
+    pub fn open(
+        address: &str,
+        token: Option<&str>,
+        prefer: Preference,
+        policy: Policy,
+    ) -> Result<Self> {
+        let link = Link::open(address, token, prefer, policy)?;
+        Ok(Self {
             address: address.to_owned(),
-        });
-        let for_reader = Arc::clone(&inner);
-        std::thread::Builder::new()
-            .name("asyncflow-client".into())
-            .spawn(move || for_reader.read_loop(reader))
-            .map_err(|e| Error::connection(format!("cannot start the reader thread: {e}")))?;
-        Ok(Self { inner, stream })
-    }
-
-    pub fn hello(&self) -> &ServerHello {
-        &self.inner.hello
-    }
-
-    pub fn is_shm(&self) -> bool {
-        self.inner.shm
-    }
-
-    pub fn address(&self) -> &str {
-        &self.inner.address
-    }
-
-    /// A segment this connection has mapped.
-    pub fn segment(&self, id: u64) -> Result<Arc<Segment>> {
-        self.inner.segments.lock().get(&id).cloned().ok_or_else(|| {
-            Error::connection(format!("the daemon named segment {id}, which was never sent"))
+            token: token.map(str::to_owned),
+            prefer,
+            policy,
+            link: Mutex::new(link),
         })
     }
 
-    /// A token whose drop releases read pin `pin`.
-    pub fn pin_token(&self, pin: u64) -> PinToken {
-        PinToken { inner: Arc::downgrade(&self.inner), pin }
+    pub fn hello(&self) -> ServerHello {
+        self.link.lock().hello().clone()
     }
 
-    /// Sends a request whose payload section is `payload` (written in order).
-    pub fn send(&self, req: &Request, payload: &[&[u8]]) -> Result<Pending<'_>> {
-        self.inner.check_usable()?;
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::sync_channel(1);
-        self.inner.pending.lock().insert(id, tx);
-        if let Err(e) = self.inner.send(id, req, payload) {
-            self.inner.pending.lock().remove(&id);
-            return Err(e);
+    pub fn is_shm(&self) -> bool {
+        self.link.lock().is_shm()
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The current link, connecting again first if it broke.
+    pub fn link(&self, wait: Wait<'_>) -> Result<Arc<Link>> {
+        let mut link = self.link.lock();
+        if !link.is_broken() {
+            return Ok(Arc::clone(&link));
         }
-        Ok(Pending { conn: self, id, rx })
+        let started = Instant::now();
+        let mut delay = BACKOFF_FIRST;
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            let last = match Link::open(
+                &self.address,
+                self.token.as_deref(),
+                self.prefer,
+                self.policy,
+            ) {
+                Ok(fresh) => {
+                    tracing::info!(address = %self.address, tries, "reconnected to the store daemon");
+                    *link = Arc::clone(&fresh);
+                    return Ok(fresh);
+                }
+                // A refused token will not be accepted on the next try either.
+                Err(e @ Error::Auth(_)) => return Err(e),
+                Err(e) => e,
+            };
+            let left = self.policy.reconnect_timeout.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Error::connection(format!(
+                    "the store daemon at {} is unreachable: tried {tries} times over {:.1}s; last error: {last}",
+                    self.address,
+                    started.elapsed().as_secs_f64()
+                )));
+            }
+            sleep_interruptibly(jitter(delay).min(left), wait)?;
+            delay = (delay * 2).min(BACKOFF_MAX);
+        }
     }
 
+    /// Sends a request on the current link (connecting again first if it broke).
+    pub fn send(&self, req: &Request, payload: &[&[u8]], wait: Wait<'_>) -> Result<Pending> {
+        match self.link(wait)?.send(req, payload) {
+            // The link broke before the request was all written, so the daemon never ran it:
+            // whatever it is, it may go again on a new link.
+            Err(Error::Connection(_)) => self.link(wait)?.send(req, payload),
+            sent => sent,
+        }
+    }
+
+    /// Sends `req` and waits for its answer (see the module documentation for what happens
+    /// when the link breaks meanwhile).
     pub fn call(&self, req: &Request, payload: &[&[u8]], wait: Wait<'_>) -> Result<Answer> {
-        self.send(req, payload)?.wait(wait)
+        // Failing to connect again is final; only a link that broke under the request is not.
+        let sent = self.send(req, payload, wait)?;
+        match sent.wait(wait) {
+            Err(Error::Connection(why)) if retry_is_safe(req) => {
+                tracing::debug!(address = %self.address, error = %why, "sending a request again on a new link");
+                let again = self.send(req, payload, wait).and_then(|sent| sent.wait(wait));
+                again.map_err(|e| match e {
+                    Error::Connection(then) => Error::connection(format!("{why}; then {then}")),
+                    other => other,
+                })
+            }
+            Err(Error::Connection(why)) => Err(Error::connection(format!(
+                "{why} (the request may or may not have been carried out)"
+            ))),
+            other => other,
+        }
     }
 
     /// Sends a request that gets no reply.
     pub fn notify(&self, req: &Request) -> Result<()> {
-        debug_assert!(req.op().is_notice());
-        self.inner.check_usable()?;
-        self.inner.send(0, req, &[])
+        let never = || false;
+        self.link(Wait { deadline: None, interrupted: &never })?.notify(req)
     }
 }
 
-impl Drop for Connection {
-    fn drop(&mut self) {
-        // Wakes the reader thread, which fails whatever still waits and exits. A forked child
-        // must not: shutting the shared socket down would cut off its parent.
-        if std::process::id() == self.inner.pid {
-            self.stream.shutdown();
+/// `delay` give or take a quarter, so that many clients cut off at once do not all come back in
+/// the same instant.
+fn jitter(delay: Duration) -> Duration {
+    let clock = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let nanos = clock ^ std::process::id().wrapping_mul(2_654_435_761);
+    let spread = f64::from(nanos % 1000) / 1000.0 - 0.5;
+    delay.mul_f64(1.0 + spread / 2.0)
+}
+
+fn sleep_interruptibly(total: Duration, wait: Wait<'_>) -> Result<()> {
+    let until = Instant::now() + total;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(());
+        }
+        std::thread::sleep(left.min(asyncflow_core::wait::INTERRUPT_POLL));
+        if (wait.interrupted)() {
+            return Err(Error::Store(StoreError::Interrupted));
         }
     }
-}
-
-impl Pending<'_> {
-    /// Waits for the answer; if the caller interrupts, tells the daemon to stop working on it.
-    pub fn wait(self, wait: Wait<'_>) -> Result<Answer> {
-        loop {
-            match self.rx.recv_timeout(INTERRUPT_POLL) {
-                Ok(delivery) => return delivery,
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(Error::connection("connection closed"));
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    if (wait.interrupted)() {
-                        self.conn.inner.pending.lock().remove(&self.id);
-                        let _ = self.conn.notify(&Request::Cancel { request: self.id });
-                        return Err(Error::Store(StoreError::Interrupted));
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Zero bytes to pad a payload part up to the next cell boundary.
-pub fn padding(len: usize) -> &'static [u8] {
-    &PADDING[..len]
 }

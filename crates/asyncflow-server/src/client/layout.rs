@@ -5,7 +5,7 @@
 use asyncflow_core::FieldSchema;
 use asyncflow_proto::{CellMeta, ColumnMeta, align_payload};
 
-use super::connection::padding;
+use super::link::padding;
 
 /// One field of a put: its name, schema, and each row's bytes with the row's first dimension.
 pub struct PutColumn<'a> {

@@ -4,19 +4,23 @@
 
 mod connection;
 mod layout;
+mod link;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use asyncflow_core::{Cell, Chunk, ClaimSpec, FieldSchema, PutTarget, RowInfo, StoreStats, Wait};
+use asyncflow_core::{
+    Cell, Chunk, ClaimSpec, FieldSchema, PutTarget, RowInfo, StoreError, StoreStats, Wait,
+};
 use asyncflow_proto::{
     CellPlace, Claimed, PayloadSource, PutRequest, Reply, Request, Role, StoreCells,
 };
 use asyncflow_shm::SegmentView;
 
-pub use connection::{Answer, Connection, Pending, Preference};
+pub use connection::{Connection, Policy};
 pub use layout::{Layout, PutColumn};
+pub use link::{Answer, Link, Pending, PinToken, Preference};
 
 use crate::error::{Error, Result};
 
@@ -42,26 +46,48 @@ fn send_cells(
     wait: Wait<'_>,
     make: impl FnOnce(PayloadSource) -> Request,
 ) -> Result<Answer> {
-    if !conn.is_shm() {
-        return conn.call(&make(PayloadSource::Inline), &layout.parts(), wait);
+    let link = conn.link(wait)?;
+    if !link.is_shm() {
+        return link.call(&make(PayloadSource::Inline), &layout.parts(), wait).map_err(unknown);
     }
-    let staged = conn.call(&Request::Stage { bytes: layout.total, timeout }, &[], wait)?;
+    let stage = Request::Stage { bytes: layout.total, timeout };
+    // A stage holds nothing yet: if its link broke, stage again on a new one.
+    let (link, staged) = match link.call(&stage, &[], wait) {
+        Err(Error::Connection(_)) => {
+            let link = conn.link(wait)?;
+            let staged = link.call(&stage, &[], wait)?;
+            (link, staged)
+        }
+        other => (link, other?),
+    };
     let Reply::Staged { stage, cell, .. } = staged.reply else {
         return Err(unexpected(&staged.reply));
     };
-    let segment = conn.segment(cell.segment)?;
+    let segment = link.segment(cell.segment)?;
     for &(offset, bytes) in &layout.sources {
         segment.write((cell.offset + offset) as usize, bytes);
     }
-    conn.call(&make(PayloadSource::Staged(stage)), &[], wait)
+    // The stage belongs to this link: the put must go on it, not on a new one.
+    link.call(&make(PayloadSource::Staged(stage)), &[], wait).map_err(unknown)
+}
+
+/// A put's link broke before its reply came: say that it may or may not have been applied.
+fn unknown(e: Error) -> Error {
+    match e {
+        Error::Connection(why) => {
+            Error::connection(format!("{why} (the put may or may not have been carried out)"))
+        }
+        other => other,
+    }
 }
 
 /// Turns a `Cells` reply into cells: inline ones view the received payload, shared ones view the
 /// mapped segment and keep the daemon's pin until the last of them is dropped.
-fn cells_of(conn: &Connection, answer: Answer) -> Result<Vec<ReadColumn>> {
+fn cells_of(answer: Answer) -> Result<Vec<ReadColumn>> {
     let Reply::Cells { columns, pin, .. } = answer.reply else {
         return Err(unexpected(&answer.reply));
     };
+    let conn = &answer.link;
     let inline = crate::received::into_chunk(answer.payload, None);
     let token = pin.map(|p| Arc::new(conn.pin_token(p)));
     let mut shared: HashMap<u64, Arc<Chunk>> = HashMap::new();
@@ -112,20 +138,30 @@ impl Client {
     /// Connects to `url` (`tcp://HOST:PORT` or `HOST:PORT`): a standalone daemon, or a controller
     /// (then also to each of its storage daemons).
     pub fn connect(url: &str, token: Option<&str>, prefer: Preference) -> Result<Self> {
+        Self::connect_with(url, token, prefer, Policy::default())
+    }
+
+    /// [`Client::connect`] with the given timeouts.
+    pub fn connect_with(
+        url: &str,
+        token: Option<&str>,
+        prefer: Preference,
+        policy: Policy,
+    ) -> Result<Self> {
         let address = url.strip_prefix("tcp://").unwrap_or(url);
         if address.contains("://") {
             return Err(Error::connection(format!(
                 "unsupported address {url:?}; use tcp://HOST:PORT"
             )));
         }
-        let primary = Connection::open(address, token, prefer)?;
-        let storage = match primary.hello().role {
+        let primary = Connection::open(address, token, prefer, policy)?;
+        let hello = primary.hello();
+        let storage = match hello.role {
             Role::Standalone => Vec::new(),
-            Role::Controller => primary
-                .hello()
+            Role::Controller => hello
                 .storage
                 .iter()
-                .map(|a| Connection::open(a, token, prefer))
+                .map(|a| Connection::open(a, token, prefer, policy))
                 .collect::<Result<_>>()?,
             Role::Storage => {
                 return Err(Error::connection(format!(
@@ -249,8 +285,13 @@ impl Client {
             }
             return Err(e);
         }
-        self.done(&Request::Commit { rows: rows.clone(), fields }, wait)?;
-        Ok(rows)
+        match self.done(&Request::Commit { rows: rows.clone(), fields }, wait) {
+            Err(Error::Store(StoreError::UnknownIndex(_))) => Err(Error::connection(
+                "the put's rows were dropped before it completed (the controller restarted, or \
+                 lost this client's connection); it was not applied",
+            )),
+            other => other.map(|()| rows),
+        }
     }
 
     pub fn claim(
@@ -285,7 +326,7 @@ impl Client {
     pub fn read(&self, rows: &[u64], fields: &[String], wait: Wait<'_>) -> Result<Vec<ReadColumn>> {
         let req = Request::Read { rows: rows.to_vec(), fields: fields.to_vec() };
         if self.storage.is_empty() {
-            return cells_of(&self.primary, self.primary.call(&req, &[], wait)?);
+            return cells_of(self.primary.call(&req, &[], wait)?);
         }
         let located = match self
             .call(&Request::Locate { rows: rows.to_vec(), fields: fields.to_vec() }, wait)?
@@ -302,15 +343,20 @@ impl Client {
             .map(|(owner, positions)| {
                 let subset = positions.iter().map(|&k| rows[k]).collect();
                 let conn = &self.storage[owner];
-                Ok((
-                    owner,
-                    conn.send(&Request::FetchCells { rows: subset, fields: ids.clone() }, &[])?,
-                ))
+                let req = Request::FetchCells { rows: subset, fields: ids.clone() };
+                let sent = conn.send(&req, &[], wait)?;
+                Ok((owner, req, sent))
             })
             .collect::<Result<Vec<_>>>()?;
         let mut merged: Vec<Vec<Option<Cell>>> = vec![vec![None; rows.len()]; ids.len()];
-        for (owner, p) in pending {
-            let columns = cells_of(&self.storage[owner], p.wait(wait)?)?;
+        for (owner, req, p) in pending {
+            let answer = match p.wait(wait) {
+                // Sent to every owner at once; one whose link broke is asked again (a read
+                // changes nothing), reconnecting as a call does.
+                Err(Error::Connection(_)) => self.storage[owner].call(&req, &[], wait)?,
+                other => other?,
+            };
+            let columns = cells_of(answer)?;
             for (f, (_, _, cells)) in columns.into_iter().enumerate() {
                 for (&k, cell) in owners[owner].iter().zip(cells) {
                     merged[f][k] = Some(cell);

@@ -203,7 +203,8 @@ fn dispatch(
     daemon: &Arc<Daemon>,
     session: &Arc<Session>,
     tx: &mpsc::UnboundedSender<Outgoing>,
-    tasks: &mut JoinSet<()>,
+    tasks: &mut JoinSet<u64>,
+    in_flight: &mut u64,
     frame: Frame,
 ) -> Option<Outgoing> {
     let id = frame.header.request_id;
@@ -229,6 +230,7 @@ fn dispatch(
             let e = StoreError::bad_request("this connection already said hello");
             return Some(Outgoing::failure(id, &Failure::Store(e)));
         }
+        Request::Ping => return Some(Outgoing::reply(id, &Reply::Done, Answer::default())),
         // A staged put may be no larger than an inline one.
         Request::Stage { bytes, .. } if bytes > u64::from(daemon.config.limits.max_payload) => {
             let e = StoreError::bad_request(format!(
@@ -269,6 +271,8 @@ fn dispatch(
     }
     let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
     let cancelled = session.track(id);
+    let bytes = (frame.meta.len() + frame.payload.len()) as u64;
+    *in_flight += bytes;
     tasks.spawn_blocking(move || {
         let interrupted = || {
             cancelled.load(Ordering::Relaxed)
@@ -281,6 +285,7 @@ fn dispatch(
         if !notice {
             let _ = tx.send(outgoing(&daemon, &session, id, outcome));
         }
+        bytes
     });
     None
 }
@@ -314,6 +319,36 @@ fn outgoing(daemon: &Daemon, session: &Session, id: u64, outcome: Outcome) -> Ou
     }
 }
 
+/// Tells a client over `--max-connections` why, and hangs up. Its hello is not awaited: the
+/// answer goes out at once (request id 0) and the client reads it where it expects the hello's.
+pub async fn refuse(link: Link, max: usize) {
+    let failure = Outgoing::failure(
+        0,
+        &Failure::Unavailable(format!("the daemon serves at most {max} connections")),
+    );
+    let mut bytes = failure.header.encode().to_vec();
+    bytes.extend_from_slice(&failure.meta);
+    let write = async {
+        match link {
+            Link::Tcp(mut s) => s.write_all(&bytes).await,
+            Link::Unix(mut s) => s.write_all(&bytes).await,
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+}
+
+/// Frees the connection's place under `--max-connections` when it ends, however it ends.
+struct Counted<'d>(&'d Daemon);
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Requests one connection may have running at once; its reading pauses beyond that.
+const MAX_IN_FLIGHT: usize = 4096;
+
 /// Serves one connection until the client leaves, breaks the protocol, or the daemon stops.
 pub async fn serve(
     daemon: Arc<Daemon>,
@@ -321,6 +356,7 @@ pub async fn serve(
     peer: String,
     mut stopping: watch::Receiver<bool>,
 ) {
+    let _counted = Counted(&daemon);
     let shm = matches!(link, Link::Unix(_)).then(|| daemon.pool.clone()).flatten();
     let (read_half, writer): (Box<dyn AsyncRead + Unpin + Send>, _) = match link {
         Link::Tcp(s) => {
@@ -341,19 +377,32 @@ pub async fn serve(
         let session = Arc::new(Session::new(peer.clone(), shm.map(ShmSession::new)));
         tracing::info!(peer = %peer, transport = session.transport(), "client connected");
         let mut tasks = JoinSet::new();
+        let mut in_flight = 0u64;
         loop {
+            // Bytes of requests still running stay in memory: past the connection's share,
+            // stop reading until some finish (the client's writes then wait in its socket).
+            while let Some(done) = tasks.try_join_next() {
+                in_flight -= done.unwrap_or(0);
+            }
+            while in_flight > daemon.config.max_connection_bytes || tasks.len() >= MAX_IN_FLIGHT {
+                match tasks.join_next().await {
+                    Some(done) => in_flight -= done.unwrap_or(0),
+                    None => break,
+                }
+            }
             let frame = tokio::select! {
                 f = read_frame(&mut reader, daemon.config.limits) => f,
                 _ = stopping.wait_for(|s| *s) => break,
             };
-            while tasks.try_join_next().is_some() {}
             match frame {
                 Ok(frame) => {
                     daemon.metrics.bytes_in.fetch_add(
                         (HEADER_LEN + frame.header.body_len()) as u64,
                         Ordering::Relaxed,
                     );
-                    if let Some(out) = dispatch(&daemon, &session, &tx, &mut tasks, frame) {
+                    if let Some(out) =
+                        dispatch(&daemon, &session, &tx, &mut tasks, &mut in_flight, frame)
+                    {
                         let mut w = writer.lock().await;
                         if write_out(&daemon, &mut w, &out, true).await.is_err() {
                             break;
@@ -372,6 +421,7 @@ pub async fn serve(
         // Requests still waiting (claims, puts short of memory) stop waiting; the rest finish.
         session.closed.store(true, Ordering::Relaxed);
         while tasks.join_next().await.is_some() {}
+        daemon.roles.forget_session(&session);
         tracing::info!(peer = %peer, "client disconnected");
     }
     drop(tx);

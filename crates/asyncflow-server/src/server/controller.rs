@@ -6,13 +6,13 @@
 use std::sync::Arc;
 use std::sync::mpsc;
 
-use asyncflow_core::{ColumnSpec, Store, StoreError, Wait};
+use asyncflow_core::{ColumnSpec, PutTarget, Store, StoreError, Wait};
 use asyncflow_proto::{PayloadSource, Reply, Request};
 
 use super::metadata::{self, Outcome, check_cell_sizes};
 use super::outgoing::Answer;
 use super::session::Session;
-use crate::client::{Connection, Preference};
+use crate::client::{Link, Policy, Preference};
 
 pub struct Controller {
     pub store: Arc<Store>,
@@ -47,6 +47,9 @@ impl Controller {
                     .map(|c| ColumnSpec { name: &c.name, schema: &c.schema, rows: c.cells.len() })
                     .collect();
                 let admitted = self.store.admit(&specs, &p.target)?;
+                if matches!(p.target, PutTarget::New(_)) {
+                    session.admitted.lock().extend(admitted.rows.iter().copied());
+                }
                 Ok((
                     Reply::Admitted { rows: admitted.rows, fields: admitted.fields },
                     Answer::default(),
@@ -60,7 +63,14 @@ impl Controller {
                 if let Some(f) = fields.iter().find(|&&f| f as usize >= known) {
                     return Err(StoreError::bad_request(format!("unknown field id {f}")));
                 }
-                self.store.commit(&rows, &fields);
+                // Rows dropped meanwhile (their client left, or this daemon restarted before the
+                // put completed) must fail the put, not complete it with nothing in it.
+                self.store.row_info(&rows)?;
+                self.store.commit(&rows, &fields)?;
+                let mut admitted = session.admitted.lock();
+                for row in &rows {
+                    admitted.remove(row);
+                }
                 Ok((Reply::Done, Answer::default()))
             }
             other => metadata::execute(&self.store, session, other, payload, wait),
@@ -68,32 +78,62 @@ impl Controller {
     }
 }
 
-/// Sends freed rows to the storage daemons that own them (row `i` lives on `i % n`).
-fn forward_drops(rx: &mpsc::Receiver<Vec<u64>>, addresses: &[String], token: Option<&str>) {
-    let mut links: Vec<Option<Connection>> = addresses.iter().map(|_| None).collect();
-    while let Ok(mut rows) = rx.recv() {
-        while let Ok(more) = rx.try_recv() {
-            rows.extend(more);
+impl Controller {
+    /// Drops the rows a client admitted and never committed, now that it is gone.
+    pub fn forget_session(&self, session: &Session) {
+        let admitted: Vec<u64> = session.admitted.lock().drain().collect();
+        let unfinished = self.store.unfinished(&admitted);
+        if unfinished.is_empty() {
+            return;
         }
-        let n = addresses.len() as u64;
+        tracing::info!(peer = %session.peer, rows = unfinished.len(), "dropping rows of a put its client never completed");
+        if let Err(e) = self.store.delete(&unfinished) {
+            tracing::warn!(error = %e, "cannot drop the rows of an unfinished put");
+        }
+    }
+}
+
+/// How often drops that could not be delivered are tried again.
+const DROP_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Sends freed rows to the storage daemons that own them (row `i` lives on `i % n`). Drops for
+/// a storage daemon that cannot be reached wait and are tried again every `DROP_RETRY`, so a
+/// storage daemon that restarts from its data directory still forgets what was freed meanwhile.
+fn forward_drops(rx: &mpsc::Receiver<Vec<u64>>, addresses: &[String], token: Option<&str>) {
+    let n = addresses.len();
+    let mut links: Vec<Option<Arc<Link>>> = addresses.iter().map(|_| None).collect();
+    let mut waiting: Vec<Vec<u64>> = vec![Vec::new(); n];
+    loop {
+        match rx.recv_timeout(DROP_RETRY) {
+            Ok(rows) => {
+                for rows in std::iter::once(rows).chain(rx.try_iter()) {
+                    for row in rows {
+                        waiting[(row % n as u64) as usize].push(row);
+                    }
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
         for (owner, link) in links.iter_mut().enumerate() {
-            let mine: Vec<u64> = rows.iter().copied().filter(|r| r % n == owner as u64).collect();
-            if mine.is_empty() {
+            if waiting[owner].is_empty() {
                 continue;
             }
-            if link.is_none() {
-                match Connection::open(&addresses[owner], token, Preference::Tcp) {
+            if link.as_ref().is_none_or(|l| l.is_broken()) {
+                match Link::open(&addresses[owner], token, Preference::Tcp, Policy::default()) {
                     Ok(c) => *link = Some(c),
                     Err(e) => {
-                        tracing::warn!(storage = %addresses[owner], error = %e, rows = mine.len(), "cannot forward freed rows");
+                        tracing::warn!(storage = %addresses[owner], error = %e, rows = waiting[owner].len(), "cannot forward freed rows yet");
                         continue;
                     }
                 }
             }
-            let sent = link.as_ref().map(|c| c.notify(&Request::DropRows { rows: mine }));
+            let rows = std::mem::take(&mut waiting[owner]);
+            let sent = link.as_ref().map(|c| c.notify(&Request::DropRows { rows: rows.clone() }));
             if let Some(Err(e)) = sent {
-                tracing::warn!(storage = %addresses[owner], error = %e, "lost the link to a storage daemon");
+                tracing::warn!(storage = %addresses[owner], error = %e, "lost the link to a storage daemon; will retry");
                 *link = None;
+                waiting[owner] = rows;
             }
         }
     }

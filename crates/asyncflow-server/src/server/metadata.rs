@@ -82,7 +82,7 @@ pub fn execute(
             Some(rows) => store.row_info(&rows)?,
             None => store.rows(partition.as_deref()),
         })),
-        Request::Clear { partition } => done(Reply::Count(store.clear(&partition))),
+        Request::Clear { partition } => done(Reply::Count(store.clear(&partition)?)),
         Request::Delete { rows } => store.delete(&rows).and(done(Reply::Done)),
         Request::Schema { field } => done(Reply::Schema(store.field_schema(&field)?)),
         Request::ReadyFields { rows } => done(Reply::Names(store.ready_fields(&rows)?)),

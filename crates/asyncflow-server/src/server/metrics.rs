@@ -14,6 +14,7 @@ use super::Daemon;
 #[derive(Debug, Default)]
 pub struct Metrics {
     pub connections: AtomicU64,
+    pub refused_connections: AtomicU64,
     pub requests: AtomicU64,
     pub request_errors: AtomicU64,
     pub protocol_errors: AtomicU64,
@@ -33,6 +34,12 @@ impl Metrics {
         };
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         metric("connections_total", "counter", "Connections accepted.", load(&self.connections));
+        metric(
+            "refused_connections_total",
+            "counter",
+            "Connections refused at --max-connections.",
+            load(&self.refused_connections),
+        );
         metric("requests_total", "counter", "Requests served.", load(&self.requests));
         metric(
             "request_errors_total",

@@ -4,6 +4,7 @@
 mod cells;
 mod connection;
 mod controller;
+mod durable;
 mod metadata;
 mod metrics;
 mod outgoing;
@@ -15,7 +16,7 @@ use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use asyncflow_core::{Store, StoreConfig};
@@ -46,6 +47,8 @@ pub struct Daemon {
     metrics: Metrics,
     /// Set once a stop is asked for: waiting requests give up, the rest finish.
     stopping: AtomicBool,
+    /// Connections being served, against `--max-connections`.
+    connections: AtomicUsize,
 }
 
 fn build_roles(config: &Config) -> Result<Roles> {
@@ -54,10 +57,15 @@ fn build_roles(config: &Config) -> Result<Roles> {
         memory_limit: config.memory_limit,
         lease_timeout: config.lease_timeout,
     };
+    let store = || -> Result<Arc<Store>> {
+        let store = Store::new(store_config.clone())?;
+        store.set_lease_floor(durable::lease_floor());
+        Ok(Arc::new(store))
+    };
     Ok(match config.role {
-        Role::Standalone => Roles::Standalone(Arc::new(Store::new(store_config)?)),
+        Role::Standalone => Roles::Standalone(store()?),
         Role::Controller => Roles::Controller(Controller::new(
-            Arc::new(Store::new(store_config)?),
+            store()?,
             config.storage.clone(),
             config.token.clone(),
         )),
@@ -105,6 +113,15 @@ async fn accept_loop(
         match accepted {
             Ok((link, peer)) => {
                 daemon.metrics.connections.fetch_add(1, Ordering::Relaxed);
+                if daemon.connections.fetch_add(1, Ordering::AcqRel)
+                    >= daemon.config.max_connections
+                {
+                    daemon.connections.fetch_sub(1, Ordering::AcqRel);
+                    daemon.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = %peer, max = daemon.config.max_connections, "refusing a connection: too many");
+                    conns.lock().spawn(connection::refuse(link, daemon.config.max_connections));
+                    continue;
+                }
                 let task = connection::serve(Arc::clone(&daemon), link, peer, stop.clone());
                 conns.lock().spawn(task);
             }
@@ -134,6 +151,9 @@ pub async fn serve(
     stop: impl Future<Output = &'static str>,
 ) -> Result<()> {
     let roles = build_roles(&config)?;
+    // Restored before anything is bound: no client sees the store half restored.
+    let persistence =
+        config.persist.as_ref().map(|p| durable::open(p, config.role, &roles)).transpose()?;
     let pool = config.shm_socket.as_ref().map(|_| {
         let cache = config.memory_limit.map_or(1 << 30, |l| l / 2).min(1 << 30);
         SegmentPool::new(cache as usize)
@@ -159,6 +179,15 @@ pub async fn serve(
         pool,
         metrics: Metrics::default(),
         stopping: AtomicBool::new(false),
+        connections: AtomicUsize::new(0),
+    });
+    let maintained = Arc::new(AtomicBool::new(false));
+    let maintenance = persistence.map(|persistence| {
+        let (daemon, stop) = (Arc::clone(&daemon), Arc::clone(&maintained));
+        std::thread::Builder::new()
+            .name("asyncflow-persist".into())
+            .spawn(move || durable::maintain(&persistence, &daemon.roles, &stop))
+            .expect("cannot start the thread that keeps the log")
     });
     let (stop_tx, stop_rx) = watch::channel(false);
     let conns = Arc::new(parking_lot::Mutex::new(JoinSet::new()));
@@ -193,6 +222,10 @@ pub async fn serve(
     }
     if let Some(path) = &daemon.config.shm_socket {
         let _ = std::fs::remove_file(path);
+    }
+    maintained.store(true, Ordering::Relaxed);
+    if let Some(thread) = maintenance {
+        let _ = thread.join();
     }
     tracing::info!("stopped");
     Ok(())

@@ -61,6 +61,13 @@ impl Roles {
         ))
     }
 
+    /// Whatever a connection left unfinished when it closed.
+    pub fn forget_session(&self, session: &Session) {
+        if let Roles::Controller(c) = self {
+            c.forget_session(session);
+        }
+    }
+
     pub fn execute(
         &self,
         session: &Session,

@@ -2,8 +2,8 @@
 //! may be cancelled, and — on the shared-memory path — which segments it has mapped, which
 //! regions it is writing, and which read cells it still views (pins).
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -101,11 +101,20 @@ pub struct Session {
     pub shm: Option<ShmSession>,
     cancels: Mutex<HashMap<u64, Arc<AtomicBool>>>,
     pub closed: AtomicBool,
+    /// On a controller: rows this client admitted and has not committed yet, dropped if it
+    /// leaves first (a producer that died mid-put leaves nothing behind).
+    pub admitted: Mutex<HashSet<u64>>,
 }
 
 impl Session {
     pub fn new(peer: String, shm: Option<ShmSession>) -> Self {
-        Self { peer, shm, cancels: Mutex::new(HashMap::new()), closed: AtomicBool::new(false) }
+        Self {
+            peer,
+            shm,
+            cancels: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+            admitted: Mutex::new(HashSet::new()),
+        }
     }
 
     pub fn transport(&self) -> &'static str {

@@ -7,11 +7,15 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use asyncflow_core::{DType, FieldSchema, NewRows, PutTarget, Wait};
-use asyncflow_server::client::{Client, Preference, PutColumn};
+use asyncflow_server::client::{Client, Policy, Preference, PutColumn};
 use asyncflow_server::config::Flags;
 use tokio::sync::oneshot;
 
 pub const NOW: Wait<'static> = Wait { deadline: None, interrupted: &|| false };
+
+/// Clients of tests give up on a daemon that is gone quickly.
+pub const POLICY: Policy =
+    Policy { request_timeout: Duration::from_secs(20), reconnect_timeout: Duration::from_secs(1) };
 
 pub struct Daemon {
     pub address: SocketAddr,
@@ -22,12 +26,13 @@ pub struct Daemon {
 impl Daemon {
     /// Starts a daemon with these flags (plus `--listen 127.0.0.1:0`).
     pub fn start(flags: &[&str]) -> Self {
-        let mut args = vec![
-            "--listen".to_owned(),
-            "127.0.0.1:0".to_owned(),
-            "--log-level".into(),
-            "warn".into(),
-        ];
+        Self::start_at("127.0.0.1:0", flags)
+    }
+
+    /// Starts a daemon listening on `listen` with these flags.
+    pub fn start_at(listen: &str, flags: &[&str]) -> Self {
+        let mut args =
+            vec!["--listen".to_owned(), listen.to_owned(), "--log-level".into(), "warn".into()];
         args.extend(flags.iter().map(|s| (*s).to_owned()));
         let config = Flags::parse_args(args).and_then(Flags::resolve).expect("valid flags");
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -56,7 +61,7 @@ impl Daemon {
     }
 
     pub fn connect(&self, prefer: Preference) -> Client {
-        Client::connect(&self.url(), None, prefer).expect("connected")
+        Client::connect_with(&self.url(), None, prefer, POLICY).expect("connected")
     }
 
     /// Asks the daemon to stop and returns how its `serve` ended.

@@ -1,0 +1,636 @@
+//! One socket to a daemon, shared by every thread of a client process. Requests carry ids and a
+//! reader thread hands each reply to whoever waits for it, so a claim waiting a minute does not
+//! hold up an ack sent meanwhile. Plain threads, no async runtime: nothing here has to survive a
+//! fork, and a forked child that touches the link is told to connect again.
+//!
+//! Nothing here waits without a bound. Connecting, the hello and every write give up after the
+//! policy's request timeout; while requests are outstanding and the daemon sends nothing, the
+//! reader pings it, and a daemon that answers nothing for a whole request timeout (stopped,
+//! frozen, or cut off) fails every outstanding request with an error that says so.
+//!
+//! On the daemon's machine the link moves to the daemon's Unix socket, where shared-memory
+//! segments arrive as descriptors and are mapped once.
+
+use std::collections::HashMap;
+use std::io::{BufWriter, Read, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use asyncflow_core::wait::INTERRUPT_POLL;
+use asyncflow_core::{StoreError, Wait};
+use asyncflow_proto::{
+    FrameHeader, HEADER_LEN, Hello, Limits, Reply, Request, Segments, ServerHello, decode_answer,
+};
+use asyncflow_shm::{Segment, recv_with_fds};
+use parking_lot::Mutex;
+
+use super::Policy;
+use crate::error::{Error, Result};
+use crate::host::host_id;
+
+/// Which data path to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preference {
+    /// Shared memory when the daemon is on this machine and its socket is reachable, else TCP.
+    Auto,
+    Tcp,
+    /// Shared memory or an error.
+    Shm,
+}
+
+static PADDING: [u8; 64] = [0; 64];
+
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        })
+    }
+
+    fn shutdown(&self) {
+        let _ = match self {
+            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
+            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+        };
+    }
+
+    /// Bounds every later read and write of this socket (and of its clones).
+    fn set_timeouts(&self, read: Option<Duration>, write: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => {
+                s.set_read_timeout(read)?;
+                s.set_write_timeout(write)
+            }
+            Stream::Unix(s) => {
+                s.set_read_timeout(read)?;
+                s.set_write_timeout(write)
+            }
+        }
+    }
+
+    /// Reads exactly `buf.len()` bytes, collecting any descriptors that come with them. When
+    /// the socket's read timeout passes with nothing read, asks `idle` whether to keep waiting.
+    fn read_exact_patiently(
+        &mut self,
+        buf: &mut [u8],
+        fds: &mut Vec<OwnedFd>,
+        idle: &mut dyn FnMut() -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let mut at = 0;
+        while at < buf.len() {
+            let got = match self {
+                Stream::Unix(s) => recv_with_fds(s.as_fd(), &mut buf[at..], fds),
+                Stream::Tcp(s) => s.read(&mut buf[at..]),
+            };
+            match got {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => at += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    idle()?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.flush(),
+            Stream::Unix(s) => s.flush(),
+        }
+    }
+}
+
+/// A reply with the payload section of its frame, and the link it came on (shared-memory
+/// segments and read pins belong to that link).
+pub struct Answer {
+    pub reply: Reply,
+    pub payload: Vec<u8>,
+    pub link: Arc<Link>,
+}
+
+type Delivery = Result<(Reply, Vec<u8>)>;
+
+/// One socket to a daemon (see the module documentation).
+pub struct Link {
+    writer: Mutex<BufWriter<Stream>>,
+    /// Kept to wake the reader thread when the link is dropped.
+    stream: Stream,
+    pending: Mutex<HashMap<u64, SyncSender<Delivery>>>,
+    next_id: AtomicU64,
+    broken: Mutex<Option<String>>,
+    /// Read pins whose views are gone, to be sent before the next request.
+    unpins: Mutex<Vec<u64>>,
+    segments: Mutex<HashMap<u64, Arc<Segment>>>,
+    pid: u32,
+    shm: bool,
+    hello: ServerHello,
+    address: String,
+    policy: Policy,
+}
+
+/// A request sent and not yet answered.
+pub struct Pending {
+    link: Arc<Link>,
+    id: u64,
+    rx: Receiver<Delivery>,
+    /// What the request was, for error messages.
+    what: &'static str,
+    /// When to give up on the reply (see `Policy::deadline`).
+    deadline: Option<Instant>,
+}
+
+fn write_frame(
+    w: &mut impl Write,
+    id: u64,
+    req: &Request,
+    payload: &[&[u8]],
+) -> std::io::Result<()> {
+    let meta = req.encode();
+    let payload_len: usize = payload.iter().map(|p| p.len()).sum();
+    w.write_all(&FrameHeader::new(req.op(), id, meta.len(), payload_len).encode())?;
+    w.write_all(&meta)?;
+    for part in payload {
+        w.write_all(part)?;
+    }
+    Ok(())
+}
+
+struct RawFrame {
+    header: FrameHeader,
+    meta: Vec<u8>,
+    payload: Vec<u8>,
+    fds: Vec<OwnedFd>,
+}
+
+fn read_frame(
+    stream: &mut Stream,
+    limits: Limits,
+    idle: &mut dyn FnMut() -> std::io::Result<()>,
+) -> Result<RawFrame> {
+    let mut head = [0u8; HEADER_LEN];
+    let mut fds = Vec::new();
+    stream.read_exact_patiently(&mut head, &mut fds, idle)?;
+    let header = FrameHeader::decode(&head, limits)?;
+    let mut meta = vec![0u8; header.meta_len as usize];
+    stream.read_exact_patiently(&mut meta, &mut fds, idle)?;
+    let mut payload = vec![0u8; header.payload_len as usize];
+    stream.read_exact_patiently(&mut payload, &mut fds, idle)?;
+    Ok(RawFrame { header, meta, payload, fds })
+}
+
+fn timed_out(what: &str, address: &str, after: Duration) -> Error {
+    Error::Store(StoreError::Timeout {
+        what: format!("the store daemon at {address} to answer {what}"),
+        waited: after,
+    })
+}
+
+/// Says hello and returns the daemon's answer; a refused token is [`Error::Auth`]. The socket's
+/// timeouts bound the wait.
+fn greet(
+    stream: &mut Stream,
+    token: Option<&str>,
+    address: &str,
+    policy: &Policy,
+) -> Result<ServerHello> {
+    let hello = Request::Hello(Hello { token: token.map(str::to_owned), host: host_id().into() });
+    let wait = policy.request_timeout;
+    stream.set_timeouts(Some(wait), Some(wait))?;
+    let silent = |e: Error| match e {
+        Error::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            timed_out("hello", address, wait)
+        }
+        other => other,
+    };
+    write_frame(stream, 0, &hello, &[]).map_err(|e| silent(e.into()))?;
+    let mut refuse_idle = || Err(std::io::ErrorKind::TimedOut.into());
+    let frame = read_frame(stream, Limits::DEFAULT, &mut refuse_idle).map_err(silent)?;
+    match decode_answer(frame.header.op, &frame.meta, frame.payload.len() as u64)? {
+        Ok(Reply::Hello(h)) => Ok(h),
+        Ok(other) => Err(Error::connection(format!("unexpected answer to hello: {other:?}"))),
+        Err(failure) => Err(failure.into()),
+    }
+}
+
+fn connect_tcp(address: &str, timeout: Duration) -> Result<TcpStream> {
+    let mut last = None;
+    for addr in
+        address.to_socket_addrs().map_err(|e| Error::connection(format!("{address}: {e}")))?
+    {
+        match TcpStream::connect_timeout(&addr, timeout) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(s);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(Error::connection(format!(
+        "cannot reach the store daemon at {address}: {}",
+        last.map_or_else(|| "no address".to_owned(), |e| e.to_string())
+    )))
+}
+
+impl Link {
+    /// Connects to `address` (HOST:PORT), authenticates with `token`, and moves to the shared
+    /// memory path if `prefer` allows and the daemon is on this machine.
+    pub fn open(
+        address: &str,
+        token: Option<&str>,
+        prefer: Preference,
+        policy: Policy,
+    ) -> Result<Arc<Self>> {
+        let mut stream = Stream::Tcp(connect_tcp(address, policy.request_timeout)?);
+        let mut hello = greet(&mut stream, token, address, &policy)?;
+        let same_host = hello.host == host_id() && !hello.host.is_empty();
+        let mut shm = false;
+        if prefer != Preference::Tcp {
+            let unix = match (&hello.shm_socket, same_host) {
+                (Some(path), true) => UnixStream::connect(path)
+                    .map_err(|e| Error::connection(format!("shared-memory socket {path}: {e}"))),
+                (None, _) => Err(Error::connection("the daemon offers no shared-memory path")),
+                (_, false) => Err(Error::connection("the daemon is on another machine")),
+            };
+            match unix {
+                Ok(u) => {
+                    let mut local = Stream::Unix(u);
+                    hello = greet(&mut local, token, address, &policy)?;
+                    stream.shutdown();
+                    stream = local;
+                    shm = true;
+                }
+                Err(e) if prefer == Preference::Shm => return Err(e),
+                Err(_) => {}
+            }
+        }
+        // Reads wake up every ping interval to check on the daemon; writes give up after a
+        // whole request timeout (a daemon that stopped reading has stopped serving).
+        stream.set_timeouts(Some(policy.ping_interval()), Some(policy.request_timeout))?;
+        let reader = stream.try_clone()?;
+        let writer = BufWriter::with_capacity(256 << 10, stream.try_clone()?);
+        let link = Arc::new(Self {
+            writer: Mutex::new(writer),
+            stream,
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            broken: Mutex::new(None),
+            unpins: Mutex::new(Vec::new()),
+            segments: Mutex::new(HashMap::new()),
+            pid: std::process::id(),
+            shm,
+            hello,
+            address: address.to_owned(),
+            policy,
+        });
+        let for_reader = Arc::downgrade(&link);
+        std::thread::Builder::new()
+            .name("asyncflow-client".into())
+            .spawn(move || read_loop(&for_reader, reader))
+            .map_err(|e| Error::connection(format!("cannot start the reader thread: {e}")))?;
+        Ok(link)
+    }
+
+    pub fn hello(&self) -> &ServerHello {
+        &self.hello
+    }
+
+    pub fn is_shm(&self) -> bool {
+        self.shm
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Whether the link has failed (and will fail every request).
+    pub fn is_broken(&self) -> bool {
+        self.broken.lock().is_some()
+    }
+
+    /// A segment this link has mapped.
+    pub fn segment(&self, id: u64) -> Result<Arc<Segment>> {
+        self.segments.lock().get(&id).cloned().ok_or_else(|| {
+            Error::connection(format!("the daemon named segment {id}, which was never sent"))
+        })
+    }
+
+    /// A token whose drop releases read pin `pin`.
+    pub fn pin_token(self: &Arc<Self>, pin: u64) -> PinToken {
+        PinToken { link: Arc::downgrade(self), pin }
+    }
+
+    fn fail_all(&self, why: &str) {
+        self.broken.lock().get_or_insert_with(|| why.to_owned());
+        let why = self.broken.lock().clone().unwrap_or_default();
+        for (_, tx) in self.pending.lock().drain() {
+            let _ = tx.try_send(Err(Error::connection(why.clone())));
+        }
+        self.stream.shutdown();
+    }
+
+    fn map_segments(&self, segments: &Segments, fds: Vec<OwnedFd>) -> Result<()> {
+        if fds.len() != segments.new.len() {
+            return Err(Error::connection(format!(
+                "{} segments announced but {} descriptors received",
+                segments.new.len(),
+                fds.len()
+            )));
+        }
+        let mut map = self.segments.lock();
+        for (&(id, len), fd) in segments.new.iter().zip(fds) {
+            map.insert(id, Arc::new(Segment::open(id, fd, len as usize)?));
+        }
+        for id in &segments.retired {
+            map.remove(id);
+        }
+        Ok(())
+    }
+
+    fn deliver(&self, frame: RawFrame) -> Result<()> {
+        let RawFrame { header, meta, payload, fds } = frame;
+        let answer = decode_answer(header.op, &meta, payload.len() as u64)?;
+        let delivery = match answer {
+            Ok(reply) => {
+                let segments = match &reply {
+                    Reply::Cells { segments, .. } | Reply::Staged { segments, .. } => {
+                        Some(segments)
+                    }
+                    _ => None,
+                };
+                match segments.map(|s| self.map_segments(s, fds)).transpose() {
+                    Ok(_) => Ok((reply, payload)),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(failure) => Err(failure.into()),
+        };
+        let waiter = self.pending.lock().remove(&header.request_id);
+        match waiter {
+            Some(tx) => {
+                let _ = tx.try_send(delivery);
+            }
+            None => {
+                // Nobody waits (a ping, or a caller that gave up): let go of what it pinned.
+                if let Ok((Reply::Cells { pin: Some(pin), .. }, _)) = delivery {
+                    self.unpins.lock().push(pin);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        if std::process::id() != self.pid {
+            return Err(Error::connection(
+                "this connection was opened before a fork; call asyncflow.connect again in the child",
+            ));
+        }
+        match &*self.broken.lock() {
+            Some(why) => Err(Error::connection(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes one frame, preceded by any pending unpins; a write that fails (or times out)
+    /// breaks the link, since the daemon may have seen part of the frame.
+    fn write(&self, id: u64, req: &Request, payload: &[&[u8]]) -> Result<()> {
+        let mut w = self.writer.lock();
+        let pins = std::mem::take(&mut *self.unpins.lock());
+        let written = (|| {
+            if !pins.is_empty() {
+                write_frame(&mut *w, 0, &Request::Unpin { pins }, &[])?;
+            }
+            write_frame(&mut *w, id, req, payload)?;
+            w.flush()
+        })();
+        written.map_err(|e| {
+            let why = format!("cannot send to the store daemon at {}: {e}", self.address);
+            self.fail_all(&why);
+            Error::connection(why)
+        })
+    }
+
+    /// Sends a request and waits for its answer, on this link only.
+    pub fn call(
+        self: &Arc<Self>,
+        req: &Request,
+        payload: &[&[u8]],
+        wait: Wait<'_>,
+    ) -> Result<Answer> {
+        self.send(req, payload)?.wait(wait)
+    }
+
+    /// Sends a request whose payload section is `payload` (written in order).
+    pub fn send(self: &Arc<Self>, req: &Request, payload: &[&[u8]]) -> Result<Pending> {
+        self.check_usable()?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.pending.lock().insert(id, tx);
+        if let Err(e) = self.write(id, req, payload) {
+            self.pending.lock().remove(&id);
+            return Err(e);
+        }
+        let deadline = self.policy.deadline(req);
+        Ok(Pending { link: Arc::clone(self), id, rx, what: op_name(req), deadline })
+    }
+
+    /// Sends a request that gets no reply.
+    pub fn notify(&self, req: &Request) -> Result<()> {
+        debug_assert!(req.op().is_notice());
+        self.check_usable()?;
+        self.write(0, req, &[])
+    }
+
+    /// Sends a ping (its answer is only proof of life, so nobody waits for it).
+    fn ping(&self) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let _ = self.write(id, &Request::Ping, &[]);
+    }
+
+    /// Lets the daemon reuse the memory of a read whose views are all gone.
+    fn unpin(&self, pin: u64) {
+        if std::process::id() != self.pid || self.is_broken() {
+            return;
+        }
+        self.unpins.lock().push(pin);
+        let pins = std::mem::take(&mut *self.unpins.lock());
+        if !pins.is_empty() {
+            let _ = self.write(0, &Request::Unpin { pins }, &[]);
+        }
+    }
+}
+
+fn op_name(req: &Request) -> &'static str {
+    match req {
+        Request::Hello(_) => "hello",
+        Request::RegisterTask { .. } => "register_task",
+        Request::Put(_) => "put",
+        Request::Claim { .. } => "claim",
+        Request::Ack { .. } => "ack",
+        Request::Release { .. } => "release",
+        Request::Renew { .. } => "renew",
+        Request::Read { .. } => "read",
+        Request::Rows { .. } => "rows",
+        Request::Clear { .. } => "clear",
+        Request::Delete { .. } => "delete",
+        Request::Schema { .. } => "schema",
+        Request::ReadyFields { .. } => "ready_fields",
+        Request::Stats => "stats",
+        Request::Ping => "ping",
+        Request::Stage { .. } => "a put's staging",
+        Request::Unpin { .. } => "unpin",
+        Request::Cancel { .. } => "cancel",
+        Request::Commit { .. } => "a put's commit",
+        Request::Locate { .. } => "locate",
+        Request::StoreCells(_) => "a put's cells",
+        Request::FetchCells { .. } => "a read's cells",
+        Request::DropRows { .. } => "drop",
+    }
+}
+
+/// Reads replies until the link fails; pings the daemon while requests wait and it is silent,
+/// and gives up on it after a request timeout of silence.
+fn read_loop(link: &Weak<Link>, mut stream: Stream) {
+    let mut last_heard = Instant::now();
+    let why = loop {
+        let frame = {
+            let mut idle = || -> std::io::Result<()> {
+                let Some(link) = link.upgrade() else {
+                    return Err(std::io::ErrorKind::NotConnected.into());
+                };
+                if link.pending.lock().is_empty() {
+                    last_heard = Instant::now();
+                    return Ok(());
+                }
+                if last_heard.elapsed() >= link.policy.request_timeout {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "the daemon answered nothing, not even a ping, for {:.1}s",
+                            last_heard.elapsed().as_secs_f64()
+                        ),
+                    ));
+                }
+                link.ping();
+                Ok(())
+            };
+            read_frame(&mut stream, Limits::DEFAULT, &mut idle)
+        };
+        let Some(link) = link.upgrade() else { return };
+        last_heard = Instant::now();
+        let frame = match frame {
+            Ok(f) => f,
+            Err(e) => {
+                break format!("connection to the store daemon at {} lost: {e}", link.address);
+            }
+        };
+        if let Err(e) = link.deliver(frame) {
+            break format!("bad reply from the store daemon at {}: {e}", link.address);
+        }
+    };
+    if let Some(link) = link.upgrade() {
+        link.fail_all(&why);
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // Wakes the reader thread, which exits. A forked child must not: shutting the shared
+        // socket down would cut off its parent.
+        if std::process::id() == self.pid {
+            self.stream.shutdown();
+        }
+    }
+}
+
+/// Keeps a read's shared cells pinned on the daemon until the last view of them is dropped.
+pub struct PinToken {
+    link: Weak<Link>,
+    pin: u64,
+}
+
+impl Drop for PinToken {
+    fn drop(&mut self) {
+        if let Some(link) = self.link.upgrade() {
+            link.unpin(self.pin);
+        }
+    }
+}
+
+impl Pending {
+    /// Waits for the answer until its deadline (none: for as long as the daemon is alive); if
+    /// the caller interrupts or the deadline passes, tells the daemon to stop working on it.
+    pub fn wait(self, wait: Wait<'_>) -> Result<Answer> {
+        let (started, deadline) = (Instant::now(), self.deadline);
+        loop {
+            let poll = deadline.map_or(INTERRUPT_POLL, |d| {
+                d.saturating_duration_since(Instant::now()).min(INTERRUPT_POLL)
+            });
+            match self.rx.recv_timeout(poll) {
+                Ok(delivery) => {
+                    return delivery.map(|(reply, payload)| Answer {
+                        reply,
+                        payload,
+                        link: Arc::clone(&self.link),
+                    });
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(Error::connection("connection closed"));
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if (wait.interrupted)() {
+                        self.abandon();
+                        return Err(Error::Store(StoreError::Interrupted));
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        self.abandon();
+                        return Err(timed_out(self.what, &self.link.address, started.elapsed()));
+                    }
+                }
+            }
+        }
+    }
+
+    fn abandon(&self) {
+        self.link.pending.lock().remove(&self.id);
+        let _ = self.link.notify(&Request::Cancel { request: self.id });
+    }
+}
+
+/// Zero bytes to pad a payload part up to the next cell boundary.
+pub fn padding(len: usize) -> &'static [u8] {
+    &PADDING[..len]
+}

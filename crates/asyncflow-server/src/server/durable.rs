@@ -1,0 +1,144 @@
+//! Each role's state and its data directory: restoring it at start-up, and the background work
+//! that keeps the log in shape while serving — syncing it on the `--fsync` interval, replacing
+//! it by a snapshot once it has grown, and a last sync at stop.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use asyncflow_core::{Change, Journal, Store, StoreError, Wait};
+use asyncflow_proto::{Record, Role};
+
+use super::roles::Roles;
+use crate::error::{Error, Result};
+use crate::persist::{Fsync, Payloads, PersistConfig, Persistence, Recovered};
+
+/// How often the background thread looks at the log.
+const TICK: Duration = Duration::from_millis(50);
+/// How often it considers a snapshot.
+const SNAPSHOT_CHECK: Duration = Duration::from_secs(1);
+
+/// The lease ids this run starts from: seconds since 1970 in the high bits, so ids a client
+/// kept from an earlier run of the daemon (persistent or not) never name a lease of this one.
+pub fn lease_floor() -> u64 {
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    secs << 32
+}
+
+fn unfit(e: &StoreError) -> Error {
+    Error::Config(format!("the data directory does not fit this daemon: {e}"))
+}
+
+/// Replays one record into a store (standalone, or a controller's index without payloads).
+fn restore_store(store: &Store, record: Record, payloads: &mut Payloads<'_>) -> Result<bool> {
+    match record {
+        Record::Change(change) => store.restore(&change, None).map_err(|e| unfit(&e))?,
+        Record::Stored(stored) => {
+            let reserve = |bytes| store.reserve(bytes, Wait::timeout(Some(Duration::ZERO)));
+            let Some(cells) = payloads.cells(&stored, &reserve)? else {
+                return Ok(false);
+            };
+            let ready = Change::Ready { rows: stored.rows, fields: stored.fields };
+            store.restore(&ready, Some(cells)).map_err(|e| unfit(&e))?;
+        }
+        Record::Dropped(_) => {
+            return Err(Error::Config(
+                "this data directory holds a storage daemon's log, not an index".into(),
+            ));
+        }
+    }
+    Ok(true)
+}
+
+/// Restores `roles` from the data directory and starts logging their changes there.
+pub fn open(config: &PersistConfig, role: Role, roles: &Roles) -> Result<Arc<Persistence>> {
+    let (persistence, recovered) = match roles {
+        Roles::Standalone(store) => {
+            Persistence::open(config, role, |r, p| restore_store(store, r, p))?
+        }
+        Roles::Controller(c) => {
+            Persistence::open(config, role, |r, p| restore_store(&c.store, r, p))?
+        }
+        Roles::Storage(s) => Persistence::open(config, role, |r, p| s.restore(r, p))?,
+    };
+    match roles {
+        Roles::Standalone(store) => attach(store, &persistence)?,
+        Roles::Controller(c) => attach(&c.store, &persistence)?,
+        Roles::Storage(s) => s.set_persistence(Arc::clone(&persistence)),
+    }
+    report(config, &recovered, roles);
+    Ok(persistence)
+}
+
+/// Journals the store from now on, and drops the rows of puts that never completed: their
+/// producer (or the daemon) stopped between admitting and committing them.
+fn attach(store: &Store, persistence: &Arc<Persistence>) -> Result<()> {
+    store.set_journal(Arc::clone(persistence) as Arc<dyn Journal>);
+    let unfinished = store.unfinished_rows();
+    if !unfinished.is_empty() {
+        tracing::info!(rows = unfinished.len(), "dropping rows of puts that never completed");
+        store.delete(&unfinished).map_err(|e| unfit(&e))?;
+    }
+    Ok(())
+}
+
+fn report(config: &PersistConfig, r: &Recovered, roles: &Roles) {
+    let stats = roles.stats();
+    tracing::info!(
+        dir = %config.dir.display(),
+        snapshot = ?r.snapshot,
+        logs = r.logs,
+        records = r.records,
+        payload_bytes = r.payload_bytes,
+        torn_bytes = r.torn_bytes,
+        live_rows = stats.index.live_rows,
+        payload_rows = stats.payload_rows,
+        fsync = ?config.fsync,
+        "restored from the data directory"
+    );
+}
+
+fn snapshot(persistence: &Persistence, roles: &Roles) -> std::result::Result<(), StoreError> {
+    persistence.compact(|rotate| match roles {
+        Roles::Standalone(store) => store.snapshot(true, rotate),
+        Roles::Controller(c) => c.store.snapshot(false, rotate),
+        Roles::Storage(s) => Ok(s.snapshot(rotate)),
+    })
+}
+
+/// Syncs on the `--fsync` interval and snapshots when the log has grown, until `stop`; then
+/// syncs a last time.
+pub fn maintain(persistence: &Persistence, roles: &Roles, stop: &AtomicBool) {
+    let interval = match persistence.fsync() {
+        Fsync::Every(d) => Some(d),
+        Fsync::Always | Fsync::Never => None,
+    };
+    let (mut last_sync, mut last_check) = (Instant::now(), Instant::now());
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(TICK);
+        if interval.is_some_and(|d| last_sync.elapsed() >= d) {
+            last_sync = Instant::now();
+            if let Err(e) = persistence.flush() {
+                tracing::error!(error = %e, "cannot sync the write-ahead log");
+            }
+        }
+        if last_check.elapsed() >= SNAPSHOT_CHECK {
+            last_check = Instant::now();
+            let live = roles.stats().memory_used;
+            if persistence.wants_snapshot(live) {
+                let started = Instant::now();
+                match snapshot(persistence, roles) {
+                    Ok(()) => tracing::info!(
+                        generation = persistence.generation(),
+                        seconds = started.elapsed().as_secs_f64(),
+                        "replaced the log by a snapshot"
+                    ),
+                    Err(e) => tracing::error!(error = %e, "cannot write a snapshot"),
+                }
+            }
+        }
+    }
+    if let Err(e) = persistence.flush() {
+        tracing::error!(error = %e, "cannot sync the write-ahead log at stop");
+    }
+}

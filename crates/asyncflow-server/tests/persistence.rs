@@ -1,0 +1,178 @@
+//! `--data-dir`: a daemon started again on its data directory has every put that completed and
+//! every row not yet acked, with their payloads, and nothing that was acked; leases are gone, so
+//! rows that were leased are delivered again. Holds for a standalone daemon, a controller and
+//! its storage daemons, across snapshots, and with a log whose tail was torn by a crash.
+//! (SIGKILL of real daemon processes is tested from Python, in `tests/test_faults.py`.)
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use asyncflow_core::ClaimSpec;
+use asyncflow_server::client::{Client, Preference};
+use support::{Daemon, NOW, put_ints, read_ints};
+
+fn data_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("af-persist-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn spec(batch_size: usize) -> ClaimSpec {
+    ClaimSpec { task: "t".into(), fields: vec!["x".into()], batch_size, ..ClaimSpec::default() }
+}
+
+/// Puts 10 rows; acks the first 4, leaves 3 leased and 3 untouched. Returns the rows.
+fn work(client: &Client) -> Vec<u64> {
+    client.register_task("t", None, NOW).unwrap();
+    let rows = put_ints(client, "x", &(0..10).collect::<Vec<_>>());
+    let acked = client.claim(&spec(4), false, Some(Duration::from_secs(5)), NOW).unwrap();
+    client.ack(acked.lease.unwrap(), None, NOW).unwrap();
+    let leased = client.claim(&spec(3), false, Some(Duration::from_secs(5)), NOW).unwrap();
+    assert_eq!(leased.rows, rows[4..7]);
+    rows
+}
+
+/// What a restart must show: rows 4..10 with their values, all claimable again, none of 0..4.
+fn check_restored(client: &Client, rows: &[u64]) {
+    let live: Vec<u64> = client.rows(None, None, NOW).unwrap().iter().map(|r| r.index).collect();
+    assert_eq!(live, rows[4..], "acked rows stay gone, the others come back");
+    assert_eq!(read_ints(client, &rows[4..], "x"), (4..10).collect::<Vec<i64>>());
+    let again = client.claim(&spec(6), false, Some(Duration::from_secs(5)), NOW).unwrap();
+    assert_eq!(again.rows, rows[4..], "rows that were leased are delivered again");
+    client.ack(again.lease.unwrap(), None, NOW).unwrap();
+    let more = put_ints(client, "x", &[99]);
+    assert!(more[0] > rows[9], "new rows come after the restored ones");
+}
+
+fn flags(dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut out = vec!["--data-dir".to_owned(), dir.display().to_string()];
+    out.extend(extra.iter().map(|s| (*s).to_owned()));
+    out
+}
+
+fn start(flags: &[String]) -> Daemon {
+    Daemon::start(&flags.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+fn newest_log(dir: &Path) -> PathBuf {
+    let mut logs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "meta"))
+        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("log-"))
+        .collect();
+    logs.sort();
+    logs.pop().unwrap()
+}
+
+#[test]
+fn a_restarted_daemon_has_every_completed_put_and_unacked_row() {
+    for fsync in ["always", "never", "20ms"] {
+        let dir = data_dir(&format!("standalone-{fsync}"));
+        let flags = flags(&dir, &["--fsync", fsync]);
+        let daemon = start(&flags);
+        let rows = work(&daemon.connect(Preference::Shm));
+        daemon.stop().unwrap();
+        let again = start(&flags);
+        check_restored(&again.connect(Preference::Tcp), &rows);
+        drop(again);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn a_torn_log_tail_is_cut_off_and_the_rest_restored() {
+    let dir = data_dir("torn");
+    let flags = flags(&dir, &[]);
+    let daemon = start(&flags);
+    let rows = work(&daemon.connect(Preference::Tcp));
+    daemon.stop().unwrap();
+    let log = newest_log(&dir);
+    let whole = std::fs::metadata(&log).unwrap().len();
+    let mut bytes = std::fs::read(&log).unwrap();
+    bytes.extend_from_slice(&[0x40, 0, 0, 0, 1, 2, 3, 4, 5, 6]);
+    std::fs::write(&log, bytes).unwrap();
+    let again = start(&flags);
+    check_restored(&again.connect(Preference::Tcp), &rows);
+    assert_eq!(std::fs::metadata(&log).unwrap().len(), whole, "the torn tail was cut off");
+    drop(again);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_snapshot_replaces_the_log_and_restores_the_same_store() {
+    let dir = data_dir("snapshot");
+    let flags = flags(&dir, &["--compact-after", "1"]);
+    let daemon = start(&flags);
+    let rows = work(&daemon.connect(Preference::Shm));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let has_snapshot = || {
+        std::fs::read_dir(&dir).unwrap().any(|e| {
+            let name = e.unwrap().file_name();
+            let name = name.to_str().unwrap();
+            name.starts_with("snap-") && Path::new(name).extension().is_some_and(|e| e == "meta")
+        })
+    };
+    while !has_snapshot() {
+        assert!(Instant::now() < deadline, "a snapshot is written once the log has grown");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    daemon.stop().unwrap();
+    let again = start(&flags);
+    check_restored(&again.connect(Preference::Tcp), &rows);
+    drop(again);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_controller_and_its_storage_daemons_restart_from_their_directories() {
+    let dirs: Vec<PathBuf> = (0..4).map(|k| data_dir(&format!("cluster-{k}"))).collect();
+    let storage_flags: Vec<Vec<String>> =
+        dirs[..3].iter().map(|d| flags(d, &["--role", "storage"])).collect();
+    let storage: Vec<Daemon> = storage_flags.iter().map(|f| start(f)).collect();
+    let addresses: Vec<String> = storage.iter().map(|d| d.address.to_string()).collect();
+    let joined = addresses.join(",");
+    let controller_flags = flags(&dirs[3], &["--role", "controller", "--storage", &joined]);
+    let controller = start(&controller_flags);
+    let client = Client::connect(&controller.url(), None, Preference::Tcp).unwrap();
+    let rows = work(&client);
+    drop(client);
+    controller.stop().unwrap();
+    for d in storage {
+        d.stop().unwrap();
+    }
+    // Storage daemons come back on new ports; the controller is told where.
+    let storage: Vec<Daemon> = storage_flags.iter().map(|f| start(f)).collect();
+    let addresses: Vec<String> = storage.iter().map(|d| d.address.to_string()).collect();
+    let joined = addresses.join(",");
+    let controller_flags = flags(&dirs[3], &["--role", "controller", "--storage", &joined]);
+    let controller = start(&controller_flags);
+    let client = Client::connect(&controller.url(), None, Preference::Tcp).unwrap();
+    check_restored(&client, &rows);
+    drop((client, controller, storage));
+    for d in dirs {
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+#[test]
+fn two_daemons_never_share_a_data_directory() {
+    let dir = data_dir("shared");
+    let flags = flags(&dir, &[]);
+    let daemon = start(&flags);
+    let config = asyncflow_server::config::Flags::parse_args(
+        ["--listen", "127.0.0.1:0"].iter().map(|s| (*s).to_owned()).chain(flags.iter().cloned()),
+    )
+    .unwrap()
+    .resolve()
+    .unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let second =
+        runtime.block_on(asyncflow_server::server::serve(config, |_| {}, async { "never" }));
+    let err = second.unwrap_err().to_string();
+    assert!(err.contains("in use by another daemon"), "{err}");
+    drop(daemon);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,265 @@
+"""``asyncflow reliability``: runs every fault many times, the soak against one daemon and a
+cluster, tallies the fuzzer's log and the random-input tests, and writes ``docs/reliability.md``.
+Separate from the fast CI tests, which run each fault once."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncflow.reliability import faults
+from asyncflow.reliability.deployment import Kind
+from asyncflow.reliability.soak import SoakResult, soak
+
+
+@dataclass
+class Row:
+    """One line of the fault table: a fault, how often it was tried, what came of it."""
+
+    fault: str
+    trials: int = 0
+    rows: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    partial: int = 0
+    crashes: int = 0
+    expected: Counter[str] = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, o: faults.Outcome) -> None:
+        self.trials += 1
+        self.rows += o.rows
+        self.lost += o.lost
+        self.duplicated += o.duplicated
+        self.partial += o.partial
+        self.crashes += o.crashes
+        self.expected.update(o.expected_errors)
+        self.notes.extend(n for n in o.notes if "unclear" in n or "hung" in n)
+
+    def markdown(self) -> str:
+        expected = ", ".join(f"{k}: {v}" for k, v in sorted(self.expected.items())) or "none"
+        verdict = "ok" if not (self.lost or self.duplicated or self.partial or self.crashes or
+                               self.notes) else "FAILED"  # fmt: skip
+        return (
+            f"| {self.fault} | {self.trials} | {self.rows} | {self.lost} | {self.duplicated} "
+            f"| {self.partial} | {self.crashes} | {expected} | {verdict} |"
+        )
+
+
+def progress(message: str) -> None:
+    print(f"[reliability {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def faults_table(trials: int) -> list[Row]:
+    plans: list[tuple[str, Callable[[int], faults.Outcome]]] = [
+        ("SIGKILL consumer holding leases (standalone)",
+         lambda s: faults.consumer_killed_holding_leases("standalone")),
+        ("SIGKILL consumer holding leases (cluster)",
+         lambda s: faults.consumer_killed_holding_leases("cluster")),
+        ("SIGKILL producer mid-put (standalone, shm)",
+         lambda s: faults.producer_killed_mid_put("standalone", "shm", s)),
+        ("SIGKILL producer mid-put (standalone, tcp)",
+         lambda s: faults.producer_killed_mid_put("standalone", "tcp", s)),
+        ("SIGKILL producer mid-put (cluster)",
+         lambda s: faults.producer_killed_mid_put("cluster", "tcp", s)),
+        ("SIGKILL standalone daemon under load, restart (--fsync always)",
+         lambda s: faults.daemon_killed("standalone", None, "always", s)),
+        ("SIGKILL standalone daemon under load, restart (--fsync 20ms)",
+         lambda s: faults.daemon_killed("standalone", None, "20ms", s)),
+        ("SIGKILL standalone daemon under load, restart (--fsync never)",
+         lambda s: faults.daemon_killed("standalone", None, "never", s)),
+        ("SIGKILL controller under load, restart",
+         lambda s: faults.daemon_killed("cluster", "controller", "always", s)),
+        ("SIGKILL storage daemon under load, restart",
+         lambda s: faults.daemon_killed("cluster", f"storage-{s % 3}", "always", s)),
+        ("daemon killed for good: client call", lambda s: faults.daemon_stays_down(2.0)),
+        ("daemon frozen (SIGSTOP): waiting claim", lambda s: faults.daemon_frozen(2.0)),
+        ("garbage and mutated frames to a live daemon",
+         lambda s: faults.garbage_frames(rounds=50, seed=s)),
+    ]  # fmt: skip
+    rows = []
+    for name, plan in plans:
+        row = Row(name)
+        for seed in range(trials):
+            progress(f"{name}: trial {seed + 1}/{trials}")
+            try:
+                row.add(plan(seed))
+            except Exception as e:  # a harness failure is a finding too
+                row.trials += 1
+                row.crashes += 1
+                row.notes.append(f"unclear: trial {seed} raised {type(e).__name__}: {e}")
+        rows.append(row)
+    return rows
+
+
+def fuzz_figures(log: Path | None, artifacts: Path) -> tuple[int, float, int]:
+    """(executions, seconds, crash inputs) of the fuzz run whose output is in ``log``."""
+    if log is None or not log.exists():
+        return 0, 0.0, 0
+    text = log.read_text(errors="replace")
+    done = re.findall(r"Done (\d+) runs in (\d+) second", text)
+    crashes = len(list(artifacts.glob("crash-*"))) if artifacts.exists() else 0
+    crashes += text.count("==ERROR: libFuzzer") + text.count("panicked at")
+    if not done:
+        return 0, 0.0, crashes
+    runs, seconds = done[-1]
+    return int(runs), float(seconds), crashes
+
+
+def random_input_tests(examples: int) -> tuple[str, int]:
+    """Runs the hypothesis tests with ``examples`` examples each; returns pytest's summary."""
+    env = os.environ | {"AF_HYPOTHESIS_EXAMPLES": str(examples)}
+    command = [sys.executable, "-m", "pytest", "-q", "tests/test_store_hypothesis.py"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+    return summary, done.returncode
+
+
+def soak_lines(results: list[SoakResult]) -> list[str]:
+    lines = [
+        "| deployment | clients | seconds | rows | lost | duplicated | partial | errors "
+        "| calls/s | p50 put/claim/ack (ms) | p99 put/claim/ack (ms) | peak RSS / limit (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for r in results:
+        p50 = " / ".join(f"{r.p50_ms.get(op, 0):.2f}" for op in ("put", "claim", "ack"))
+        p99 = " / ".join(f"{r.p99_ms.get(op, 0):.2f}" for op in ("put", "claim", "ack"))
+        rss = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(r.peak_rss.items()))
+        lines.append(
+            f"| {r.kind} | {r.clients} | {r.seconds:.0f} | {r.rows} | {r.lost} | {r.duplicated} "
+            f"| {r.partial} | {len(r.errors)} | {r.ops_per_s:.0f} | {p50} | {p99} "
+            f"| {rss} (limit {r.memory_limit / 2**20:.0f} each) |"
+        )
+    return lines
+
+
+def load_average() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def run(
+    out: Path,
+    trials: int = 20,
+    soak_seconds: float = 60.0,
+    fuzz_log: Path | None = None,
+    examples: int = 500,
+    render_only: bool = False,
+) -> int:
+    """Runs everything (results kept in ``bench-out/reliability.json``), then writes the
+    report; with ``render_only``, writes it from the kept results and the fuzz log alone."""
+    results = Path("bench-out/reliability.json")
+    if not render_only:
+        started = time.monotonic()
+        load_before = load_average()
+        rows = faults_table(trials)
+        kinds: tuple[Kind, ...] = ("standalone", "cluster")
+        soaks = []
+        for kind in kinds:
+            progress(f"soak: 64 clients against {kind} for {soak_seconds:.0f}s")
+            soaks.append(soak(kind, soak_seconds))
+        progress(f"random-input tests, {examples} examples each")
+        summary, code = random_input_tests(examples)
+        kept = {
+            "faults": [vars(r) | {"expected": dict(r.expected)} for r in rows],
+            "soaks": [asdict(s) for s in soaks],
+            "random_input": {"summary": summary, "code": code, "examples": examples},
+            "machine": {
+                "load_before": load_before,
+                "load_after": load_average(),
+                "minutes": (time.monotonic() - started) / 60,
+            },
+        }
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(kept, indent=1) + "\n")
+    kept = json.loads(results.read_text())
+    rows = [Row(**(r | {"expected": Counter(r["expected"])})) for r in kept["faults"]]
+    soaks = [SoakResult(**s) for s in kept["soaks"]]
+    text, failed = render(rows, soaks, kept["random_input"], kept["machine"], fuzz_log)
+    out.write_text(text)
+    progress(f"wrote {out}")
+    return 1 if failed else 0
+
+
+def render(
+    rows: list[Row],
+    soaks: list[SoakResult],
+    random_input: dict[str, Any],
+    machine: dict[str, Any],
+    fuzz_log: Path | None,
+) -> tuple[str, bool]:
+    """The report's markdown, and whether anything in it failed."""
+    runs, seconds, crashes = fuzz_figures(
+        fuzz_log, Path("crates/asyncflow-proto/fuzz/artifacts/decode_frame")
+    )
+    corpus = len(list(Path("crates/asyncflow-proto/fuzz/corpus/decode_frame").glob("*")))
+    examples, code = random_input["examples"], random_input["code"]
+    lines = [
+        "# Reliability",
+        "",
+        "Faults injected into real daemon and client processes, bad input, and a soak of many",
+        "concurrent clients, with what came of each. Produced by `make reliability` (this file is",
+        "its output; the fast CI tests in `tests/test_faults.py` run each fault once).",
+        "",
+        f"Machine: {platform.machine()}, {platform.system()} {platform.release()}, "
+        f"{_cores()} cores, shared with other work (load average {machine['load_before']} at "
+        f"the start, {machine['load_after']} at the end). The faults, soak and random-input "
+        f"tests took {machine['minutes']:.0f} min.",
+        "",
+        "## Faults",
+        "",
+        "Each trial starts fresh daemons. *rows*: rows whose outcome was checked; *lost*: rows a",
+        "client was told were put, never acked, and not there afterwards; *duplicated*: rows",
+        "committed (acked) twice, or delivered again after an ack returned; *partial*: rows seen",
+        "with some fields or bytes missing, or a put seen half applied; *crashes*: a daemon that",
+        "died on its own, a client that hung, or a trial that could not finish. *Client errors*",
+        "are the errors clients were told to expect: a put or ack in flight when its daemon was",
+        "killed fails saying it may or may not have been applied, an ack of a lease from before",
+        "a restart fails with LeaseError (its rows come again).",
+        "",
+        "| fault | trials | rows | lost | duplicated | partial | crashes | client errors "
+        "| outcome |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+        *[r.markdown() for r in rows],
+        "",
+        *[f"- {r.fault}: {n}" for r in rows for n in r.notes],
+        "",
+        "## Bad input",
+        "",
+        "| input | executions | crashes |",
+        "|---|---:|---:|",
+        f"| `cargo fuzz run decode_frame` (frames, requests, replies, log records) | {runs} "
+        f"in {seconds:.0f} s | {crashes} |",
+        f"| fuzz corpus replayed by `cargo test` | {corpus} inputs | 0 |",
+        f"| hypothesis: random dtypes, shapes, lengths, options (embedded and daemon) "
+        f"| {examples} examples per test | {'0' if code == 0 else 'see below'} |",
+        "",
+        f"Random-input tests: `{random_input['summary']}`.",
+        "",
+        "## Soak",
+        "",
+        "64 clients at once — 32 threads of one process and 8 processes of 4 threads, each",
+        "with its own connection — put 8 rows, claim up to 8, check and ack them, in a loop.",
+        "*calls/s* counts put, claim and ack calls together.",
+        "",
+        *soak_lines(soaks),
+        "",
+    ]
+    failed = any("FAILED" in r.markdown() for r in rows) or not all(s.clean for s in soaks)
+    return "\n".join(lines), failed or code != 0 or crashes > 0
+
+
+def _cores() -> int:
+    return os.cpu_count() or 0
