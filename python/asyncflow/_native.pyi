@@ -15,6 +15,7 @@ __all__ = [
     "micro_batches",
     "partition",
     "serve",
+    "simulate",
 ]
 
 __version__: str

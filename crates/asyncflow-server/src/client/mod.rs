@@ -344,15 +344,16 @@ impl Client {
                 let subset = positions.iter().map(|&k| rows[k]).collect();
                 let conn = &self.storage[owner];
                 let req = Request::FetchCells { rows: subset, fields: ids.clone() };
-                let sent = conn.send(&req, &[], wait)?;
-                Ok((owner, req, sent))
+                let sent = conn.send(&req, &[], wait);
+                (owner, req, sent)
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Vec<_>>();
         let mut merged: Vec<Vec<Option<Cell>>> = vec![vec![None; rows.len()]; ids.len()];
-        for (owner, req, p) in pending {
-            let answer = match p.wait(wait) {
-                // Sent to every owner at once; one whose link broke is asked again (a read
-                // changes nothing), reconnecting as a call does.
+        for (owner, req, sent) in pending {
+            let answer = match sent.and_then(|p| p.wait(wait)) {
+                // Sent to every owner at once; one whose link broke, before or after the
+                // request went out, is asked again (a read changes nothing), reconnecting as a
+                // call does.
                 Err(Error::Connection(_)) => self.storage[owner].call(&req, &[], wait)?,
                 other => other?,
             };
