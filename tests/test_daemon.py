@@ -137,6 +137,33 @@ def test_a_store_sharded_over_three_storage_daemons(daemons: Daemons) -> None:
     assert store.stats()["payload_rows"] == 0, "acked rows are dropped on their storage daemons"
 
 
+def test_data_parallel_ranks_share_a_claim_on_a_sharded_store(daemons: Daemons) -> None:
+    storage = [daemons("--role", "storage") for _ in range(2)]
+    addresses = ",".join(d.url.removeprefix("tcp://") for d in storage)
+    store = af.connect(daemons("--role", "controller", "--storage", addresses).url)
+    store.register_task("train")
+    # Groups of two rows, 1 to 4 tokens long: balanced parts hold 5 tokens each.
+    for g, tokens in enumerate([1, 4, 2, 3]):
+        store.put({"ids": [np.zeros(tokens, np.int64)] * 2}, groups=[g, g], group_size=2)
+    parts = [
+        store.claim(
+            "train",
+            ["ids"],
+            8,
+            timeout=5,
+            whole_groups=True,
+            step=0,
+            dp_rank=r,
+            dp_size=2,
+            balance_field="ids",
+        )
+        for r in range(2)
+    ]
+    assert sorted(int(i) for p in parts for i in p.indexes) == list(range(8))
+    for part in parts:
+        assert sum(len(cell) for cell in part.read()["ids"]) == 10, "balanced by token counts"
+
+
 def _put_from_child(url: str, queue: multiprocessing.Queue[int]) -> None:
     store = af.connect(url)
     queue.put(len(store.put({"x": [1, 2]})))

@@ -16,7 +16,7 @@ use crate::index::{
     PutTarget, RowInfo,
 };
 use crate::memory::{MemoryBudget, MemoryGuard};
-use crate::payload::{Cell, ChunkLayout, copy_into_chunk};
+use crate::payload::{ByteStorage, Cell, Chunk, ChunkLayout, copy_into_chunk};
 use crate::schema::FieldSchema;
 use crate::shards::Shards;
 use crate::wait::{Attempt, Wait, block_on};
@@ -271,6 +271,22 @@ impl Store {
         admitted
     }
 
+    /// Records the first dimension of cells whose bytes live elsewhere (on a controller's
+    /// storage daemons): shared claims balance their parts by these token counts. Each column is
+    /// a field and one first dimension per row of `rows`; freeing a row forgets them.
+    pub fn note_first_dims(&self, rows: &[u64], columns: &[(FieldId, Vec<u64>)]) {
+        let nothing = Chunk::new(Box::new(NoBytes), None);
+        let cells: Vec<(FieldId, Vec<Cell>)> = columns
+            .iter()
+            .map(|(field, dims)| {
+                let cell =
+                    |&first_dim| Cell { chunk: Arc::clone(&nothing), offset: 0, len: 0, first_dim };
+                (*field, dims.iter().map(cell).collect())
+            })
+            .collect();
+        self.shards.insert(rows, &cells);
+    }
+
     /// Makes `fields` ready on `rows` now that their payloads are in place.
     pub fn commit(&self, rows: &[u64], fields: &[FieldId]) -> Result<()> {
         self.commit_with(rows, fields, None)
@@ -496,4 +512,13 @@ fn check_cells(column: &Column) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The bytes of a cell kept elsewhere: none here.
+struct NoBytes;
+
+impl ByteStorage for NoBytes {
+    fn as_bytes(&self) -> &[u8] {
+        &[]
+    }
 }

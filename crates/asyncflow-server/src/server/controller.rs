@@ -47,6 +47,15 @@ impl Controller {
                     .map(|c| ColumnSpec { name: &c.name, schema: &c.schema, rows: c.cells.len() })
                     .collect();
                 let admitted = self.store.admit(&specs, &p.target)?;
+                let first_dims =
+                    p.columns.iter().map(|c| c.cells.iter().map(|cell| cell.first_dim));
+                let columns: Vec<_> = admitted
+                    .fields
+                    .iter()
+                    .copied()
+                    .zip(first_dims.map(Iterator::collect))
+                    .collect();
+                self.store.note_first_dims(&admitted.rows, &columns);
                 if matches!(p.target, PutTarget::New(_)) {
                     session.admitted.lock().extend(admitted.rows.iter().copied());
                 }
