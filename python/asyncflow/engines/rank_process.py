@@ -31,6 +31,8 @@ class RankSpec:
     store_address: str
     store_token: str | None
     log_path: Path
+    #: Where rank 0 listens for its peers (another machine's address under Ray).
+    master_addr: str = "127.0.0.1"
 
 
 def describe(error: BaseException) -> str:
@@ -54,7 +56,7 @@ def main(spec: RankSpec, conn: Connection) -> None:
     """Entry point of the rank's process."""
     _log_to(spec.log_path)
     try:
-        handlers = _start(spec)
+        handlers = start(spec)
     except BaseException as e:
         traceback.print_exc()
         conn.send(("error", describe(e)))
@@ -74,15 +76,23 @@ def main(spec: RankSpec, conn: Connection) -> None:
             return
 
 
-def _start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
+def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
+    """Starts the rank (see the module's docstring); its command handlers by name."""
     from asyncflow.daemon import connect
+    from asyncflow.engines.base import TrainEngine
     from asyncflow.engines.deepspeed import DeepSpeedTrainEngine
     from asyncflow.engines.process_group import Rendezvous
+    from asyncflow.engines.registry import create_train_engine, resolve_engine_name
     from asyncflow.models.tokenizer import load_tokenizer
     from asyncflow.workers.rank_step import RankStep
 
-    rendezvous = Rendezvous(spec.rank, spec.world_size, spec.master_port)
-    engine = DeepSpeedTrainEngine(spec.model_dir, spec.config, rendezvous)
+    name = resolve_engine_name("train", spec.config.trainer.engine)
+    engine: TrainEngine
+    if spec.world_size == 1 and name != "deepspeed":  # a lone rank may use any engine
+        engine = create_train_engine(name, spec.model_dir, spec.config)
+    else:
+        rendezvous = Rendezvous(spec.rank, spec.world_size, spec.master_port, spec.master_addr)
+        engine = DeepSpeedTrainEngine(spec.model_dir, spec.config, rendezvous)
     store = connect(spec.store_address, token=spec.store_token)
     pad_id = load_tokenizer(spec.model_dir).pad_id
     step = RankStep(

@@ -1,6 +1,7 @@
 """Data-parallel DeepSpeed ranks, each in a process of its own, driven from the job's process.
 
-The job holds a :class:`RankGroup`, a train engine whose every call is sent to all ranks (under
+The job holds :class:`Ranks` (here a :class:`RankGroup` of processes; under Ray, actors: see
+:mod:`asyncflow.launch.ray_ranks`), a train engine whose every call is sent to all ranks (under
 ZeRO-3 nearly everything is collective) and answered by them. The ranks reach the samples and
 publish weights through the store daemon. Every wait has a deadline and watches the processes: a
 rank that exits or does not answer in time becomes an error naming it, what the job was waiting
@@ -13,6 +14,7 @@ import contextlib
 import multiprocessing
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -41,10 +43,74 @@ def log_tail(path: Path, lines: int = LOG_TAIL) -> str:
     return "\n".join(text[-lines:]) or "(empty log)"
 
 
-class RankGroup(StepTrainEngine):
-    """``trainer.dp_size`` DeepSpeed ranks in their own processes, behind one train engine."""
+class Ranks(StepTrainEngine):
+    """Data-parallel ranks behind one train engine: every call goes to all ranks, which answer
+    in rank order. Subclasses say how the ranks are reached (:meth:`_call`) and ended."""
 
     name = "deepspeed"
+
+    def __init__(self, store: Store, config: Config) -> None:
+        super().__init__()
+        self.store = store
+        self.timeout = config.trainer.timeout
+        #: A step may first wait for its samples as long as any worker may wait for its input.
+        self.step_timeout = config.run.stall_timeout + config.trainer.timeout
+
+    @abstractmethod
+    def _call(
+        self,
+        command: str,
+        argument: Any,
+        what: str,
+        timeout: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> list[Any] | None:
+        """Runs ``command`` (a handler of :func:`asyncflow.engines.rank_process.handlers`) on
+        every rank; their answers in rank order, or None if ``stop`` is set first."""
+
+    @abstractmethod
+    def _ready(self) -> None:
+        """Waits until every rank has started (and sets ``version``)."""
+
+    # -- the train engine ---------------------------------------------------------------------
+
+    def train_step(self, step: int, stop: threading.Event) -> StepResult | None:
+        parts = self._call("step", step, f"training step {step}", self.step_timeout, stop)
+        if parts is None or any(p is None for p in parts):
+            return None
+        self.version = step + 1
+        return StepResult.merge(parts)
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        answers = self._call("logprobs", batch, "computing log-probs")
+        assert answers is not None
+        return answers[0]  # type: ignore[no-any-return]
+
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        raise NotImplementedError("the ranks train whole steps: use train_step")
+
+    def optimizer_step(self) -> dict[str, float]:
+        raise NotImplementedError("the ranks train whole steps: use train_step")
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current version's weights, as rank 0 published them (views of the store)."""
+        self._ready()
+        return iter(weights.fetch(self.store, self.version)[1])
+
+    def save(self, directory: Path) -> None:
+        self._call("save", directory, f"saving a checkpoint to {directory}")
+
+    def load(self, directory: Path) -> None:
+        versions = self._call("load", directory, f"loading the checkpoint in {directory}")
+        assert versions is not None
+        self.version = int(versions[0])
+
+    def save_pretrained(self, directory: Path) -> None:
+        self._call("save_pretrained", directory, f"saving the model to {directory}")
+
+
+class RankGroup(Ranks):
+    """``trainer.dp_size`` DeepSpeed ranks in their own processes, behind one train engine."""
 
     def __init__(
         self,
@@ -54,11 +120,7 @@ class RankGroup(StepTrainEngine):
         store_address: str,
         log_dir: Path,
     ) -> None:
-        super().__init__()
-        self.store = store
-        self.timeout = config.trainer.timeout
-        #: A step may first wait for its samples as long as any worker may wait for its input.
-        self.step_timeout = config.run.stall_timeout + config.trainer.timeout
+        super().__init__(store, config)
         self.logs = [log_dir / f"trainer-rank-{r}.log" for r in range(config.trainer.dp_size)]
         port = free_port()
         # Spawned, not forked: the job's process already runs threads and the store client.
@@ -154,42 +216,6 @@ class RankGroup(StepTrainEngine):
                 sentinels = [self.procs[r].sentinel for r in waiting]
                 wait([self.conns[r] for r in waiting] + sentinels, timeout=0.5)
         return [replies[r] for r in range(len(self.conns))]
-
-    # -- the train engine ---------------------------------------------------------------------
-
-    def train_step(self, step: int, stop: threading.Event) -> StepResult | None:
-        parts = self._call("step", step, f"training step {step}", self.step_timeout, stop)
-        if parts is None or any(p is None for p in parts):
-            return None
-        self.version = step + 1
-        return StepResult.merge(parts)
-
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        answers = self._call("logprobs", batch, "computing log-probs")
-        assert answers is not None
-        return answers[0]  # type: ignore[no-any-return]
-
-    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        raise NotImplementedError("the ranks train whole steps: use train_step")
-
-    def optimizer_step(self) -> dict[str, float]:
-        raise NotImplementedError("the ranks train whole steps: use train_step")
-
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The current version's weights, as rank 0 published them (views of the store)."""
-        self._ready()
-        return iter(weights.fetch(self.store, self.version)[1])
-
-    def save(self, directory: Path) -> None:
-        self._call("save", directory, f"saving a checkpoint to {directory}")
-
-    def load(self, directory: Path) -> None:
-        versions = self._call("load", directory, f"loading the checkpoint in {directory}")
-        assert versions is not None
-        self.version = int(versions[0])
-
-    def save_pretrained(self, directory: Path) -> None:
-        self._call("save_pretrained", directory, f"saving the model to {directory}")
 
     def close(self) -> None:
         """Asks every rank to stop, then ends those that do not within ten seconds (one mid-step
