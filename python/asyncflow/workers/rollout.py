@@ -142,9 +142,11 @@ class Rollout(Worker):
                 work, outputs = self._drop_rerouted(work, outputs)
                 if not work.prompts:
                     return True
-            self._put_samples(
-                work.target, version, work.prompts, work.answers, work.groups, outputs
-            )
+            fresh, fresh_outputs = self._drop_already_put(work, outputs)
+            if fresh.prompts:
+                self._put_samples(
+                    fresh.target, version, fresh.prompts, fresh.answers, fresh.groups, fresh_outputs
+                )
             self._settle(work, done=True)
         return True
 
@@ -165,6 +167,27 @@ class Rollout(Worker):
             assignments=kept,
         )
         return rest, [o for o, m in zip(outputs, mine, strict=True) if m]
+
+    def _drop_already_put(
+        self, work: PromptGroups, outputs: list[list[Completion]]
+    ) -> tuple[PromptGroups, list[list[Completion]]]:
+        """Leaves out groups whose samples are already in: a worker that died after putting
+        them but before acking their prompts had its prompts delivered again. (The lease on the
+        prompts keeps anyone else from putting the same groups meanwhile.)"""
+        present = self.store.rows(partition=step_partition(work.target)).groups
+        fresh = ~np.isin(work.groups, present)
+        if fresh.all():
+            return work, outputs
+        keep = np.flatnonzero(fresh)
+        rest = PromptGroups(
+            [work.prompts[i] for i in keep],
+            [work.answers[i] for i in keep],
+            work.groups[keep],
+            work.target,
+            work.batch,
+            None if work.assignments is None else [work.assignments[i] for i in keep],
+        )
+        return rest, [outputs[i] for i in keep]
 
     def _put_samples(
         self,
