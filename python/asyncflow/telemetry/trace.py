@@ -27,6 +27,8 @@ class Span:
 class Tracer:
     def __init__(self) -> None:
         self.origin = time.monotonic()
+        #: The same moment on the wall clock, to line up tracers of other processes or machines.
+        self.wall_origin = time.time()
         self._spans: list[Span] = []
         self._lock = threading.Lock()
 
@@ -43,6 +45,14 @@ class Tracer:
             end = self.now()
             with self._lock:
                 self._spans.append(Span(role, kind, name, start, end))
+
+    def add(self, spans: list[Span], wall_origin: float) -> None:
+        """Takes in another tracer's spans (``wall_origin`` is that tracer's), on this timeline."""
+        shift = wall_origin - self.wall_origin
+        with self._lock:
+            self._spans += [
+                Span(s.role, s.kind, s.name, s.start + shift, s.end + shift) for s in spans
+            ]
 
     def spans(self) -> list[Span]:
         with self._lock:
