@@ -80,3 +80,22 @@ def test_the_parquet_example_is_valid_once_its_paths_exist(tmp_path: Path) -> No
         f"data.eval_file={tmp_path / 'test.parquet'}",
     ]
     assert cfg.load(EXAMPLES / "parquet.yaml", overrides).data.task == "parquet"
+
+
+def test_the_two_node_ray_example_is_valid_once_its_paths_exist(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    for name in ("train.parquet", "test.parquet"):
+        (tmp_path / name).write_bytes(b"")
+    overrides = [
+        f"model.path={tmp_path / 'model'}",
+        f"data.train_file={tmp_path / 'train.parquet'}",
+        f"data.eval_file={tmp_path / 'test.parquet'}",
+    ]
+    c = cfg.load(EXAMPLES / "ray-2x8gpu.yaml", overrides)
+    assert (c.launcher, c.trainer.dp_size, c.rollout.engines) == ("ray", 8, 8)
+    assert (c.ray.trainer_gpus, c.ray.rollout_gpus) == (1.0, 1.0)
+
+
+def test_a_negative_ray_resource_is_a_config_error() -> None:
+    with pytest.raises(cfg.ConfigError, match=r"ray\.rollout_gpus cannot be negative"):
+        cfg.load(None, ["ray.rollout_gpus=-1"])

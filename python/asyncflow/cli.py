@@ -78,7 +78,11 @@ def _train(args: argparse.Namespace) -> int:
     except cfg.ConfigError as e:
         print(f"asyncflow train: invalid configuration: {e}", file=sys.stderr)
         return 2
-    summary = train(config, run_dir=args.run_dir, resume=args.resume)
+    try:
+        summary = train(config, run_dir=args.run_dir, resume=args.resume)
+    except cfg.ConfigError as e:
+        print(f"asyncflow train: invalid configuration: {e}", file=sys.stderr)
+        return 2
     print(f"summary written to {summary['run_dir']}/summary.json")
     return 0
 

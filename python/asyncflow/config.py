@@ -158,6 +158,26 @@ class StoreSettings:
 
 
 @dataclass
+class RayConfig:
+    """``launcher: ray``: where the cluster is and what each role's actors ask of it."""
+
+    #: The cluster to join (``auto``, ``HOST:6379``, ``ray://HOST:10001``); None: ``$RAY_ADDRESS``
+    #: if set, else a Ray instance started on this machine for the run.
+    address: str | None = None
+    #: Resources of each rollout engine's actor, and of each data-parallel trainer rank's.
+    rollout_cpus: float = 1.0
+    rollout_gpus: float = 0.0
+    trainer_cpus: float = 1.0
+    trainer_gpus: float = 0.0
+    #: CPUs of the reward and advantage actors each; the reference actor gets a trainer rank's.
+    worker_cpus: float = 1.0
+    #: Times Ray restarts a worker actor that died (leases hand its rows to the new one).
+    max_restarts: int = 3
+    #: Seconds to wait for placement groups and actors (engines loaded) before failing.
+    start_timeout: float = 600.0
+
+
+@dataclass
 class RunConfig:
     name: str = "asyncflow"
     seed: int = 0
@@ -184,6 +204,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     store: StoreSettings = field(default_factory=StoreSettings)
     run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     launcher: Literal["local", "ray"] = "local"
 
     def to_dict(self) -> dict[str, Any]:
@@ -376,6 +397,16 @@ def validate(c: Config) -> None:
     if c.rollout.max_model_len is not None:
         _require(c.rollout.max_model_len >= 1, "rollout.max_model_len must be at least 1")
     _require(c.run.poll_interval > 0, "run.poll_interval must be positive")
+    for key, amount in [
+        ("ray.rollout_cpus", c.ray.rollout_cpus),
+        ("ray.rollout_gpus", c.ray.rollout_gpus),
+        ("ray.trainer_cpus", c.ray.trainer_cpus),
+        ("ray.trainer_gpus", c.ray.trainer_gpus),
+        ("ray.worker_cpus", c.ray.worker_cpus),
+        ("ray.max_restarts", c.ray.max_restarts),
+    ]:
+        _require(amount >= 0, f"{key} cannot be negative")
+    _require(c.ray.start_timeout > 0, "ray.start_timeout must be positive")
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
     if c.data.task == "parquet":

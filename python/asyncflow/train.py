@@ -156,6 +156,8 @@ class Run:
         self.resume = resume
         self.phases = Phase()
         self.started = time.monotonic()
+        #: Where the run's parts ran, for the summary (launcher ray).
+        self.placement: dict[str, Any] = {}
 
     # -- preparation --------------------------------------------------------------------------
 
@@ -193,6 +195,8 @@ class Run:
         model_dir = self.prepare_model(task)
         tokenizer = load_tokenizer(model_dir)
         with contextlib.ExitStack() as cleanup:
+            if c.launcher == "ray":
+                return self._execute_on_ray(cleanup, task, model_dir, tokenizer)
             daemon = start_daemon(c)
             if daemon is not None:
                 cleanup.enter_context(daemon)
@@ -230,6 +234,43 @@ class Run:
                 train_name,
             )
 
+    def _execute_on_ray(
+        self, cleanup: contextlib.ExitStack, task: Task, model_dir: Path, tokenizer: Tokenizer
+    ) -> dict[str, Any]:
+        """As :meth:`execute`, with the store, engines and workers as actors of a Ray cluster."""
+        from asyncflow.launch.ray_cluster import RayCluster, rollout_labels
+        from asyncflow.launch.ray_workers import RemoteRollout
+
+        c = self.config
+        since = time.monotonic()
+        cluster = cleanup.enter_context(RayCluster(c))
+        self.reporter.line(f"on Ray: store controller at {cluster.url}")
+        store = connect(cluster.url, token=cluster.token)
+        self.placement = {
+            "nodes": cluster.nodes,
+            "storage_daemons": store.stats()["storage_daemons"],
+        }
+        rollout_name = resolve_engine_name("rollout", c.rollout.engine)
+        train_name = resolve_engine_name("train", c.trainer.engine)
+        trainer_engine = cluster.ranks(model_dir, store)
+        actors = cluster.workers(model_dir)
+        first = rollout_labels(c)[0]
+        evaluate_with = RemoteRollout(actors[first], rollout_name, c.ray.start_timeout)
+        evaluate_with.label = first
+        self.phases.timed("engine_start", since)
+        return self._run(
+            task,
+            model_dir,
+            tokenizer,
+            store,
+            [evaluate_with],
+            trainer_engine,
+            HFRolloutEngine(model_dir, c),
+            rollout_name,
+            train_name,
+            actors,
+        )
+
     def _train_engine(self, name: str, model_dir: Path, store: Store, address: str) -> TrainEngine:
         c = self.config
         if c.trainer.dp_size == 1:
@@ -249,6 +290,7 @@ class Run:
         evaluator: RolloutEngine,
         rollout_name: str,
         train_name: str,
+        actors: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         c = self.config
         eval_set = task.eval_set()
@@ -300,16 +342,25 @@ class Run:
                 evals.append((step, acc))
                 # The trainer waits for evaluation: time-to-accuracy figures subtract it.
                 extra |= {"eval_accuracy": acc, "eval_seconds": time.monotonic() - since}
-            if step % c.run.checkpoint_every == 0 and step < c.trainer.max_steps:
+            # Checkpoints snapshot the pipeline's in-process state: the local launcher's only.
+            checkpointing = c.launcher == "local" and step % c.run.checkpoint_every == 0
+            if checkpointing and step < c.trainer.max_steps:
                 checkpoint.save(self.run_dir, step, trainer_engine, store, state, figures)
             return extra
 
         register_tasks(store, c.algorithm.reference)
         if not isinstance(trainer_engine, StepTrainEngine):  # its ranks publish their own
             weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
-        workers = self._workers(
-            ctx, task, rollouts, trainer_engine, model_dir, metrics, ledger, after_step, start_group
-        )
+        supervisor = None
+        if actors is None:
+            workers = self._workers(ctx, rollouts, trainer_engine, model_dir)
+        else:
+            from asyncflow.launch.ray_workers import Supervisor
+
+            supervisor = Supervisor(ctx, actors)
+            workers = [supervisor]
+        workers.append(Trainer(ctx, trainer_engine, metrics, ledger, after_step))
+        workers.insert(0, Feeder(ctx, task, start_group))
         trainer = next(w for w in workers if isinstance(w, Trainer))
         try:
             with self.reporter.steps(c.trainer.max_steps, state.trained_steps) as tick:
@@ -321,6 +372,8 @@ class Run:
             tracer.write_chrome_trace(self.run_dir / "trace.json")
         self.phases.timed("rl", since)
         busy = tracer.busy_fraction()
+        if supervisor is not None:
+            self.placement["actor_restarts"] = supervisor.restarts
 
         since = time.monotonic()
         version, final = weights.fetch(store, trainer_engine.version)
@@ -354,16 +407,12 @@ class Run:
     def _workers(
         self,
         ctx: Context,
-        task: Task,
         rollouts: list[RolloutEngine],
         trainer_engine: TrainEngine,
         model_dir: Path,
-        metrics: MetricsLog,
-        ledger: Ledger,
-        after_step: Any,
-        start_group: int,
     ) -> list[Worker]:
-        workers: list[Worker] = [Feeder(ctx, task, start_group)]
+        """The workers between the feeder and the trainer, as threads of this process."""
+        workers: list[Worker] = []
         if len(rollouts) == 1:
             workers.append(Rollout(ctx, rollouts[0], rollouts[0].label))
         else:
@@ -374,7 +423,6 @@ class Run:
         if self.config.algorithm.reference:
             workers.append(ReferenceWorker(ctx, HFTrainEngine(model_dir, self.config)))
         workers.append(AdvantageWorker(ctx))
-        workers.append(Trainer(ctx, trainer_engine, metrics, ledger, after_step))
         return workers
 
     def _summary(
@@ -409,6 +457,8 @@ class Run:
             "tokens_generated": state.generated_tokens,
             "busy_fraction": busy,
             "model_parameters": parameter_count(model_dir),
+            "launcher": c.launcher,
+            **({"placement": self.placement} if self.placement else {}),
             "run_dir": str(self.run_dir),
         }
 
@@ -433,6 +483,11 @@ def train(
 ) -> dict[str, Any]:
     """Runs the main job; returns the summary (also written to ``summary.json``)."""
     quiet_libraries()
+    if resume is not None and config.launcher == "ray":
+        raise ConfigError(
+            "--resume works with the local launcher only: checkpoints snapshot the pipeline "
+            "inside one process (run it again with --launcher local, or start afresh)"
+        )
     directory = resume if resume is not None else resolve_run_dir(config, run_dir)
     return Run(
         config, directory, reporter or Reporter(config.run.progress), resume is not None

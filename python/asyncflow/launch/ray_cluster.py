@@ -1,0 +1,148 @@
+"""``launcher: ray``: the run's place on a Ray cluster, from joining it to tearing it down.
+
+Start-up order: join the cluster (``ray.address``, else ``$RAY_ADDRESS``, else a Ray instance on
+this machine); reserve a placement group per role (trainer ranks packed together, rollout engines
+spread over the nodes, the small workers packed); place the store (a storage daemon per node, the
+controller here) with a token made for the run; then, when asked, the trainer ranks and the worker
+actors. Leaving the context stops them all in reverse order (also on Ctrl-C or an error) and
+leaves the cluster. The feeder and the trainer's bookkeeping stay in the job's process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from asyncflow.config import Config
+from asyncflow.launch import ray_workers
+from asyncflow.launch.ray_ranks import RayRanks
+from asyncflow.launch.ray_store import place_store
+from asyncflow.store import Store
+
+#: Environment of every actor: one compute thread each (see ``asyncflow.cli``), no downloads.
+ACTOR_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def rollout_labels(config: Config) -> list[str]:
+    n = config.rollout.engines
+    return ["rollout"] if n == 1 else [f"rollout-{i}" for i in range(n)]
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    # Ray refuses empty bundles; a worker asking for nothing still gets a sliver of a CPU.
+    return {"CPU": cpus or 0.01, **({"GPU": gpus} if gpus else {})}
+
+
+class RayCluster:
+    """The run's actors on a Ray cluster (a context manager)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        #: Every store daemon demands it; actors get it as an argument.
+        self.token = secrets.token_hex(16)
+        self._cleanup = ExitStack()
+        self.groups: dict[str, PlacementGroup] = {}
+        self.url = ""
+        self.nodes = 0
+
+    def __enter__(self) -> RayCluster:
+        with ExitStack() as undo:
+            undo.push(self)  # a failed start stops what it started
+            self._join()
+            self._reserve()
+            store = place_store(self.config, self.token)
+            self._cleanup.callback(store.stop)
+            self.url = store.url
+            self.nodes = len(store.actors) - 1
+            undo.pop_all()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._cleanup.close()
+
+    def _join(self) -> None:
+        if ray.is_initialized():
+            return  # the caller's own connection: it stays theirs
+        address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or None
+        ray.init(
+            address=address,
+            runtime_env={"env_vars": ACTOR_ENV},
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        self._cleanup.callback(ray.shutdown)
+
+    def _reserve(self) -> None:
+        c, r = self.config, self.config.ray
+        wanted = {
+            "trainer": ([_bundle(r.trainer_cpus, r.trainer_gpus)] * c.trainer.dp_size, "PACK"),
+            "rollout": ([_bundle(r.rollout_cpus, r.rollout_gpus)] * c.rollout.engines, "SPREAD"),
+            "workers": (
+                [_bundle(r.worker_cpus, 0)] * 2
+                + ([_bundle(r.trainer_cpus, r.trainer_gpus)] if c.algorithm.reference else []),
+                "PACK",
+            ),
+        }
+        for role, (bundles, strategy) in wanted.items():
+            self.groups[role] = placement_group(bundles, strategy=strategy)
+            self._cleanup.callback(remove_placement_group, self.groups[role])
+        for role, group in self.groups.items():
+            try:
+                ray.get(group.ready(), timeout=r.start_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"the cluster found no room for the {role} placement group "
+                    f"{wanted[role][0]} within {r.start_timeout:.0f}s (ray.start_timeout); "
+                    f"free now: {ray.available_resources()}"
+                ) from None
+
+    def ranks(self, model_dir: Path, store: Store) -> RayRanks:
+        """The trainer's ranks, one actor per bundle of the trainer's placement group."""
+        ranks = RayRanks(
+            model_dir, self.config, store, self.url, self.token, self.groups["trainer"]
+        )
+        self._cleanup.callback(ranks.close)
+        return ranks
+
+    def workers(self, model_dir: Path) -> dict[str, Any]:
+        """The rollout, reward, [reference] and advantage actors, by label, started."""
+        c, r = self.config, self.config.ray
+        roles = [("rollout", label) for label in rollout_labels(c)]
+        roles += [("reward", "reward"), ("advantage", "advantage")]
+        if c.algorithm.reference:
+            roles.append(("reference", "reference"))
+
+        def bundle(group: str, index: int, cpus: float, gpus: float) -> dict[str, Any]:
+            strategy = PlacementGroupSchedulingStrategy(self.groups[group], index)
+            return {"num_cpus": cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
+
+        placement = {
+            label: bundle("rollout", i, r.rollout_cpus, r.rollout_gpus)
+            for i, label in enumerate(rollout_labels(c))
+        }
+        placement["reward"] = bundle("workers", 0, r.worker_cpus, 0)
+        placement["advantage"] = bundle("workers", 1, r.worker_cpus, 0)
+        placement["reference"] = bundle("workers", 2, r.trainer_cpus, r.trainer_gpus)
+        actors: dict[str, Any] = {}
+        self._cleanup.callback(lambda: [ray.kill(a) for a in actors.values()])
+        actors |= ray_workers.start(c, roles, self.url, self.token, model_dir, placement)
+        return actors

@@ -1,0 +1,266 @@
+"""Pipeline workers (rollout, reward, reference, advantage) as restartable Ray actors, and the
+supervisor that runs them from the job's process.
+
+An actor builds its own context connected to the store daemon, its worker and its engine, and
+loops the worker in :meth:`WorkerActor.run` until :meth:`WorkerActor.stop` (a threaded actor, so
+stop arrives while run executes). When one dies, Ray restarts it (``ray.max_restarts``) and the
+supervisor calls ``run`` again; the rows it held come back when their leases expire, and since a
+row is committed only by its ack, none is lost or processed twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+
+from asyncflow import weights
+from asyncflow.config import Config
+from asyncflow.daemon import connect
+from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.engines.hf import HFTrainEngine
+from asyncflow.engines.registry import create_rollout_engine, resolve_engine_name
+from asyncflow.launch.local import WorkerFailed
+from asyncflow.models.tokenizer import load_tokenizer
+from asyncflow.telemetry.trace import Span, Tracer
+from asyncflow.workers.advantage import AdvantageWorker
+from asyncflow.workers.base import Context, RunState, Worker
+from asyncflow.workers.reference import ReferenceWorker
+from asyncflow.workers.reward import RewardWorker, resolve_reward
+from asyncflow.workers.rollout import Rollout
+
+
+@dataclass
+class Report:
+    """What a worker actor has done since it (last) started."""
+
+    #: Which life of the actor this is (a restart begins a new one).
+    life: str
+    generated_tokens: int
+    generated_samples: int
+    spans: list[Span]
+    wall_origin: float
+
+
+class WorkerActor:
+    """One pipeline worker in its own process (wrapped by ``ray.remote`` in :func:`start`)."""
+
+    def __init__(
+        self, config: Config, role: str, label: str, url: str, token: str, model_dir: Path
+    ) -> None:
+        from asyncflow.train import quiet_libraries
+
+        quiet_libraries()
+        store = connect(url, token=token)
+        self.ctx = Context(store, config, load_tokenizer(model_dir), Tracer(), RunState())
+        self.engine: RolloutEngine | None = None
+        self.worker = self._worker(role, label, model_dir)
+        self.life = uuid.uuid4().hex
+
+    def _worker(self, role: str, label: str, model_dir: Path) -> Worker:
+        c, ctx = self.ctx.config, self.ctx
+        if role == "rollout":
+            self.engine = create_rollout_engine(
+                resolve_engine_name("rollout", c.rollout.engine), model_dir, c
+            )
+            self.engine.label = label
+            return Rollout(ctx, self.engine, label)
+        if role == "reward":
+            return RewardWorker(ctx, resolve_reward(c.reward.fn))
+        if role == "reference":
+            return ReferenceWorker(ctx, HFTrainEngine(model_dir, c))
+        if role == "advantage":
+            return AdvantageWorker(ctx)
+        raise ValueError(f"no worker has the role {role!r}")
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self) -> Report:
+        """Runs the worker until :meth:`stop`; raises what the worker raises."""
+        self.worker.run()
+        return self.report()
+
+    def stop(self) -> None:
+        self.ctx.stop.set()
+
+    def report(self) -> Report:
+        s, tracer = self.ctx.state, self.ctx.tracer
+        with s.lock:
+            tokens, samples = s.generated_tokens, s.generated_samples
+        return Report(self.life, tokens, samples, tracer.spans(), tracer.wall_origin)
+
+    # -- evaluation through a rollout actor's engine (before the run starts, after it ends) ---
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        assert self.engine is not None, "only rollout actors generate"
+        return self.engine.generate(prompts, sampling)
+
+    def load_weights(self, version: int) -> None:
+        assert self.engine is not None, "only rollout actors load weights"
+        self.engine.load_weights(*weights.fetch(self.ctx.store, version))
+
+
+class RemoteRollout(RolloutEngine):
+    """A rollout actor's engine, seen from the job's process (for evaluation)."""
+
+    def __init__(self, actor: Any, name: str, timeout: float) -> None:
+        super().__init__()
+        self.actor = actor
+        self.name = name
+        self.timeout = timeout
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        answer: list[list[Completion]] = _get(
+            self.actor.generate.remote(prompts, sampling), f"{self.label} to generate", self.timeout
+        )
+        return answer
+
+    def load_weights(self, version: int, weights: Iterable[Any] = ()) -> None:
+        """Loads ``version``, which the actor reads from the store itself (``weights`` unused)."""
+        _get(self.actor.load_weights.remote(version), f"{self.label} to load weights", self.timeout)
+        self.version = version
+
+
+def _get(ref: Any, what: str, timeout: float) -> Any:
+    try:
+        return ray.get(ref, timeout=timeout)
+    except GetTimeoutError:
+        raise TimeoutError(f"waited {timeout:.0f}s for {what}") from None
+
+
+def start(
+    config: Config,
+    roles: list[tuple[str, str]],
+    url: str,
+    token: str,
+    model_dir: Path,
+    placement: dict[str, Any],
+) -> dict[str, Any]:
+    """Starts an actor per ``(role, label)`` with ``placement[label]``'s options, and waits until
+    every one has built its worker and engine; the actors by label."""
+    remote = ray.remote(WorkerActor)
+    actors = {
+        label: remote.options(
+            name=label,  # in the job's own namespace
+            max_concurrency=2,
+            max_restarts=config.ray.max_restarts,
+            **placement[label],
+        ).remote(config, role, label, url, token, model_dir)
+        for role, label in roles
+    }
+    timeout = config.ray.start_timeout
+    for label, actor in actors.items():
+        try:
+            _get(actor.ready.remote(), f"the {label} actor to start", timeout)
+        except RayActorError as e:
+            raise WorkerFailed(f"the {label} actor failed to start: {e}") from None
+    return actors
+
+
+class Supervisor(Worker):
+    """Runs the worker actors from the job's process: restarts their ``run`` after Ray restarted
+    them, fails the run when one raises or has died more than ``ray.max_restarts`` times, adds
+    their counters to the run's, and merges their timelines at the end."""
+
+    role = "ray-actors"
+
+    def __init__(self, ctx: Context, actors: dict[str, Any]) -> None:
+        super().__init__(ctx)
+        self.actors = actors
+        self.runs = {label: actor.run.remote() for label, actor in actors.items()}
+        self.polls = {label: actor.report.remote() for label, actor in actors.items()}
+        #: Each actor's current life, and its counters already added to the run's.
+        self.lives: dict[str, str] = {}
+        self.counted = {label: (0, 0) for label in actors}
+        #: Restarts seen (a new life reported), and deaths Ray reported as final.
+        self.restarts = dict.fromkeys(actors, 0)
+        self.deaths = dict.fromkeys(actors, 0)
+        #: When each actor being restarted died.
+        self.restarting: dict[str, float] = {}
+
+    def step(self) -> bool:
+        if not self.runs:  # every worker has returned
+            self.ctx.stop.wait(0.5)
+            return True
+        ready, _ = ray.wait(list(self.runs.values()), num_returns=1, timeout=0.5)
+        for label in [k for k, ref in self.runs.items() if ref in ready]:
+            self._ended(label, self.runs.pop(label))
+        done, _ = ray.wait(list(self.polls.values()), num_returns=len(self.polls), timeout=0)
+        for label in [k for k, ref in self.polls.items() if ref in done]:
+            with contextlib.suppress(RayActorError, RayTaskError):  # its run reports a death
+                self._count(label, ray.get(self.polls[label]), spans=False)
+                self.restarting.pop(label, None)  # it answers: it is back
+            self.polls[label] = self.actors[label].report.remote()
+        return True
+
+    def _ended(self, label: str, ref: Any) -> None:
+        try:
+            report = ray.get(ref)
+        except ActorUnavailableError:  # being restarted
+            self._ask_again(label)
+            return
+        except RayActorError as e:
+            self.deaths[label] += 1
+            if self.deaths[label] > self.config.ray.max_restarts:
+                raise WorkerFailed(
+                    f"the {label} actor died {self.deaths[label]} times "
+                    f"(ray.max_restarts {self.config.ray.max_restarts}): {e}"
+                ) from None
+            self._ask_again(label)
+            return
+        except RayTaskError as e:
+            raise WorkerFailed(f"the {label} worker failed: {e}") from None
+        self._count(label, report, spans=True)
+
+    def _ask_again(self, label: str) -> None:
+        """Runs the worker again once Ray has restarted its actor; a call made meanwhile is
+        refused (the actor is unavailable), so it is made again shortly, until
+        ``ray.start_timeout``."""
+        since = self.restarting.setdefault(label, time.monotonic())
+        waited = time.monotonic() - since
+        if waited > self.config.ray.start_timeout:
+            raise WorkerFailed(
+                f"the {label} actor was not back {waited:.0f}s after it died (ray.start_timeout)"
+            )
+        self.ctx.stop.wait(0.2)
+        self.runs[label] = self.actors[label].run.remote()
+
+    def _count(self, label: str, report: Report, spans: bool) -> None:
+        if self.lives.setdefault(label, report.life) != report.life:
+            self.lives[label] = report.life
+            self.restarts[label] += 1
+            self.counted[label] = (0, 0)  # a new life counts from zero
+        tokens, samples = self.counted[label]
+        self.ctx.state.add(
+            generated_tokens=max(0, report.generated_tokens - tokens),
+            generated_samples=max(0, report.generated_samples - samples),
+        )
+        self.counted[label] = (report.generated_tokens, report.generated_samples)
+        if spans:
+            self.ctx.tracer.add(report.spans, report.wall_origin)
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self._stop_all()
+
+    def _stop_all(self, timeout: float = 60.0) -> None:
+        """Asks every actor to stop and takes in the reports of those that do in time."""
+        for actor in self.actors.values():
+            actor.stop.remote()
+        deadline = time.monotonic() + timeout
+        for label, ref in self.runs.items():
+            # Stopping anyway: one that does not answer in time only misses from the timeline.
+            with contextlib.suppress(GetTimeoutError, RayActorError, RayTaskError):
+                left = max(0.1, deadline - time.monotonic())
+                self._count(label, ray.get(ref, timeout=left), spans=True)
+        self.runs.clear()

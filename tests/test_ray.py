@@ -1,0 +1,118 @@
+"""The main job on a Ray cluster (``launcher: ray``): two Ray nodes on this machine, the store
+sharded over them, the hf engines and a tiny model; and worker actors killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from asyncflow import config as cfg
+from asyncflow.progress import Reporter
+from asyncflow.train import train
+
+GROUPS, N = 4, 8
+FAST = [
+    "launcher=ray",
+    "data.digits=1",
+    "data.eval_size=16",
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    "warm_start.steps=20",
+    "warm_start.batch_size=64",
+    f"trainer.groups_per_step={GROUPS}",
+    f"rollout.n={N}",
+    "rollout.groups_per_call=2",
+    "rollout.engine=hf",
+    "run.eval_every=100",
+    "run.stall_timeout=120",
+    "ray.start_timeout=180",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Two Ray nodes on this machine (each its own raylet, as two hosts would have)."""
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
+    nodes.add_node(num_cpus=3)
+    nodes.wait_for_nodes()
+    yield nodes
+    nodes.shutdown()
+
+
+def run(cluster: Cluster, run_dir: Path, *overrides: str) -> dict[str, Any]:
+    config = cfg.load(None, [*FAST, f"ray.address={cluster.address}", *overrides])
+    return train(config, run_dir=run_dir, reporter=Reporter(enabled=False))
+
+
+def ledger(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+
+
+def trained_groups(run_dir: Path) -> list[int]:
+    return sorted(g for entry in ledger(run_dir) for g in entry["trained"])
+
+
+def test_deepspeed_ranks_train_on_a_two_node_cluster_with_the_store_on_both(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    summary = run(
+        cluster, tmp_path, "trainer.max_steps=2", "trainer.engine=deepspeed", "trainer.dp_size=2"
+    )
+    assert summary["launcher"] == "ray"
+    assert summary["placement"]["nodes"] == 2
+    assert summary["placement"]["storage_daemons"] == 2, "one storage daemon per node"
+    assert summary["engines"] == {"rollout": "hf", "trainer": "deepspeed"}
+    assert [e["step"] for e in ledger(tmp_path)] == [0, 1]
+    assert trained_groups(tmp_path) == list(range(2 * GROUPS)), "every group trained once"
+    assert summary["samples_generated"] >= 2 * GROUPS * N
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    roles = {e["args"]["name"] for e in trace if e["ph"] == "M"}
+    assert {"rollout", "reward", "advantage", "trainer", "feeder"} <= roles
+    assert (tmp_path / "final" / "config.json").is_file()
+    assert not ray.is_initialized(), "the job leaves the cluster when it ends"
+
+
+def test_killed_worker_actors_are_restarted_and_no_group_is_lost_or_trained_twice(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    steps = 4
+    killed: list[str] = []
+
+    def kill_after_the_first_step() -> None:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "ledger.jsonl").is_file() or not ledger(tmp_path):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        for label in ["rollout", "reward"]:
+            ray.kill(ray.get_actor(label), no_restart=False)
+            killed.append(label)
+
+    killer = threading.Thread(target=kill_after_the_first_step, daemon=True)
+    killer.start()
+    summary = run(
+        cluster,
+        tmp_path,
+        f"trainer.max_steps={steps}",
+        "trainer.engine=hf",
+        "store.lease_timeout=6",
+    )
+    killer.join(timeout=10)
+    assert killed == ["rollout", "reward"]
+    assert summary["placement"]["actor_restarts"] == {"rollout": 1, "reward": 1, "advantage": 0}
+    assert [e["step"] for e in ledger(tmp_path)] == list(range(steps))
+    assert trained_groups(tmp_path) == list(range(steps * GROUPS)), "every group trained once"
+
+
+def test_resuming_is_refused_on_ray(tmp_path: Path) -> None:
+    config = cfg.load(None, ["launcher=ray"])
+    with pytest.raises(cfg.ConfigError, match="local launcher only"):
+        train(config, resume=tmp_path, reporter=Reporter(enabled=False))
