@@ -116,3 +116,12 @@ def test_resuming_is_refused_on_ray(tmp_path: Path) -> None:
     config = cfg.load(None, ["launcher=ray"])
     with pytest.raises(cfg.ConfigError, match="local launcher only"):
         train(config, resume=tmp_path, reporter=Reporter(enabled=False))
+
+
+def test_a_placement_the_cluster_cannot_hold_is_an_error_naming_it(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    overrides = ["warm_start.enabled=false", "ray.trainer_gpus=1", "ray.start_timeout=2"]
+    with pytest.raises(TimeoutError, match="no room for the trainer placement group"):
+        run(cluster, tmp_path, *overrides)
+    assert not ray.is_initialized(), "what was started is torn down"

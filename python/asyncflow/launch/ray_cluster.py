@@ -66,7 +66,7 @@ class RayCluster:
             store = place_store(self.config, self.token)
             self._cleanup.callback(store.stop)
             self.url = store.url
-            self.nodes = len(store.actors) - 1
+            self.nodes = store.nodes
             undo.pop_all()
         return self
 

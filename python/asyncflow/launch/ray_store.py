@@ -36,9 +36,10 @@ class DaemonActor:
 
 @dataclass
 class PlacedStore:
-    """The controller's URL, and the actors to stop at the end."""
+    """The controller's URL, the nodes holding payloads, and the actors to stop at the end."""
 
     url: str
+    nodes: int
     actors: list[Any]
 
     def stop(self) -> None:
@@ -87,7 +88,7 @@ def place_store(config: Config, token: str) -> PlacedStore:
         str(s.lease_timeout),
     )
     (url,) = _get([controller.url.remote()], "the store controller to start", timeout)
-    return PlacedStore(url, [controller, *storage])
+    return PlacedStore(url, len(nodes), [controller, *storage])
 
 
 def _get(refs: list[Any], what: str, timeout: float) -> list[Any]:
