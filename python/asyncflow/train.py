@@ -353,15 +353,14 @@ class Run:
             weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
         supervisor = None
         if actors is None:
-            workers = self._workers(ctx, rollouts, trainer_engine, model_dir)
+            middle = self._workers(ctx, rollouts, trainer_engine, model_dir)
         else:
             from asyncflow.launch.ray_workers import Supervisor
 
             supervisor = Supervisor(ctx, actors)
-            workers = [supervisor]
-        workers.append(Trainer(ctx, trainer_engine, metrics, ledger, after_step))
-        workers.insert(0, Feeder(ctx, task, start_group))
-        trainer = next(w for w in workers if isinstance(w, Trainer))
+            middle = [supervisor]
+        trainer = Trainer(ctx, trainer_engine, metrics, ledger, after_step)
+        workers = [Feeder(ctx, task, start_group), *middle, trainer]
         try:
             with self.reporter.steps(c.trainer.max_steps, state.trained_steps) as tick:
                 run_threads(
