@@ -25,8 +25,10 @@ def records(tmp_path: Path, suite: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = json.loads(out.read_text())
     assert all(set(r) == KEYS and r["suite"] == suite for r in rows)
     for r in rows:
-        if r["baseline_value"] is not None:
+        if r["baseline_value"]:
             assert r["ratio"] == pytest.approx(r["value"] / r["baseline_value"])
+        elif r["baseline_value"] == 0:
+            assert r["ratio"] is None, "no ratio against a zero baseline"
     return rows
 
 

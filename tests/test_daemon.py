@@ -55,6 +55,20 @@ def test_shared_memory_reads_view_the_daemons_memory(daemons: Daemons) -> None:
     assert np.shares_memory(view, store.read(idx, "x")["x"][0])
 
 
+def test_one_read_of_rows_from_many_shared_segments(daemons: Daemons) -> None:
+    # Each put stages its own segment; a reader that has mapped none of them needs more
+    # descriptors than one message carries, so the rest of the cells come inline.
+    url = daemons().url
+    writer, reader = af.connect(url, transport="shm"), af.connect(url, transport="shm")
+    rows = [np.full(1000 + i, i, dtype=np.int64) for i in range(40)]
+    idx = np.concatenate([writer.put({"x": [row]}) for row in rows])
+    for _ in range(2):  # then again, with the segments mapped by the first read
+        got = reader.read(idx, "x")["x"]
+        for sent, back in zip(rows, got, strict=True):
+            np.testing.assert_array_equal(back, sent)
+    assert isinstance(reader.read(idx[-1:], "x")["x"][0].base, _native.ChunkOwner)
+
+
 def test_a_token_is_required_when_configured(
     daemons: Daemons, monkeypatch: pytest.MonkeyPatch
 ) -> None:

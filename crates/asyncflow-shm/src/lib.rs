@@ -10,7 +10,7 @@ pub mod segment;
 pub mod view;
 
 pub use error::ShmError;
-pub use fd_passing::{recv_with_fds, send_with_fds};
+pub use fd_passing::{MAX_FDS, recv_with_fds, send_with_fds};
 pub use pool::{Region, SegmentPool};
 pub use segment::Segment;
 pub use view::SegmentView;

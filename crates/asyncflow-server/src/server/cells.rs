@@ -3,13 +3,14 @@
 //! of it, so the daemon copies nothing. Going out, a cell in shared memory is named by segment and
 //! offset (and pinned until the client lets go), any other cell is sent inline.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use asyncflow_core::{Cell, Chunk, FieldSchema, MemoryGuard, StoreError};
 use asyncflow_proto::{
     CellMeta, CellPlace, PayloadSource, Reply, SharedCell, WireCell, WireColumn, align_payload,
 };
+use asyncflow_shm::MAX_FDS;
 
 use super::outgoing::{Answer, Part};
 use super::session::Session;
@@ -64,7 +65,9 @@ pub fn cells_in(chunk: &Arc<Chunk>, metas: &[CellMeta]) -> Result<Vec<Cell>, Sto
 }
 
 /// Builds the reply to a read: shared cells where the session maps shared memory and the cell
-/// lives in it, inline cells otherwise.
+/// lives in it, inline cells otherwise. One reply introduces at most `MAX_FDS` segments the
+/// client has not mapped yet (the descriptors one message can carry); cells in further new
+/// segments go inline, and a later read maps them.
 pub fn outgoing_cells(
     session: &Session,
     columns: Vec<(String, FieldSchema, Vec<Cell>)>,
@@ -73,12 +76,22 @@ pub fn outgoing_cells(
     let mut cursor = 0u64;
     let mut pinned: HashMap<*const Chunk, Arc<Chunk>> = HashMap::new();
     let mut segments = Vec::new();
+    let mut new_segments = HashSet::new();
     let mut wire = Vec::with_capacity(columns.len());
     for (name, schema, cells) in columns {
         let mut out = Vec::with_capacity(cells.len());
         for cell in cells {
-            let shared = session.shm.as_ref().and_then(|s| s.pool.locate(cell.bytes().as_ptr()));
-            let place = if let Some((segment, offset)) = shared.filter(|_| cell.len > 0) {
+            let shared = session.shm.as_ref().filter(|_| cell.len > 0).and_then(|shm| {
+                let (segment, offset) = shm.pool.locate(cell.bytes().as_ptr())?;
+                let id = segment.id();
+                let mapped = new_segments.contains(&id) || shm.knows(id);
+                if !mapped && new_segments.len() >= MAX_FDS {
+                    return None;
+                }
+                new_segments.extend((!mapped).then_some(id));
+                Some((segment, offset))
+            });
+            let place = if let Some((segment, offset)) = shared {
                 pinned.entry(Arc::as_ptr(&cell.chunk)).or_insert_with(|| Arc::clone(&cell.chunk));
                 let place =
                     CellPlace::Shared(SharedCell { segment: segment.id(), offset: offset as u64 });

@@ -42,6 +42,11 @@ impl ShmSession {
         self.next.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Whether the client has mapped segment `id` (and it still exists).
+    pub fn knows(&self, id: u64) -> bool {
+        self.known.lock().get(&id).is_some_and(|w| w.strong_count() > 0)
+    }
+
     /// Segments among `used` the client has not mapped yet (their descriptors must go with the
     /// reply), and segments it mapped that no longer exist.
     pub fn introduce<'a>(
