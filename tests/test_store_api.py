@@ -163,6 +163,9 @@ def test_an_expired_lease_is_redelivered_and_its_late_ack_changes_nothing(
     store.ack(again)
     with pytest.raises(af.LeaseError):
         store.ack(again)
+    # The rows are freed now: the first holder, reading late, hears that its lease ended.
+    with pytest.raises(af.LeaseError, match="lease ended"):
+        first.read()
 
 
 def test_renew_extends_a_lease(make_store: af.Store) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncflow.columns import pad
-from asyncflow.errors import BadRequestError
+from asyncflow.errors import BadRequestError, LeaseError, UnknownIndexError
 
 if TYPE_CHECKING:
     import torch
@@ -74,10 +74,20 @@ class Batch:
     def read(self, fields: Sequence[str] | None = None) -> dict[str, list[Any]]:
         """``{field: [value per row]}`` — read-only NumPy views into store memory (no copy; they
         keep the payload alive while referenced), or ``bytes`` for bytes fields. Defaults to the
-        claimed fields."""
+        claimed fields. Raises ``LeaseError`` if the rows are gone because the lease ended."""
         if len(self) == 0:
             return {f: [] for f in fields or self.fields}
-        return self.store.read(self.indexes, list(fields or self.fields))
+        try:
+            return self.store.read(self.indexes, list(fields or self.fields))
+        except UnknownIndexError as e:
+            if self.lease is None:
+                raise
+            # A live lease keeps its rows: they can only be gone once it has ended.
+            raise LeaseError(
+                f"rows of lease {self.lease} are gone ({e}): the lease ended (it expired, or the "
+                "daemon restarted) and another holder committed them, or their partition was "
+                "cleared"
+            ) from e
 
     def lengths(self, field: str) -> np.ndarray:
         """First-dimension length of ``field`` on each row."""
