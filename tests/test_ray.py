@@ -37,12 +37,28 @@ FAST = [
 ]
 
 
+def start_cluster(attempts: int = 3) -> Cluster:
+    """Two Ray nodes on this machine. Ray gives a starting raylet a fixed 30 s to register,
+    which a heavily loaded machine can miss: that (and only that) is tried again."""
+    for attempt in range(1, attempts + 1):
+        nodes = None
+        try:
+            nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
+            nodes.add_node(num_cpus=3)
+            nodes.wait_for_nodes()
+            return nodes
+        except Exception as e:
+            if nodes is not None:
+                nodes.shutdown()
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """Two Ray nodes on this machine (each its own raylet, as two hosts would have)."""
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
-    nodes.add_node(num_cpus=3)
-    nodes.wait_for_nodes()
+    nodes = start_cluster()
     yield nodes
     nodes.shutdown()
 
