@@ -55,6 +55,7 @@ class Ranks(StepTrainEngine):
         self.timeout = config.trainer.timeout
         #: A step may first wait for its samples as long as any worker may wait for its input.
         self.step_timeout = config.run.stall_timeout + config.trainer.timeout
+        self._started = False
 
     @abstractmethod
     def _call(
@@ -69,8 +70,16 @@ class Ranks(StepTrainEngine):
         every rank; their answers in rank order, or None if ``stop`` is set first."""
 
     @abstractmethod
+    def _wait_started(self) -> list[Any] | None:
+        """Waits until every rank has started; their versions, in rank order."""
+
     def _ready(self) -> None:
-        """Waits until every rank has started (and sets ``version``)."""
+        """Waits (once) until every rank has started, and sets ``version``."""
+        if not self._started:
+            versions = self._wait_started()
+            assert versions is not None
+            self.version = int(versions[0])
+            self._started = True
 
     # -- the train engine ---------------------------------------------------------------------
 
@@ -146,16 +155,11 @@ class RankGroup(Ranks):
             theirs.close()
             self.procs.append(proc)
             self.conns.append(ours)
-        self._started = False
 
     # -- talking to the ranks -----------------------------------------------------------------
 
-    def _ready(self) -> None:
-        if not self._started:
-            versions = self._collect("starting", self.timeout)
-            assert versions is not None
-            self.version = int(versions[0])
-            self._started = True
+    def _wait_started(self) -> list[Any] | None:
+        return self._collect("starting", self.timeout)
 
     def _call(
         self,

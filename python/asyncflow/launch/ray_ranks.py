@@ -87,7 +87,6 @@ class RayRanks(Ranks):
             for rank, actor in enumerate(self.actors)
         ]
         self._start_timeout = r.start_timeout
-        self._started = False
 
     def _get(
         self,
@@ -125,12 +124,8 @@ class RayRanks(Ranks):
         except RayTaskError as e:
             raise EngineError(f"trainer rank {rank} failed while {what}: {e}") from None
 
-    def _ready(self) -> None:
-        if not self._started:
-            versions = self._get(self._starting, "starting", self._start_timeout)
-            assert versions is not None
-            self.version = int(versions[0])
-            self._started = True
+    def _wait_started(self) -> list[Any] | None:
+        return self._get(self._starting, "starting", self._start_timeout)
 
     def _call(
         self,
