@@ -99,6 +99,18 @@ class Rollout(Worker):
             assignments=taken,
         )
 
+    def _wait_for_weights(self, version: int) -> None:
+        """Waits until ``version`` is published or the run stops. Claiming prompts again before
+        then would only hand them back: with many workers per engine, that churn costs the store
+        and this process more than the generation itself."""
+        with self.waiting(f"weights v{version}"):
+            while not self.ctx.stop.is_set():
+                if self.dispatcher is not None:
+                    self.dispatcher.report(self.role)  # waiting is not falling silent
+                if self.ctx.weights.wait_for(version, self.config.run.poll_interval):
+                    return
+                self.note_progress(False, f"policy weights version {version}")
+
     def _settle(self, work: PromptGroups, done: bool) -> None:
         """Acks the prompt rows (``done``) or hands them back to the store."""
         if work.assignments is None:
@@ -125,9 +137,7 @@ class Rollout(Worker):
             oldest_allowed = work.target - self.config.trainer.max_staleness
             if self.engine.version < oldest_allowed:
                 self._settle(work, done=False)
-                with self.waiting(f"weights v{oldest_allowed}"):
-                    self.ctx.weights.wait_for(oldest_allowed, self.config.run.poll_interval)
-                self.note_progress(False, f"policy weights version {oldest_allowed}")
+                self._wait_for_weights(oldest_allowed)
                 return True
         # Read before generating: an engine shared by several workers may load newer weights while
         # this call is in flight, and a sample is as old as the oldest policy that wrote it.
