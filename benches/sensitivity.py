@@ -18,15 +18,19 @@ from asyncflow import _native
 from asyncflow.bench import costs as cost_model
 
 MODES = ("colocated-sync", "async-1", "async-2")
-VARIANTS = [
-    ("as configured", {}),
-    ("128 prompts per step", {"prompts_per_step": 128}),
-    ("512 prompts per step", {"prompts_per_step": 512}),
-    ("responses cut at 8k", {"response_max_tokens": 8192}),
-    ("responses cut at 32k", {"response_max_tokens": 32768}),
-    ("narrower tail (sigma 0.8)", {"response_sigma": 0.8}),
-    ("wider tail (sigma 1.2)", {"response_sigma": 1.2}),
-]
+
+
+def variants(w: cost_model.Workload) -> list[tuple[str, dict[str, float]]]:
+    return [
+        ("as configured", {}),
+        ("half the prompts per step", {"prompts_per_step": w.prompts_per_step // 2}),
+        ("twice the prompts per step", {"prompts_per_step": 2 * w.prompts_per_step}),
+        ("responses cut at 8k", {"response_max_tokens": 8192}),
+        ("responses cut at 16k", {"response_max_tokens": 16384}),
+        ("responses cut at 32k", {"response_max_tokens": 32768}),
+        ("narrower tail (sigma 0.8)", {"response_sigma": 0.8}),
+        ("wider tail (sigma 1.2)", {"response_sigma": 1.2}),
+    ]
 
 
 def main() -> None:
@@ -35,7 +39,7 @@ def main() -> None:
     costs = cost_model.load(parser.parse_args().costs)
     print("| workload | colocated-sync samples/s | async-1 | async-2 |")
     print("|---|---:|---:|---:|")
-    for label, change in VARIANTS:
+    for label, change in variants(costs.workload):
         variant = replace(costs, workload=replace(costs.workload, **change))
         rates = [_native.simulate(variant.params(), m)["samples_per_s"] for m in MODES]
         base = rates[0]

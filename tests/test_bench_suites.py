@@ -48,9 +48,14 @@ def test_the_pipeline_suite_compares_every_mode_with_the_colocated_baseline(
         assert metric(rows, case, "samples_per_s", "ideal")["baseline_value"] > 0
         for role in ("rollout", "reference", "trainer", "reward", "bottleneck"):
             assert 0 <= metric(rows, case, f"busy_{role}")["value"] <= 1.05
-        assert 0 < metric(rows, case, "decode_fill")["value"] <= 1
+        # The asynchronous modes may have generated a quick run's one measured step during its
+        # warm-up: no decoding in the window, then no fill either.
+        fill = metric(rows, case, "decode_fill")["value"]
+        assert 0 <= fill <= 1
+        assert (fill > 0) == (metric(rows, case, "busy_rollout")["value"] > 0)
         assert metric(rows, case, "overhead_per_sample")["unit"] == "ms"
     assert metric(rows, "colocated-sync", "samples_per_s", "colocated-sync")["ratio"] == 1
+    assert metric(rows, "colocated-sync", "decode_fill")["value"] > 0
     assert metric(rows, "async-1", "staleness_mean")["value"] <= 1
 
 
