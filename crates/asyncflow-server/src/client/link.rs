@@ -1,7 +1,13 @@
-//! One socket to a daemon, shared by every thread of a client process. Requests carry ids and a
-//! reader thread hands each reply to whoever waits for it, so a claim waiting a minute does not
-//! hold up an ack sent meanwhile. Plain threads, no async runtime: nothing here has to survive a
-//! fork, and a forked child that touches the link is told to connect again.
+//! One socket to a daemon, shared by every thread of a client process. Requests carry ids and
+//! each reply goes to whoever waits for it, so a claim waiting a minute does not hold up an ack
+//! sent meanwhile. Plain threads, no async runtime: nothing here has to survive a fork, and a
+//! forked child that touches the link is told to connect again.
+//!
+//! A caller waiting for a reply reads the socket itself, for a short while, when nobody else is
+//! reading it: most replies come within tens of microseconds, sooner than a sleeping thread can
+//! be woken to pass one on. A caller whose reply takes longer goes to sleep, and the link's
+//! watcher thread reads for it. The watcher also notices at once when the daemon hangs up, even
+//! while nobody waits, so the next request connects again instead of failing.
 //!
 //! Nothing here waits without a bound. Connecting, the hello and every write give up after the
 //! policy's request timeout; while requests are outstanding and the daemon sends nothing, the
@@ -14,10 +20,10 @@
 use std::collections::HashMap;
 use std::io::{BufWriter, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -28,6 +34,7 @@ use asyncflow_proto::{
 };
 use asyncflow_shm::{Segment, recv_with_fds};
 use parking_lot::Mutex;
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
 use super::Policy;
 use crate::error::{Error, Result};
@@ -45,12 +52,30 @@ pub enum Preference {
 
 static PADDING: [u8; 64] = [0; 64];
 
+/// How long a caller reads the socket for its reply before it sleeps until the watcher hands it
+/// over.
+const SPIN: Duration = Duration::from_micros(200);
+
 enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
 }
 
 impl Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+        }
+    }
+
+    /// Whether a read would find something (bytes, the end of the stream, or an error) now.
+    fn readable(&self) -> bool {
+        let fd = self.as_fd();
+        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+        poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).is_ok_and(|n| n > 0)
+    }
+
     fn try_clone(&self) -> std::io::Result<Stream> {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
@@ -138,11 +163,22 @@ pub struct Answer {
 
 type Delivery = Result<(Reply, Vec<u8>)>;
 
+/// The reading end of the socket; whoever holds it reads whole frames.
+struct Reader {
+    stream: Stream,
+    last_heard: Instant,
+}
+
 /// One socket to a daemon (see the module documentation).
 pub struct Link {
     writer: Mutex<BufWriter<Stream>>,
-    /// Kept to wake the reader thread when the link is dropped.
+    /// Kept to wake the watcher thread when the link is dropped.
     stream: Stream,
+    reader: Mutex<Reader>,
+    /// Callers asleep until their reply comes: while there are any, the watcher reads.
+    sleeping: AtomicUsize,
+    /// A byte written here wakes the watcher to look at `sleeping` again.
+    wake_watcher: UnixStream,
     pending: Mutex<HashMap<u64, SyncSender<Delivery>>>,
     next_id: AtomicU64,
     broken: Mutex<Option<String>>,
@@ -299,11 +335,18 @@ impl Link {
         // Reads wake up every ping interval to check on the daemon; writes give up after a
         // whole request timeout (a daemon that stopped reading has stopped serving).
         stream.set_timeouts(Some(policy.ping_interval()), Some(policy.request_timeout))?;
-        let reader = stream.try_clone()?;
+        let reader = Reader { stream: stream.try_clone()?, last_heard: Instant::now() };
+        let watched = stream.as_fd().try_clone_to_owned()?;
         let writer = BufWriter::with_capacity(256 << 10, stream.try_clone()?);
+        let (wake_watcher, woken) = UnixStream::pair()?;
+        wake_watcher.set_nonblocking(true)?;
+        woken.set_nonblocking(true)?;
         let link = Arc::new(Self {
             writer: Mutex::new(writer),
             stream,
+            reader: Mutex::new(reader),
+            sleeping: AtomicUsize::new(0),
+            wake_watcher,
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             broken: Mutex::new(None),
@@ -315,11 +358,11 @@ impl Link {
             address: address.to_owned(),
             policy,
         });
-        let for_reader = Arc::downgrade(&link);
+        let for_watcher = Arc::downgrade(&link);
         std::thread::Builder::new()
             .name("asyncflow-client".into())
-            .spawn(move || read_loop(&for_reader, reader))
-            .map_err(|e| Error::connection(format!("cannot start the reader thread: {e}")))?;
+            .spawn(move || watch(&for_watcher, &watched, woken))
+            .map_err(|e| Error::connection(format!("cannot start the watcher thread: {e}")))?;
         Ok(link)
     }
 
@@ -521,21 +564,22 @@ fn op_name(req: &Request) -> &'static str {
     }
 }
 
-/// Reads replies until the link fails; pings the daemon while requests wait and it is silent,
-/// and gives up on it after a request timeout of silence.
-fn read_loop(link: &Weak<Link>, mut stream: Stream) {
-    let mut last_heard = Instant::now();
-    let why = loop {
+impl Link {
+    /// Reads one frame and hands it to whoever waits for it; a frame that cannot be read or
+    /// understood breaks the link for everyone. `gone` says, while the daemon is silent, whether
+    /// nobody uses the link any more. Returns whether the link still works.
+    fn read_one(&self, reader: &mut Reader, gone: &dyn Fn() -> bool) -> bool {
+        let Reader { stream, last_heard } = reader;
         let frame = {
             let mut idle = || -> std::io::Result<()> {
-                let Some(link) = link.upgrade() else {
+                if gone() {
                     return Err(std::io::ErrorKind::NotConnected.into());
-                };
-                if link.pending.lock().is_empty() {
-                    last_heard = Instant::now();
+                }
+                if self.pending.lock().is_empty() {
+                    *last_heard = Instant::now();
                     return Ok(());
                 }
-                if last_heard.elapsed() >= link.policy.request_timeout {
+                if last_heard.elapsed() >= self.policy.request_timeout {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::TimedOut,
                         format!(
@@ -544,31 +588,101 @@ fn read_loop(link: &Weak<Link>, mut stream: Stream) {
                         ),
                     ));
                 }
-                link.ping();
+                self.ping();
                 Ok(())
             };
-            read_frame(&mut stream, Limits::DEFAULT, &mut idle)
+            read_frame(stream, Limits::DEFAULT, &mut idle)
         };
-        let Some(link) = link.upgrade() else { return };
-        last_heard = Instant::now();
-        let frame = match frame {
-            Ok(f) => f,
-            Err(e) => {
-                break format!("connection to the store daemon at {} lost: {e}", link.address);
-            }
+        *last_heard = Instant::now();
+        let why = match frame {
+            Ok(frame) => match self.deliver(frame) {
+                Ok(()) => return true,
+                Err(e) => format!("bad reply from the store daemon at {}: {e}", self.address),
+            },
+            Err(e) => format!("connection to the store daemon at {} lost: {e}", self.address),
         };
-        if let Err(e) = link.deliver(frame) {
-            break format!("bad reply from the store daemon at {}: {e}", link.address);
+        self.fail_all(&why);
+        false
+    }
+
+    /// Has the watcher look again at whether callers sleep.
+    fn nudge_watcher(&self) {
+        let _ = (&self.wake_watcher).write(&[1]);
+    }
+}
+
+/// The link's watcher thread: reads replies for callers asleep, pings the daemon while requests
+/// wait and it is silent (giving up on it after a request timeout of silence), and notices when
+/// the daemon hangs up. While no caller sleeps it waits for the hang-up only, so replies that
+/// callers read themselves do not wake it.
+fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream) {
+    loop {
+        let Some((wanted, interval)) = link
+            .upgrade()
+            .map(|l| (l.sleeping.load(Ordering::Acquire) > 0, l.policy.ping_interval()))
+        else {
+            return;
+        };
+        let events = if wanted { PollFlags::IN | PollFlags::RDHUP } else { PollFlags::RDHUP };
+        let mut fds = [PollFd::new(socket, events), PollFd::new(&woken, PollFlags::IN)];
+        let timeout = Timespec {
+            tv_sec: interval.as_secs() as i64,
+            tv_nsec: i64::from(interval.subsec_nanos()),
+        };
+        let ready = match poll(&mut fds, Some(&timeout)) {
+            Ok(n) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => return,
+        };
+        let on_socket = !fds[0].revents().is_empty();
+        if !fds[1].revents().is_empty() {
+            while woken.read(&mut [0u8; 64]).is_ok_and(|n| n > 0) {}
         }
-    };
-    if let Some(link) = link.upgrade() {
-        link.fail_all(&why);
+        let Some(link) = link.upgrade() else { return };
+        if link.is_broken() {
+            return;
+        }
+        let gone = || Arc::strong_count(&link) <= 1;
+        if on_socket {
+            let mut reader = link.reader.lock();
+            // A caller may have read what was there meanwhile; a hang-up is read to its end.
+            while reader.stream.readable() {
+                if !link.read_one(&mut reader, &gone) {
+                    return;
+                }
+            }
+        } else if ready == 0
+            && let Some(mut reader) = link.reader.try_lock()
+        {
+            // Replies nobody read (to pings, or to requests given up on) are read now.
+            while reader.stream.readable() {
+                if !link.read_one(&mut reader, &gone) {
+                    return;
+                }
+            }
+            if link.pending.lock().is_empty() {
+                reader.last_heard = Instant::now();
+                continue;
+            }
+            // Silence while requests wait: ping, or give up once it has lasted too long.
+            if reader.last_heard.elapsed() >= link.policy.request_timeout {
+                let why = format!(
+                    "connection to the store daemon at {} lost: the daemon answered nothing, not \
+                     even a ping, for {:.1}s",
+                    link.address,
+                    reader.last_heard.elapsed().as_secs_f64()
+                );
+                link.fail_all(&why);
+                return;
+            }
+            link.ping();
+        }
     }
 }
 
 impl Drop for Link {
     fn drop(&mut self) {
-        // Wakes the reader thread, which exits. A forked child must not: shutting the shared
+        // Wakes the watcher thread, which exits. A forked child must not: shutting the shared
         // socket down would cut off its parent.
         if std::process::id() == self.pid {
             self.stream.shutdown();
@@ -594,19 +708,54 @@ impl Pending {
     /// Waits for the answer until its deadline (none: for as long as the daemon is alive); if
     /// the caller interrupts or the deadline passes, tells the daemon to stop working on it.
     pub fn wait(self, wait: Wait<'_>) -> Result<Answer> {
-        let (started, deadline) = (Instant::now(), self.deadline);
+        let started = Instant::now();
+        let answer = if let Some(delivery) = self.read_for_itself(started + SPIN) {
+            delivery
+        } else {
+            self.link.sleeping.fetch_add(1, Ordering::AcqRel);
+            self.link.nudge_watcher();
+            let delivery = self.sleep(started, wait);
+            self.link.sleeping.fetch_sub(1, Ordering::AcqRel);
+            delivery
+        };
+        answer.map(|(reply, payload)| Answer { reply, payload, link: Arc::clone(&self.link) })
+    }
+
+    /// Reads the socket on this thread until `until`, whenever nobody else reads it, handing on
+    /// replies for others; `None` if the reply has not come by then.
+    fn read_for_itself(&self, until: Instant) -> Option<Delivery> {
+        let stays = || false;
+        loop {
+            match self.rx.try_recv() {
+                Ok(delivery) => return Some(delivery),
+                Err(TryRecvError::Disconnected) => {
+                    return Some(Err(Error::connection("connection closed")));
+                }
+                Err(TryRecvError::Empty) => {}
+            }
+            if let Some(mut reader) = self.link.reader.try_lock()
+                && reader.stream.readable()
+            {
+                self.link.read_one(&mut reader, &stays);
+                continue;
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Sleeps until the watcher hands the reply over, the caller interrupts, or the deadline
+    /// passes.
+    fn sleep(&self, started: Instant, wait: Wait<'_>) -> Delivery {
+        let deadline = self.deadline;
         loop {
             let poll = deadline.map_or(INTERRUPT_POLL, |d| {
                 d.saturating_duration_since(Instant::now()).min(INTERRUPT_POLL)
             });
             match self.rx.recv_timeout(poll) {
-                Ok(delivery) => {
-                    return delivery.map(|(reply, payload)| Answer {
-                        reply,
-                        payload,
-                        link: Arc::clone(&self.link),
-                    });
-                }
+                Ok(delivery) => return delivery,
                 Err(RecvTimeoutError::Disconnected) => {
                     return Err(Error::connection("connection closed"));
                 }
