@@ -4,15 +4,15 @@
 //! cannot be trusted closes the connection; every other client is unaffected.
 //!
 //! A client on this machine usually sends its next request within microseconds of a reply, and
-//! a runtime thread asleep in the kernel takes far longer than that to be woken for it. So after
-//! a local client's frame the connection keeps reading its socket for a short while before it
-//! waits on the runtime; one connection at a time does so, to leave the machine's other cores
-//! alone.
+//! a thread asleep in the kernel takes far longer than that to be woken for it. So a local
+//! client's connection has a thread (and event loop) of its own, whose socket wakes no other
+//! thread, and after each frame it keeps reading its socket for a short while before it waits;
+//! one connection at a time does so, to leave the machine's other cores alone.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -50,29 +50,81 @@ pub enum Link {
     Unix(UnixStream),
 }
 
-/// The reading half of a connection; a local one reads the socket itself for up to `SPIN`
-/// before it waits on the runtime (see the module documentation).
-enum Incoming {
-    Tcp { half: tcp::OwnedReadHalf, local: bool },
+impl Link {
+    /// Whether the client is on this machine: the Unix socket, or TCP over loopback.
+    fn is_local(&self) -> bool {
+        match self {
+            Link::Tcp(s) => s.peer_addr().is_ok_and(|a| a.ip().is_loopback()),
+            Link::Unix(_) => true,
+        }
+    }
+}
+
+/// The same socket, taken off the runtime that accepted it, to be served on another.
+enum StdLink {
+    Tcp(std::net::TcpStream),
+    Unix(std::os::unix::net::UnixStream),
+}
+
+impl StdLink {
+    fn of(link: Link) -> std::io::Result<Self> {
+        Ok(match link {
+            Link::Tcp(s) => StdLink::Tcp(s.into_std()?),
+            Link::Unix(s) => StdLink::Unix(s.into_std()?),
+        })
+    }
+
+    /// Registers the socket with the runtime this is called on.
+    fn into_link(self) -> std::io::Result<Link> {
+        Ok(match self {
+            StdLink::Tcp(s) => Link::Tcp(TcpStream::from_std(s)?),
+            StdLink::Unix(s) => Link::Unix(UnixStream::from_std(s)?),
+        })
+    }
+}
+
+/// Replies queued for the writer task (of requests that ran on the blocking pool, and the
+/// greeting), counted so that a spinning read gives way to them at once.
+#[derive(Clone)]
+struct Replies {
+    tx: mpsc::UnboundedSender<Outgoing>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Replies {
+    fn send(&self, out: Outgoing) {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        if self.tx.send(out).is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+enum Half {
+    Tcp(tcp::OwnedReadHalf),
     Unix(unix::OwnedReadHalf),
 }
 
-impl Incoming {
-    fn fd(&self) -> Option<BorrowedFd<'_>> {
-        match self {
-            Incoming::Tcp { half, local: true } => Some(half.as_ref().as_fd()),
-            Incoming::Tcp { local: false, .. } => None,
-            Incoming::Unix(half) => Some(half.as_ref().as_fd()),
-        }
-    }
+/// The reading half of a connection; a local one reads the socket itself for up to `SPIN`
+/// before it waits on its event loop (see the module documentation).
+struct Incoming {
+    half: Half,
+    local: bool,
+    /// Replies waiting for the writer task, which runs only once this read waits.
+    queued: Arc<AtomicUsize>,
+}
 
-    /// Reads whatever arrives on a local socket within `SPIN`, without the runtime; `None` if
-    /// nothing did (or another connection is spinning, or this one is not local).
+impl Incoming {
+    /// Reads whatever arrives on a local socket within `SPIN`; `None` if nothing did (or
+    /// another connection is spinning, a reply waits to be written, or this one is not local).
     fn spin(&self, buf: &mut ReadBuf<'_>) -> Option<std::io::Result<()>> {
-        let fd = self.fd()?;
-        if SPINNING.swap(true, Ordering::Acquire) {
+        if !self.local || SPINNING.swap(true, Ordering::Acquire) {
             return None;
         }
+        let fd = match &self.half {
+            Half::Tcp(h) => h.as_ref().as_fd(),
+            Half::Unix(h) => h.as_ref().as_fd(),
+        };
         let until = Instant::now() + SPIN;
         let got = loop {
             match rustix::net::recv(fd, buf.initialize_unfilled(), rustix::net::RecvFlags::DONTWAIT)
@@ -82,7 +134,9 @@ impl Incoming {
                     break Some(Ok(()));
                 }
                 Err(rustix::io::Errno::INTR) => {}
-                Err(rustix::io::Errno::AGAIN) if Instant::now() < until => {
+                Err(rustix::io::Errno::AGAIN)
+                    if Instant::now() < until && self.queued.load(Ordering::Acquire) == 0 =>
+                {
                     std::thread::yield_now();
                 }
                 Err(rustix::io::Errno::AGAIN) => break None,
@@ -104,9 +158,9 @@ impl AsyncRead for Incoming {
         if let Some(got) = this.spin(buf) {
             return Poll::Ready(got);
         }
-        match this {
-            Incoming::Tcp { half, .. } => Pin::new(half).poll_read(cx, buf),
-            Incoming::Unix(half) => Pin::new(half).poll_read(cx, buf),
+        match &mut this.half {
+            Half::Tcp(half) => Pin::new(half).poll_read(cx, buf),
+            Half::Unix(half) => Pin::new(half).poll_read(cx, buf),
         }
     }
 }
@@ -208,8 +262,10 @@ async fn write_loop(
     daemon: Arc<Daemon>,
     writer: Arc<Mutex<FrameWriter>>,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    queued: Arc<AtomicUsize>,
 ) {
     while let Some(out) = rx.recv().await {
+        queued.fetch_sub(1, Ordering::AcqRel);
         let mut w = writer.lock().await;
         if write_out(&daemon, &mut w, &out, rx.is_empty()).await.is_err() {
             return;
@@ -233,14 +289,10 @@ async fn write_out(
 }
 
 /// Reads the hello and checks the token; `None` if the connection must be closed.
-async fn greet<R: AsyncRead + Unpin>(
-    daemon: &Daemon,
-    r: &mut R,
-    tx: &mpsc::UnboundedSender<Outgoing>,
-) -> Option<()> {
+async fn greet<R: AsyncRead + Unpin>(daemon: &Daemon, r: &mut R, tx: &Replies) -> Option<()> {
     let refuse = |id: u64, f: Failure| {
         daemon.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
-        let _ = tx.send(Outgoing::failure(id, &f));
+        tx.send(Outgoing::failure(id, &f));
         None
     };
     let frame = match tokio::time::timeout(HELLO_TIMEOUT, read_frame(r, HELLO_LIMITS)).await {
@@ -266,7 +318,7 @@ async fn greet<R: AsyncRead + Unpin>(
         shm_socket: daemon.config.shm_socket.as_ref().map(|p| p.display().to_string()),
         storage: daemon.config.storage.clone(),
     });
-    let _ = tx.send(Outgoing::reply(id, &reply, Answer::default()));
+    tx.send(Outgoing::reply(id, &reply, Answer::default()));
     Some(())
 }
 
@@ -275,7 +327,7 @@ async fn greet<R: AsyncRead + Unpin>(
 fn dispatch(
     daemon: &Arc<Daemon>,
     session: &Arc<Session>,
-    tx: &mpsc::UnboundedSender<Outgoing>,
+    tx: &Replies,
     tasks: &mut JoinSet<u64>,
     in_flight: &mut u64,
     frame: Frame,
@@ -356,7 +408,7 @@ fn dispatch(
         let outcome = daemon.roles.execute(&session, req, frame.payload, wait);
         session.untrack(id);
         if !notice {
-            let _ = tx.send(outgoing(&daemon, &session, id, outcome));
+            tx.send(outgoing(&daemon, &session, id, outcome));
         }
         bytes
     });
@@ -422,32 +474,79 @@ impl Drop for Counted<'_> {
 /// Requests one connection may have running at once; its reading pauses beyond that.
 const MAX_IN_FLIGHT: usize = 4096;
 
-/// Serves one connection until the client leaves, breaks the protocol, or the daemon stops.
-pub async fn serve(
+/// Serves one connection until the client leaves, breaks the protocol, or the daemon stops: a
+/// local client's on a thread of its own (see the module documentation), any other here.
+pub async fn serve(daemon: Arc<Daemon>, link: Link, peer: String, stopping: watch::Receiver<bool>) {
+    if !link.is_local() {
+        return serve_here(daemon, link, peer, stopping, false).await;
+    }
+    let moved = match StdLink::of(link) {
+        Ok(moved) => moved,
+        Err(e) => {
+            // The socket is gone with its registration; the client sees its connection close.
+            daemon.connections.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(peer = %peer, error = %e, "cannot hand a connection to its own thread");
+            return;
+        }
+    };
+    let (done, finished) = tokio::sync::oneshot::channel::<()>();
+    let (d, p, s) = (Arc::clone(&daemon), peer.clone(), stopping.clone());
+    let d2 = Arc::clone(&daemon);
+    let spawned = std::thread::Builder::new().name("asyncflow-local".into()).spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
+        let served = runtime.map(|rt| {
+            rt.block_on(async move {
+                match moved.into_link() {
+                    Ok(link) => serve_here(d, link, p, s, true).await,
+                    Err(e) => {
+                        d.connections.fetch_sub(1, Ordering::AcqRel);
+                        tracing::warn!(peer = %p, error = %e, "cannot serve a connection");
+                    }
+                }
+            });
+        });
+        if let Err(e) = served {
+            d2.connections.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(error = %e, "cannot start a connection's event loop");
+        }
+        drop(done);
+    });
+    if let Err(e) = spawned {
+        daemon.connections.fetch_sub(1, Ordering::AcqRel);
+        tracing::warn!(peer = %peer, error = %e, "cannot start a connection's thread");
+        return;
+    }
+    let _ = finished.await;
+}
+
+async fn serve_here(
     daemon: Arc<Daemon>,
     link: Link,
     peer: String,
     mut stopping: watch::Receiver<bool>,
+    local: bool,
 ) {
     let _counted = Counted(&daemon);
     let shm = matches!(link, Link::Unix(_)).then(|| daemon.pool.clone()).flatten();
-    let (read_half, writer) = match link {
+    let (half, writer) = match link {
         Link::Tcp(s) => {
             let _ = s.set_nodelay(true);
-            let local = s.peer_addr().is_ok_and(|a| a.ip().is_loopback());
             let (r, w) = s.into_split();
-            let r = Incoming::Tcp { half: r, local };
-            (r, FrameWriter::Tcp(BufWriter::with_capacity(BUFFER, w)))
+            (Half::Tcp(r), FrameWriter::Tcp(BufWriter::with_capacity(BUFFER, w)))
         }
         Link::Unix(s) => {
             let (r, w) = s.into_split();
-            (Incoming::Unix(r), FrameWriter::Unix(BufWriter::with_capacity(BUFFER, w)))
+            (Half::Unix(r), FrameWriter::Unix(BufWriter::with_capacity(BUFFER, w)))
         }
     };
-    let mut reader = BufReader::with_capacity(BUFFER, read_half);
+    let queued = Arc::new(AtomicUsize::new(0));
+    let incoming = Incoming { half, local, queued: Arc::clone(&queued) };
+    let mut reader = BufReader::with_capacity(BUFFER, incoming);
     let (tx, rx) = mpsc::unbounded_channel();
+    let tx = Replies { tx, queued: Arc::clone(&queued) };
     let writer = Arc::new(Mutex::new(writer));
-    let writer_task = tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx));
+    let writer_task =
+        tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx, queued));
     if greet(&daemon, &mut reader, &tx).await.is_some() {
         let session = Arc::new(Session::new(peer.clone(), shm.map(ShmSession::new)));
         tracing::info!(peer = %peer, transport = session.transport(), "client connected");
@@ -488,7 +587,7 @@ pub async fn serve(
                 Err(ReadError::Proto(e)) => {
                     daemon.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(peer = %peer, error = %e, "closing a connection that broke the protocol");
-                    let _ = tx.send(Outgoing::failure(0, &Failure::Protocol(e.to_string())));
+                    tx.send(Outgoing::failure(0, &Failure::Protocol(e.to_string())));
                     break;
                 }
             }
