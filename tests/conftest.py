@@ -8,6 +8,8 @@ import os
 
 # As the CLI does: one OpenMP thread per worker, set before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# As asyncflow.launch does: Ray workers use this environment, set before ray is imported.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 from collections.abc import Callable, Iterator
 from typing import Any
