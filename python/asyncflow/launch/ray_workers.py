@@ -118,14 +118,14 @@ class RemoteRollout(RolloutEngine):
         self.timeout = timeout
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
-        answer: list[list[Completion]] = _get(
-            self.actor.generate.remote(prompts, sampling), f"{self.label} to generate", self.timeout
+        answer: list[list[Completion]] = _call(
+            self.actor.generate, (prompts, sampling), f"{self.label} to generate", self.timeout
         )
         return answer
 
     def load_weights(self, version: int, weights: Iterable[Any] = ()) -> None:
         """Loads ``version``, which the actor reads from the store itself (``weights`` unused)."""
-        _get(self.actor.load_weights.remote(version), f"{self.label} to load weights", self.timeout)
+        _call(self.actor.load_weights, (version,), f"{self.label} to load weights", self.timeout)
         self.version = version
 
 
@@ -134,6 +134,22 @@ def _get(ref: Any, what: str, timeout: float) -> Any:
         return ray.get(ref, timeout=timeout)
     except GetTimeoutError:
         raise TimeoutError(f"waited {timeout:.0f}s for {what}") from None
+
+
+def _call(method: Any, args: tuple[Any, ...], what: str, timeout: float) -> Any:
+    """Calls an actor's method and waits for the result. A call that finds the actor restarting
+    (killed during the run, Ray bringing it back) is made again until ``timeout``: the methods
+    called this way may run twice."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _get(method.remote(*args), what, max(0.0, deadline - time.monotonic()))
+        except ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"waited {timeout:.0f}s for {what}: its actor is restarting"
+                ) from None
+            time.sleep(0.5)
 
 
 def start(
