@@ -22,7 +22,9 @@ use asyncflow_proto::{
     ServerHello,
 };
 use asyncflow_shm::send_with_fds;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest, ReadBuf};
+use tokio::io::{
+    AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter, Interest, ReadBuf,
+};
 use tokio::net::{TcpStream, UnixStream, tcp, unix};
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinSet;
@@ -446,6 +448,8 @@ fn outgoing(daemon: &Daemon, session: &Session, id: u64, outcome: Outcome) -> Ou
 
 /// Tells a client over `--max-connections` why, and hangs up. Its hello is not awaited: the
 /// answer goes out at once (request id 0) and the client reads it where it expects the hello's.
+/// What the client sent is read before the socket closes: closing with unread bytes resets the
+/// connection, and the reset can reach the client before it has read the answer.
 pub async fn refuse(link: Link, max: usize) {
     let failure = Outgoing::failure(
         0,
@@ -455,11 +459,22 @@ pub async fn refuse(link: Link, max: usize) {
     bytes.extend_from_slice(&failure.meta);
     let write = async {
         match link {
-            Link::Tcp(mut s) => s.write_all(&bytes).await,
-            Link::Unix(mut s) => s.write_all(&bytes).await,
+            Link::Tcp(s) => answer_and_drain(s, &bytes).await,
+            Link::Unix(s) => answer_and_drain(s, &bytes).await,
         }
     };
     let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+}
+
+async fn answer_and_drain<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    s.write_all(bytes).await?;
+    s.shutdown().await?;
+    let mut sink = [0u8; 4096];
+    while s.read(&mut sink).await? > 0 {}
+    Ok(())
 }
 
 /// Frees the connection's place under `--max-connections` when it ends, however it ends.
