@@ -50,11 +50,25 @@ fn send_cells(
     if !link.is_shm() {
         return link.call(&make(PayloadSource::Inline), &layout.parts(), wait).map_err(unknown);
     }
-    let stage = Request::Stage { bytes: layout.total, timeout };
+    // The region the daemon set aside after this link's last put saves staging one; one too
+    // small for this put is given back, so that the daemon sets aside one of this put's size.
+    let give_back = match link.take_spare() {
+        Some(spare) if spare.len >= layout.total => {
+            let segment = link.segment(spare.cell.segment)?;
+            for &(offset, bytes) in &layout.sources {
+                segment.write((spare.cell.offset + offset) as usize, bytes);
+            }
+            let put = make(PayloadSource::Staged(spare.stage));
+            return link.call(&put, &[], wait).map_err(unknown);
+        }
+        small => small.map(|s| s.stage),
+    };
+    let stage = Request::Stage { bytes: layout.total, timeout, give_back };
     // A stage holds nothing yet: if its link broke, stage again on a new one.
     let (link, staged) = match link.call(&stage, &[], wait) {
         Err(Error::Connection(_)) => {
             let link = conn.link(wait)?;
+            let stage = Request::Stage { bytes: layout.total, timeout, give_back: None };
             let staged = link.call(&stage, &[], wait)?;
             (link, staged)
         }
