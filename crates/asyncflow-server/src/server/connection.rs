@@ -386,7 +386,7 @@ fn dispatch(
         let never = || false;
         let wait = Wait { deadline, interrupted: &never };
         let outcome = daemon.roles.execute(session, req, frame.payload, wait);
-        return answer(outgoing(daemon, session, id, outcome));
+        return answer(outgoing(daemon, session, id, outcome, notice));
     }
     // A claim first looks once without waiting: most find their rows already there.
     if let Request::Claim { allow_partial, timeout, .. } = &req
@@ -396,7 +396,7 @@ fn dispatch(
         let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
         match daemon.roles.execute(session, req.clone(), Vec::new(), now) {
             Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
-            outcome => return answer(outgoing(daemon, session, id, outcome)),
+            outcome => return answer(outgoing(daemon, session, id, outcome, notice)),
         }
     }
     let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
@@ -413,7 +413,7 @@ fn dispatch(
         let outcome = daemon.roles.execute(&session, req, frame.payload, wait);
         session.untrack(id);
         if !notice {
-            tx.send(outgoing(&daemon, &session, id, outcome));
+            tx.send(outgoing(&daemon, &session, id, outcome, false));
         }
         bytes
     });
@@ -437,14 +437,21 @@ fn may_wait(req: &Request, session: &Session, daemon: &Daemon) -> bool {
     }
 }
 
-/// The reply frame for a request's outcome.
-fn outgoing(daemon: &Daemon, session: &Session, id: u64, outcome: Outcome) -> Outgoing {
+/// The reply frame for a request's outcome; for a `notice`, which gets none, only counted.
+fn outgoing(
+    daemon: &Daemon,
+    session: &Session,
+    id: u64,
+    outcome: Outcome,
+    notice: bool,
+) -> Outgoing {
     daemon.metrics.requests.fetch_add(1, Ordering::Relaxed);
     match outcome {
         Ok((reply, answer)) => {
             // A reply that brings no segments of its own can bring a spare region: then the
             // client's next put needs no round trip to stage one.
             let offer = match reply {
+                _ if notice => None,
                 Reply::Cells { .. } | Reply::Staged { .. } | Reply::WithSpare { .. } => None,
                 _ => session.shm.as_ref().and_then(ShmSession::offer_spare),
             };
