@@ -161,14 +161,16 @@ def test_a_shared_memory_put_after_the_first_is_one_round_trip(daemons: Daemons)
     assert requests_served(port) - before == 5 * 4, "put, claim, read and ack: no staging"
     gc.collect()
     assert store.stats()["memory_used"] == 0, "an unused spare holds no store memory"
-    # A put too large for the spare gives it back and stages; its segment comes back as a spare
-    # that a smaller put fits.
+    # A put of another size gives the spare back and stages; once its rows are gone, their
+    # segment comes back as a spare of its size.
     before = requests_served(port)
-    store.put({"x": np.zeros((4, 1 << 18), np.uint8)})
+    store.put({"x": np.zeros((4, 1 << 18), np.uint8)})  # larger: stage and put
     store.claim("t", "x", 4, timeout=5).ack()
-    small = store.put({"x": [np.ones(10, np.uint8)]})
-    assert requests_served(port) - before == 2 + 1 + 1 + 1
+    small = store.put({"x": [np.ones(10, np.uint8)]})  # a 1 MiB spare is not kept for 10 bytes
     assert store.read(small, "x")["x"][0].tolist() == [1] * 10
+    store.claim("t", "x", 1, timeout=5).ack()
+    store.put({"x": [np.full(10, 2, np.uint8)]})  # into a 64 KiB spare
+    assert requests_served(port) - before == 2 + 2 + 2 + 1 + 2 + 1
 
 
 def test_a_put_into_a_spare_waits_for_memory_under_a_limit(daemons: Daemons) -> None:

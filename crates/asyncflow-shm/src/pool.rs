@@ -16,6 +16,11 @@ use crate::segment::Segment;
 /// The smallest segment the pool makes: smaller requests share its size class.
 pub const MIN_SEGMENT: usize = 64 << 10;
 
+/// The size of the segment that holds a region of `len` bytes.
+pub fn size_class(len: usize) -> usize {
+    len.max(MIN_SEGMENT).next_power_of_two()
+}
+
 #[derive(Debug)]
 struct Free {
     by_size: BTreeMap<usize, Vec<Arc<Segment>>>,
@@ -62,7 +67,7 @@ impl SegmentPool {
         if let Some(region) = self.reuse(len) {
             return Ok(region);
         }
-        let size = len.max(MIN_SEGMENT).next_power_of_two();
+        let size = size_class(len);
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let segment = Arc::new(Segment::create(id, size)?);
         self.inner.live.lock().insert(segment.as_ptr() as usize, Arc::downgrade(&segment));
@@ -72,7 +77,7 @@ impl SegmentPool {
     /// A region of `len` bytes in a recycled segment — the one freed last, whose pages are the
     /// likeliest to be warm — if one of the right size class is free.
     pub fn reuse(&self, len: usize) -> Option<Region> {
-        let size = len.max(MIN_SEGMENT).next_power_of_two();
+        let size = size_class(len);
         let segment = {
             let mut free = self.inner.free.lock();
             let seg = free.by_size.get_mut(&size).and_then(Vec::pop)?;

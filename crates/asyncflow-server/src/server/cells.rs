@@ -10,7 +10,7 @@ use asyncflow_core::{Cell, Chunk, FieldSchema, MemoryGuard, StoreError};
 use asyncflow_proto::{
     CellMeta, CellPlace, PayloadSource, Reply, SharedCell, WireCell, WireColumn, align_payload,
 };
-use asyncflow_shm::MAX_FDS;
+use asyncflow_shm::{MAX_FDS, MIN_SEGMENT};
 
 use super::outgoing::{Answer, Part};
 use super::session::{Session, Stage};
@@ -46,7 +46,11 @@ pub fn incoming_chunk(
                         "a put of {extent} bytes does not fit the {capacity}-byte spare region"
                     )));
                 }
-                reserve(extent)?
+                // A put of the spare's size class is charged what it uses; a smaller one (which
+                // the client is meant to stage instead) at least half the segment it keeps, as
+                // a staged region of this size would be.
+                let floor = if capacity > MIN_SEGMENT { capacity as u64 / 2 + 1 } else { 0 };
+                reserve(extent.max(floor))?
             };
             Ok(Chunk::new(Box::new(region), Some(guard)))
         }
