@@ -64,7 +64,7 @@ fn send_cells(
             let put = make(PayloadSource::Staged(spare.stage));
             return link.call(&put, &[], wait).map_err(unknown);
         }
-        small => small.map(|s| s.stage),
+        other => other.map(|s| s.stage),
     };
     let stage = Request::Stage { bytes: layout.total, timeout, give_back };
     // A stage holds nothing yet: if its link broke, stage again on a new one.
