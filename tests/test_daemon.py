@@ -3,6 +3,7 @@ sharding over storage daemons, metrics, stopping, and clients that misbehave."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import socket
@@ -133,6 +134,70 @@ def test_metrics_are_served_in_prometheus_text(daemons: Daemons) -> None:
     assert "asyncflow_live_rows 3" in text
 
 
+def requests_served(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        lines = page.read().decode().splitlines()
+    return next(int(n.split()[1]) for n in lines if n.startswith("asyncflow_requests_total "))
+
+
+def test_a_shared_memory_put_after_the_first_is_one_round_trip(daemons: Daemons) -> None:
+    port = free_port()
+    store = af.connect(daemons("--metrics", f"127.0.0.1:{port}").url, transport="shm")
+    store.register_task("t")
+    block = np.random.default_rng(0).integers(0, 255, (4, 1 << 16), dtype=np.uint8)
+
+    def one_round(i: int) -> None:
+        store.put({"x": block + i})
+        batch = store.claim("t", "x", 4, timeout=5)
+        np.testing.assert_array_equal(np.stack(batch.read()["x"]), block + i)
+        batch.ack()  # no view of the rows is left, so their segment is free again
+
+    # The first put stages a region; once its rows are gone, the segment they were in comes
+    # back (with the ack's reply) as a spare for the next put, which writes it without asking.
+    one_round(0)
+    before = requests_served(port)
+    for i in range(1, 6):
+        one_round(i)
+    assert requests_served(port) - before == 5 * 4, "put, claim, read and ack: no staging"
+    gc.collect()
+    assert store.stats()["memory_used"] == 0, "an unused spare holds no store memory"
+    # A put of another size gives the spare back and stages; once its rows are gone, their
+    # segment comes back as a spare of its size.
+    before = requests_served(port)
+    store.put({"x": np.zeros((4, 1 << 18), np.uint8)})  # larger: stage and put
+    store.claim("t", "x", 4, timeout=5).ack()
+    small = store.put({"x": [np.ones(10, np.uint8)]})  # a 1 MiB spare is not kept for 10 bytes
+    assert store.read(small, "x")["x"][0].tolist() == [1] * 10
+    store.claim("t", "x", 1, timeout=5).ack()
+    store.put({"x": [np.full(10, 2, np.uint8)]})  # into a 64 KiB spare
+    assert requests_served(port) - before == 2 + 2 + 2 + 1 + 2 + 1
+
+
+def test_a_put_into_a_spare_waits_for_memory_under_a_limit(daemons: Daemons) -> None:
+    port = free_port()
+    # Half the limit keeps freed segments for reuse: room for one of 64 KiB.
+    flags = ("--memory-limit", "140000", "--metrics", f"127.0.0.1:{port}")
+    store = af.connect(daemons(*flags).url, transport="shm")
+    rows = [store.put({"x": [np.full(35000, i, np.uint8)]}) for i in range(4)]
+    store.delete(rows[0])  # frees a 64 KiB segment: a spare, with the reply
+    before = requests_served(port)
+    with pytest.raises(af.MemoryLimitError):
+        store.put({"x": [np.full(65000, 7, np.uint8)]}, timeout=0.05)
+    assert requests_served(port) - before == 1, "the put went into the spare"
+    assert store.stats()["memory_used"] == 3 * 35000  # and a spare comes with the reply
+    freed = threading.Timer(0.2, lambda: store.delete(np.concatenate(rows[1:3])))
+    freed.start()
+    before = requests_served(port)
+    last = store.put({"x": [np.full(65000, 8, np.uint8)]}, timeout=10)
+    freed.join()
+    assert requests_served(port) - before == 2, "the put (into a spare), once room was made"
+    assert store.read(last, "x")["x"][0].min() == 8
+    assert store.stats()["memory_used"] == 35000 + 65000
+    store.delete(np.concatenate([rows[3], last]))
+    gc.collect()
+    assert store.stats()["memory_used"] == 0
+
+
 def test_a_store_sharded_over_three_storage_daemons(daemons: Daemons) -> None:
     storage = [daemons("--role", "storage") for _ in range(3)]
     addresses = ",".join(d.url.removeprefix("tcp://") for d in storage)
@@ -149,6 +214,15 @@ def test_a_store_sharded_over_three_storage_daemons(daemons: Daemons) -> None:
     while store.stats()["payload_rows"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert store.stats()["payload_rows"] == 0, "acked rows are dropped on their storage daemons"
+    # Each storage daemon set aside a spare for the next put; it holds no store memory.
+    for n in range(3):
+        store.put({"ids": rows})
+        with store.claim("t", "ids", 9, timeout=5) as batch:
+            assert [int(a[0]) for a in batch.read()["ids"]] == list(range(9)), n
+    del back  # the last row viewed above keeps its chunk
+    while store.stats()["memory_used"] and time.monotonic() < deadline + 10:
+        time.sleep(0.02)
+    assert store.stats()["memory_used"] == 0
 
 
 def test_data_parallel_ranks_share_a_claim_on_a_sharded_store(daemons: Daemons) -> None:

@@ -27,6 +27,6 @@ pub use message::{
 };
 pub use record::{CellLoc, ChunkRef, FileId, Record, Stored, decode_record};
 pub use reply::{
-    CellPlace, Claimed, Failure, Reply, Segments, ServerHello, SharedCell, WireCell, WireColumn,
-    decode_answer,
+    CellPlace, Claimed, Failure, Reply, Segments, ServerHello, SharedCell, Spare, WireCell,
+    WireColumn, decode_answer,
 };

@@ -71,7 +71,8 @@ pub struct ColumnMeta {
 pub enum PayloadSource {
     /// Into this frame's payload section.
     Inline,
-    /// Into a shared-memory region the daemon handed out with `Stage`.
+    /// Into a shared-memory region the daemon handed out: asked for with `Stage`, or set aside
+    /// unasked as the connection's spare (`Reply::WithSpare`).
     Staged(u64),
     /// Nowhere: the controller only admits the rows; the bytes go to storage daemons.
     Elsewhere,
@@ -145,10 +146,13 @@ pub enum Request {
     /// Are you there? Answered at once with `Done`; a client sends it to tell a daemon that is
     /// slow to answer from one that has stopped answering.
     Ping,
-    /// Reserve a shared-memory region of `bytes` for a put that follows.
+    /// Reserve a shared-memory region of `bytes` for a put that follows; `give_back` is the
+    /// connection's spare region (see `Reply::Stored`), too small for this put, which the client
+    /// will not write.
     Stage {
         bytes: u64,
         timeout: Option<Duration>,
+        give_back: Option<u64>,
     },
     /// The client dropped its views of these read pins (no reply).
     Unpin {
@@ -374,9 +378,12 @@ impl Request {
                 w.str(field);
             }
             Request::Stats | Request::Ping => {}
-            Request::Stage { bytes, timeout } => {
+            Request::Stage { bytes, timeout, give_back } => {
                 w.u64(*bytes);
                 put_timeout(&mut w, *timeout);
+                w.opt(*give_back, |w, id| {
+                    w.u64(id);
+                });
             }
             Request::Unpin { pins } => {
                 w.u64s(pins);
@@ -446,7 +453,11 @@ impl Request {
             Op::Schema => Request::Schema { field: r.string()? },
             Op::Stats => Request::Stats,
             Op::Ping => Request::Ping,
-            Op::Stage => Request::Stage { bytes: r.u64()?, timeout: r.opt(Reader::duration)? },
+            Op::Stage => Request::Stage {
+                bytes: r.u64()?,
+                timeout: r.opt(Reader::duration)?,
+                give_back: r.opt(Reader::u64)?,
+            },
             Op::Unpin => Request::Unpin { pins: r.u64s()? },
             Op::Cancel => Request::Cancel { request: r.u64()? },
             Op::Commit => Request::Commit { rows: r.u64s()?, fields: fields32(r)? },
@@ -528,6 +539,22 @@ mod tests {
     fn staged_cells_are_not_checked_against_the_frame_but_may_not_bring_one() {
         assert!(round_trip(&put(PayloadSource::Staged(4), 1 << 40), 0).is_ok());
         assert!(round_trip(&put(PayloadSource::Staged(4), 0), 8).is_err());
+    }
+
+    #[test]
+    fn a_stage_round_trips_with_or_without_a_spare_to_give_back() {
+        for give_back in [None, Some(9)] {
+            let req = Request::Stage { bytes: 1 << 20, timeout: None, give_back };
+            let bytes = req.encode();
+            let back = Request::decode(Op::Stage, &bytes, 0).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{req:?}"));
+            for cut in 0..bytes.len() {
+                assert!(Request::decode(Op::Stage, &bytes[..cut], 0).is_err(), "cut at {cut}");
+            }
+        }
+        let mut bad = Request::Stage { bytes: 1, timeout: None, give_back: Some(1) }.encode();
+        bad[9] = 2; // not an option tag
+        assert!(Request::decode(Op::Stage, &bad, 0).is_err());
     }
 
     #[test]

@@ -63,6 +63,16 @@ pub struct WireColumn {
     pub cells: Vec<WireCell>,
 }
 
+/// A shared-memory region the daemon set aside for this connection's next put: `len` bytes at
+/// `offset` of `segment`, to be written and then named by a put as `PayloadSource::Staged(stage)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spare {
+    pub stage: u64,
+    pub cell: SharedCell,
+    pub len: u64,
+    pub segments: Segments,
+}
+
 /// Shared-memory segments this connection learns about (their descriptors travel beside the
 /// frame, in this order) and ones it may now unmap.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -105,6 +115,12 @@ pub enum Reply {
     },
     /// Per row, the names of its ready fields.
     Names(Vec<Vec<String>>),
+    /// `reply`, and a spare region for the connection's next put, so that put need not stage
+    /// one first. `reply` is of a kind that introduces no segments of its own.
+    WithSpare {
+        reply: Box<Reply>,
+        spare: Spare,
+    },
 }
 
 /// Why a request failed.
@@ -311,6 +327,14 @@ impl Reply {
                     w.strs(names);
                 });
             }
+            Reply::WithSpare { reply, spare } => {
+                w.u8(14);
+                w.buf.extend_from_slice(&reply.encode());
+                w.u64(spare.stage);
+                put_shared(&mut w, spare.cell);
+                w.u64(spare.len);
+                put_segments(&mut w, &spare.segments);
+            }
         }
         w.buf
     }
@@ -336,7 +360,12 @@ impl Reply {
     }
 
     fn decode_body(r: &mut Reader<'_>) -> Result<Self, ProtoError> {
-        Ok(match r.u8()? {
+        let kind = r.u8()?;
+        Self::decode_kind(kind, r)
+    }
+
+    fn decode_kind(kind: u8, r: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        Ok(match kind {
             0 => Reply::Hello(ServerHello {
                 version: r.string()?,
                 role: Role::from_code(r.u8()?)?,
@@ -373,6 +402,21 @@ impl Reply {
             },
             12 => Reply::Located { fields: r.list(6, |r| Ok((r.u32()?, r.schema()?)))? },
             13 => Reply::Names(r.list(4, Reader::strings)?),
+            14 => Reply::WithSpare {
+                // Checked before it is decoded, so that nesting cannot recurse.
+                reply: match r.u8()? {
+                    6 | 11 | 14 => {
+                        return Err(ProtoError::malformed("a spare beside a reply with segments"));
+                    }
+                    inner => Box::new(Self::decode_kind(inner, r)?),
+                },
+                spare: Spare {
+                    stage: r.u64()?,
+                    cell: get_shared(r)?,
+                    len: r.u64()?,
+                    segments: get_segments(r)?,
+                },
+            },
             t => return Err(ProtoError::malformed(format!("unknown reply kind {t}"))),
         })
     }
@@ -526,6 +570,51 @@ mod tests {
         let reply = Reply::RowInfos((0..6).map(info).collect());
         let back = Reply::decode(&reply.encode(), 0).unwrap();
         assert_eq!(format!("{back:?}"), format!("{reply:?}"));
+    }
+
+    fn spare() -> Spare {
+        Spare {
+            stage: 7,
+            cell: SharedCell { segment: 3, offset: 0 },
+            len: 1 << 20,
+            segments: Segments { new: vec![(3, 1 << 20)], retired: vec![2] },
+        }
+    }
+
+    #[test]
+    fn a_spare_round_trips_beside_a_reply() {
+        for inner in [Reply::Done, Reply::Rows(vec![4, 5]), Reply::Count(3)] {
+            let reply = Reply::WithSpare { reply: Box::new(inner), spare: spare() };
+            let back = Reply::decode(&reply.encode(), 0).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{reply:?}"));
+            assert!(Reply::decode(&reply.encode(), 8).is_err(), "no payload with a spare");
+        }
+    }
+
+    #[test]
+    fn a_malformed_spare_is_an_error() {
+        let reply = Reply::WithSpare { reply: Box::new(Reply::Rows(vec![1])), spare: spare() };
+        let bytes = reply.encode();
+        // Every truncation, and any trailing byte, fails to decode rather than panic.
+        for cut in 0..bytes.len() {
+            assert!(Reply::decode(&bytes[..cut], 0).is_err(), "cut at {cut}");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(Reply::decode(&longer, 0).is_err());
+        // A segment list claiming more entries than the frame holds.
+        let mut w = Writer::new();
+        w.u8(14).u8(1).u64(1).u64(1).u64(0).u64(64).u32(u32::MAX);
+        assert!(Reply::decode(&w.buf, 0).is_err());
+        // Beside a reply that brings segments itself, or another spare: however deep.
+        let cells = Reply::Cells { columns: vec![], pin: None, segments: Segments::default() };
+        let nested = Reply::WithSpare { reply: Box::new(reply), spare: spare() };
+        for inner in [cells, nested] {
+            let bad = Reply::WithSpare { reply: Box::new(inner), spare: spare() };
+            assert!(Reply::decode(&bad.encode(), 0).is_err());
+        }
+        let deep = vec![14u8; 100_000];
+        assert!(Reply::decode(&deep, 0).is_err());
     }
 
     #[test]

@@ -11,6 +11,6 @@ pub mod view;
 
 pub use error::ShmError;
 pub use fd_passing::{MAX_FDS, recv_with_fds, send_with_fds};
-pub use pool::{Region, SegmentPool};
+pub use pool::{MIN_SEGMENT, Region, SegmentPool, size_class};
 pub use segment::Segment;
 pub use view::SegmentView;

@@ -16,6 +16,11 @@ use crate::segment::Segment;
 /// The smallest segment the pool makes: smaller requests share its size class.
 pub const MIN_SEGMENT: usize = 64 << 10;
 
+/// The size of the segment that holds a region of `len` bytes.
+pub fn size_class(len: usize) -> usize {
+    len.max(MIN_SEGMENT).next_power_of_two()
+}
+
 #[derive(Debug)]
 struct Free {
     by_size: BTreeMap<usize, Vec<Arc<Segment>>>,
@@ -59,24 +64,27 @@ impl SegmentPool {
 
     /// A region of `len` bytes: a recycled segment of the right size class, or a new one.
     pub fn allocate(&self, len: usize) -> Result<Region, ShmError> {
-        let size = len.max(MIN_SEGMENT).next_power_of_two();
-        let reused = {
+        if let Some(region) = self.reuse(len) {
+            return Ok(region);
+        }
+        let size = size_class(len);
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let segment = Arc::new(Segment::create(id, size)?);
+        self.inner.live.lock().insert(segment.as_ptr() as usize, Arc::downgrade(&segment));
+        Ok(Region { segment: Some(segment), len, pool: Arc::downgrade(&self.inner) })
+    }
+
+    /// A region of `len` bytes in a recycled segment — the one freed last, whose pages are the
+    /// likeliest to be warm — if one of the right size class is free.
+    pub fn reuse(&self, len: usize) -> Option<Region> {
+        let size = size_class(len);
+        let segment = {
             let mut free = self.inner.free.lock();
-            let seg = free.by_size.get_mut(&size).and_then(Vec::pop);
-            if seg.is_some() {
-                free.bytes -= size;
-            }
+            let seg = free.by_size.get_mut(&size).and_then(Vec::pop)?;
+            free.bytes -= size;
             seg
         };
-        let segment = if let Some(s) = reused {
-            s
-        } else {
-            let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-            let segment = Arc::new(Segment::create(id, size)?);
-            self.inner.live.lock().insert(segment.as_ptr() as usize, Arc::downgrade(&segment));
-            segment
-        };
-        Ok(Region { segment: Some(segment), len, pool: Arc::downgrade(&self.inner) })
+        Some(Region { segment: Some(segment), len, pool: Arc::downgrade(&self.inner) })
     }
 
     /// The pool's segment that holds the byte at `ptr`, and the byte's offset in it.
@@ -105,6 +113,20 @@ impl Region {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The most bytes the region can hold: its whole segment.
+    pub fn capacity(&self) -> usize {
+        self.segment().len()
+    }
+
+    /// Makes the region `len` bytes long; false (and unchanged) beyond its capacity.
+    pub fn set_len(&mut self, len: usize) -> bool {
+        let fits = len <= self.capacity();
+        if fits {
+            self.len = len;
+        }
+        fits
     }
 }
 
@@ -144,6 +166,9 @@ mod tests {
         let again = pool.allocate(120_000).unwrap();
         assert_eq!(again.segment().id(), id);
         assert_eq!(pool.cached_bytes(), 0);
+        assert!(pool.reuse(120_000).is_none(), "reuse makes no segment");
+        drop(again);
+        assert_eq!(pool.reuse(70_000).unwrap().segment().id(), id);
     }
 
     #[test]
@@ -154,6 +179,19 @@ mod tests {
         let (segment, offset) = pool.locate(inside).unwrap();
         assert_eq!((segment.id(), offset), (region.segment().id(), 100));
         assert!(pool.locate([0u8; 4].as_ptr()).is_none());
+    }
+
+    #[test]
+    fn a_region_grows_to_its_segment_and_no_further() {
+        let pool = SegmentPool::new(1 << 30);
+        let mut region = pool.allocate(1000).unwrap();
+        assert_eq!(region.capacity(), MIN_SEGMENT);
+        assert!(region.set_len(MIN_SEGMENT));
+        assert_eq!(region.as_bytes().len(), MIN_SEGMENT);
+        assert!(!region.set_len(MIN_SEGMENT + 1));
+        assert_eq!(region.len(), MIN_SEGMENT);
+        assert!(region.set_len(10));
+        assert_eq!(region.as_bytes().len(), 10);
     }
 
     #[test]

@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 use asyncflow_core::wait::INTERRUPT_POLL;
 use asyncflow_core::{StoreError, Wait};
 use asyncflow_proto::{
-    FrameHeader, HEADER_LEN, Hello, Limits, Reply, Request, Segments, ServerHello, decode_answer,
+    FrameHeader, HEADER_LEN, Hello, Limits, Reply, Request, Segments, ServerHello, Spare,
+    decode_answer,
 };
 use asyncflow_shm::{Segment, recv_with_fds};
 use parking_lot::Mutex;
@@ -185,6 +186,8 @@ pub struct Link {
     /// Read pins whose views are gone, to be sent before the next request.
     unpins: Mutex<Vec<u64>>,
     segments: Mutex<HashMap<u64, Arc<Segment>>>,
+    /// The region the daemon set aside for this link's next put (see `Reply::WithSpare`).
+    spare: Mutex<Option<Spare>>,
     pid: u32,
     shm: bool,
     hello: ServerHello,
@@ -352,6 +355,7 @@ impl Link {
             broken: Mutex::new(None),
             unpins: Mutex::new(Vec::new()),
             segments: Mutex::new(HashMap::new()),
+            spare: Mutex::new(None),
             pid: std::process::id(),
             shm,
             hello,
@@ -390,6 +394,12 @@ impl Link {
         })
     }
 
+    /// The spare region the daemon set aside for this link. Only whoever takes it may write it,
+    /// and must then name it to the daemon: in a put, or given back with a stage.
+    pub fn take_spare(&self) -> Option<Spare> {
+        self.spare.lock().take()
+    }
+
     /// A token whose drop releases read pin `pin`.
     pub fn pin_token(self: &Arc<Self>, pin: u64) -> PinToken {
         PinToken { link: Arc::downgrade(self), pin }
@@ -426,6 +436,14 @@ impl Link {
         let RawFrame { header, meta, payload, fds } = frame;
         let answer = decode_answer(header.op, &meta, payload.len() as u64)?;
         let delivery = match answer {
+            Ok(Reply::WithSpare { reply, spare }) => {
+                // The daemon offers a spare only while this link has none, and keeps it until a
+                // request names it: the one kept here is the one the daemon holds.
+                self.map_segments(&spare.segments, fds).map(|()| {
+                    *self.spare.lock() = Some(spare);
+                    (*reply, payload)
+                })
+            }
             Ok(reply) => {
                 let segments = match &reply {
                     Reply::Cells { segments, .. } | Reply::Staged { segments, .. } => {

@@ -16,7 +16,7 @@ use asyncflow_core::{
 use asyncflow_proto::{
     CellPlace, Claimed, PayloadSource, PutRequest, Reply, Request, Role, StoreCells,
 };
-use asyncflow_shm::SegmentView;
+use asyncflow_shm::{SegmentView, size_class};
 
 pub use connection::{Connection, Policy};
 pub use layout::{Layout, PutColumn};
@@ -50,11 +50,28 @@ fn send_cells(
     if !link.is_shm() {
         return link.call(&make(PayloadSource::Inline), &layout.parts(), wait).map_err(unknown);
     }
-    let stage = Request::Stage { bytes: layout.total, timeout };
+    // The region the daemon set aside after this link's last put saves staging one. One of
+    // another size is given back, so that the daemon sets aside one of this put's size: a small
+    // put would otherwise keep a large segment for as long as its rows live.
+    let give_back = match link.take_spare() {
+        Some(spare)
+            if usize::try_from(layout.total).is_ok_and(|t| size_class(t) as u64 == spare.len) =>
+        {
+            let segment = link.segment(spare.cell.segment)?;
+            for &(offset, bytes) in &layout.sources {
+                segment.write((spare.cell.offset + offset) as usize, bytes);
+            }
+            let put = make(PayloadSource::Staged(spare.stage));
+            return link.call(&put, &[], wait).map_err(unknown);
+        }
+        other => other.map(|s| s.stage),
+    };
+    let stage = Request::Stage { bytes: layout.total, timeout, give_back };
     // A stage holds nothing yet: if its link broke, stage again on a new one.
     let (link, staged) = match link.call(&stage, &[], wait) {
         Err(Error::Connection(_)) => {
             let link = conn.link(wait)?;
+            let stage = Request::Stage { bytes: layout.total, timeout, give_back: None };
             let staged = link.call(&stage, &[], wait)?;
             (link, staged)
         }

@@ -10,17 +10,19 @@ use asyncflow_core::{Cell, Chunk, FieldSchema, MemoryGuard, StoreError};
 use asyncflow_proto::{
     CellMeta, CellPlace, PayloadSource, Reply, SharedCell, WireCell, WireColumn, align_payload,
 };
-use asyncflow_shm::MAX_FDS;
+use asyncflow_shm::{MAX_FDS, MIN_SEGMENT};
 
 use super::outgoing::{Answer, Part};
-use super::session::Session;
+use super::session::{Session, Stage};
 
 /// The chunk a put's cells live in: its inline payload (paid for by `guard`) or its staged
-/// region (paid for when it was staged).
+/// region — paid for when it was staged, or, for the connection's spare, now (`extent` bytes, as
+/// far as the put's cells reach).
 pub fn incoming_chunk(
     session: &Session,
     source: PayloadSource,
     payload: Vec<u8>,
+    extent: u64,
     reserve: impl FnOnce(u64) -> Result<MemoryGuard, StoreError>,
 ) -> Result<Arc<Chunk>, StoreError> {
     match source {
@@ -29,15 +31,38 @@ pub fn incoming_chunk(
             Ok(crate::received::into_chunk(payload, Some(guard)))
         }
         PayloadSource::Staged(id) => {
-            let stage = session.shm.as_ref().and_then(|s| s.take_stage(id)).ok_or_else(|| {
-                StoreError::bad_request(format!("no staged region {id} on this connection"))
-            })?;
-            Ok(Chunk::new(Box::new(stage.region), Some(stage.guard)))
+            let missing =
+                || StoreError::bad_request(format!("no staged region {id} on this connection"));
+            let shm = session.shm.as_ref().ok_or_else(missing)?;
+            let Stage { mut region, guard } = shm.take_stage(id).ok_or_else(missing)?;
+            let capacity = region.capacity();
+            shm.staged_put(capacity);
+            let guard = if let Some(guard) = guard {
+                guard
+            } else {
+                let fits = usize::try_from(extent).is_ok_and(|e| region.set_len(e));
+                if !fits {
+                    return Err(StoreError::bad_request(format!(
+                        "a put of {extent} bytes does not fit the {capacity}-byte spare region"
+                    )));
+                }
+                // A put of the spare's size class is charged what it uses; a smaller one (which
+                // the client is meant to stage instead) at least half the segment it keeps, as
+                // a staged region of this size would be.
+                let floor = if capacity > MIN_SEGMENT { capacity as u64 / 2 + 1 } else { 0 };
+                reserve(extent.max(floor))?
+            };
+            Ok(Chunk::new(Box::new(region), Some(guard)))
         }
         PayloadSource::Elsewhere => {
             Err(StoreError::bad_request("this daemon keeps payloads; send the bytes with the put"))
         }
     }
+}
+
+/// How far into its payload a put's cells reach.
+pub fn extent<'a>(metas: impl IntoIterator<Item = &'a CellMeta>) -> u64 {
+    metas.into_iter().map(|m| m.offset.saturating_add(m.len)).max().unwrap_or(0)
 }
 
 /// Cells of `chunk` at the places `metas` name; every one must lie inside the chunk.

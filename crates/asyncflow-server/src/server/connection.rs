@@ -359,7 +359,12 @@ fn dispatch(
         }
         Request::Ping => return Some(Outgoing::reply(id, &Reply::Done, Answer::default())),
         // A staged put may be no larger than an inline one.
-        Request::Stage { bytes, .. } if bytes > u64::from(daemon.config.limits.max_payload) => {
+        Request::Stage { bytes, give_back, .. }
+            if bytes > u64::from(daemon.config.limits.max_payload) =>
+        {
+            if let (Some(shm), Some(id)) = (&session.shm, give_back) {
+                shm.give_back_spare(id);
+            }
             let e = StoreError::bad_request(format!(
                 "a put of {bytes} bytes exceeds the daemon's --max-frame of {}",
                 daemon.config.limits.max_payload
@@ -379,11 +384,11 @@ fn dispatch(
     };
     let answer = |out: Outgoing| (!notice).then_some(out);
     // What cannot wait runs right here: handing it to another thread would cost more than it.
-    if !may_wait(&req, daemon) {
+    if !may_wait(&req, session, daemon) {
         let never = || false;
         let wait = Wait { deadline, interrupted: &never };
         let outcome = daemon.roles.execute(session, req, frame.payload, wait);
-        return answer(outgoing(daemon, session, id, outcome));
+        return answer(outgoing(daemon, session, id, outcome, notice));
     }
     // A claim first looks once without waiting: most find their rows already there.
     if let Request::Claim { allow_partial, timeout, .. } = &req
@@ -393,7 +398,7 @@ fn dispatch(
         let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
         match daemon.roles.execute(session, req.clone(), Vec::new(), now) {
             Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
-            outcome => return answer(outgoing(daemon, session, id, outcome)),
+            outcome => return answer(outgoing(daemon, session, id, outcome, notice)),
         }
     }
     let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
@@ -410,7 +415,7 @@ fn dispatch(
         let outcome = daemon.roles.execute(&session, req, frame.payload, wait);
         session.untrack(id);
         if !notice {
-            tx.send(outgoing(&daemon, &session, id, outcome));
+            tx.send(outgoing(&daemon, &session, id, outcome, false));
         }
         bytes
     });
@@ -418,23 +423,48 @@ fn dispatch(
 }
 
 /// Whether a request can block: claims wait for rows, and under a memory limit puts (and the
-/// staging of their shared memory) wait for room.
-fn may_wait(req: &Request, daemon: &Daemon) -> bool {
+/// staging of their shared memory) wait for room — a put in a staged region only if that region
+/// is the connection's spare, which is paid for when used.
+fn may_wait(req: &Request, session: &Session, daemon: &Daemon) -> bool {
+    let unpaid = |source: &PayloadSource| match source {
+        PayloadSource::Inline => true,
+        PayloadSource::Staged(id) => session.shm.as_ref().is_some_and(|s| s.is_spare(*id)),
+        PayloadSource::Elsewhere => false,
+    };
     match req {
         Request::Claim { .. } => true,
         Request::Stage { .. } | Request::StoreCells(_) => daemon.config.memory_limit.is_some(),
-        Request::Put(p) => {
-            daemon.config.memory_limit.is_some() && p.source == PayloadSource::Inline
-        }
+        Request::Put(p) => daemon.config.memory_limit.is_some() && unpaid(&p.source),
         _ => false,
     }
 }
 
-/// The reply frame for a request's outcome.
-fn outgoing(daemon: &Daemon, session: &Session, id: u64, outcome: Outcome) -> Outgoing {
+/// The reply frame for a request's outcome; for a `notice`, which gets none, only counted.
+fn outgoing(
+    daemon: &Daemon,
+    session: &Session,
+    id: u64,
+    outcome: Outcome,
+    notice: bool,
+) -> Outgoing {
     daemon.metrics.requests.fetch_add(1, Ordering::Relaxed);
     match outcome {
-        Ok((reply, answer)) => Outgoing::reply(id, &reply, answer),
+        Ok((reply, answer)) => {
+            // A reply that brings no segments of its own can bring a spare region: then the
+            // client's next put needs no round trip to stage one.
+            let offer = match reply {
+                _ if notice => None,
+                Reply::Cells { .. } | Reply::Staged { .. } | Reply::WithSpare { .. } => None,
+                _ => session.shm.as_ref().and_then(ShmSession::offer_spare),
+            };
+            match offer {
+                Some((spare, fds)) => {
+                    let reply = Reply::WithSpare { reply: Box::new(reply), spare };
+                    Outgoing::reply(id, &reply, Answer { fds, ..answer })
+                }
+                None => Outgoing::reply(id, &reply, answer),
+            }
+        }
         Err(StoreError::Interrupted) if daemon.stopping.load(Ordering::Relaxed) => {
             Outgoing::failure(id, &Failure::Unavailable("the daemon is shutting down".into()))
         }

@@ -6,7 +6,7 @@ use std::time::Instant;
 use asyncflow_core::{Column, FieldSchema, Store, StoreError, Wait};
 use asyncflow_proto::{Claimed, PutRequest, Reply, Request};
 
-use super::cells::{cells_in, incoming_chunk, outgoing_cells};
+use super::cells::{cells_in, extent, incoming_chunk, outgoing_cells};
 use super::outgoing::Answer;
 use super::session::Session;
 
@@ -26,7 +26,9 @@ fn put(
     payload: Vec<u8>,
     wait: Wait<'_>,
 ) -> Outcome {
-    let chunk = incoming_chunk(session, p.source, payload, |bytes| store.reserve(bytes, wait))?;
+    let extent = extent(p.columns.iter().flat_map(|c| &c.cells));
+    let chunk =
+        incoming_chunk(session, p.source, payload, extent, |bytes| store.reserve(bytes, wait))?;
     let columns = p
         .columns
         .into_iter()

@@ -9,7 +9,7 @@ use asyncflow_proto::{Reply, Request, SharedCell};
 use super::controller::Controller;
 use super::metadata::{self, Outcome};
 use super::outgoing::Answer;
-use super::session::{Session, Stage};
+use super::session::{MAX_STAGES, Session, Stage};
 use super::storage::Storage;
 
 pub enum Roles {
@@ -41,11 +41,21 @@ impl Roles {
         }
     }
 
-    /// Reserves memory and a shared-memory region for a put the client will write in place.
-    fn stage(&self, session: &Session, bytes: u64, wait: Wait<'_>) -> Outcome {
+    /// Reserves memory and a shared-memory region for a put the client will write in place;
+    /// frees the spare region the client gives back.
+    fn stage(
+        &self,
+        session: &Session,
+        bytes: u64,
+        give_back: Option<u64>,
+        wait: Wait<'_>,
+    ) -> Outcome {
         let shm = session.shm.as_ref().ok_or_else(|| {
             StoreError::bad_request("shared memory is only offered on the daemon's Unix socket")
         })?;
+        if let Some(id) = give_back {
+            shm.give_back_spare(id);
+        }
         let guard = self.reserve(bytes, wait)?;
         let region = shm
             .pool
@@ -53,7 +63,11 @@ impl Roles {
             .map_err(|e| StoreError::MemoryLimit(format!("shared memory: {e}")))?;
         let segment = Arc::clone(region.segment());
         let (segments, fds) = shm.introduce([&segment]);
-        let stage = shm.add_stage(Stage { region, guard });
+        let stage = shm.add_stage(Stage { region, guard: Some(guard) }).ok_or_else(|| {
+            StoreError::bad_request(format!(
+                "this connection already has {MAX_STAGES} staged regions its puts have not used"
+            ))
+        })?;
         let cell = SharedCell { segment: segment.id(), offset: 0 };
         Ok((
             Reply::Staged { stage, cell, len: bytes, segments },
@@ -75,8 +89,8 @@ impl Roles {
         payload: Vec<u8>,
         wait: Wait<'_>,
     ) -> Outcome {
-        if let Request::Stage { bytes, .. } = req {
-            return self.stage(session, bytes, wait);
+        if let Request::Stage { bytes, give_back, .. } = req {
+            return self.stage(session, bytes, give_back, wait);
         }
         match self {
             Roles::Standalone(store) => metadata::execute(store, session, req, payload, wait),

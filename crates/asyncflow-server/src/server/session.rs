@@ -1,28 +1,44 @@
 //! What the daemon remembers about one connection: how it moves payloads, which of its requests
 //! may be cancelled, and — on the shared-memory path — which segments it has mapped, which
-//! regions it is writing, and which read cells it still views (pins).
+//! regions it is writing (staged for it, and its spare), and which read cells it still views
+//! (pins).
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use asyncflow_core::{Chunk, MemoryGuard};
-use asyncflow_proto::Segments;
+use asyncflow_proto::{Segments, SharedCell, Spare};
 use asyncflow_shm::{Region, Segment, SegmentPool};
 use parking_lot::Mutex;
 
-/// A region staged for a put that has not arrived yet, with the memory it was granted.
+/// A region staged for a put that has not arrived yet, with the memory it was granted: a region
+/// the client asked for is paid for when staged; a spare, when a put uses it.
 pub struct Stage {
     pub region: Region,
-    pub guard: MemoryGuard,
+    pub guard: Option<MemoryGuard>,
+}
+
+/// How many regions one connection may have staged and not used yet (besides its one spare):
+/// enough for every thread that shares the connection to have a put under way.
+pub const MAX_STAGES: usize = 64;
+
+/// Regions staged on a connection: at most [`MAX_STAGES`] it asked for, and one spare.
+#[derive(Default)]
+struct Stages {
+    by_id: HashMap<u64, Stage>,
+    spare: Option<u64>,
 }
 
 /// The shared-memory state of a connection on the Unix socket.
 pub struct ShmSession {
     pub pool: SegmentPool,
     known: Mutex<HashMap<u64, Weak<Segment>>>,
-    stages: Mutex<HashMap<u64, Stage>>,
+    stages: Mutex<Stages>,
+    /// The size of the region the connection's last staged put used (0 before one): the size
+    /// of the spare it is offered.
+    spare_size: AtomicUsize,
     pins: Mutex<HashMap<u64, Vec<Arc<Chunk>>>>,
     next: AtomicU64,
 }
@@ -32,7 +48,8 @@ impl ShmSession {
         Self {
             pool,
             known: Mutex::new(HashMap::new()),
-            stages: Mutex::new(HashMap::new()),
+            stages: Mutex::new(Stages::default()),
+            spare_size: AtomicUsize::new(0),
             pins: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
         }
@@ -73,14 +90,78 @@ impl ShmSession {
         (segments, fds)
     }
 
-    pub fn add_stage(&self, stage: Stage) -> u64 {
+    /// Keeps a region the client asked for until its put names it; `None` if the connection
+    /// already has [`MAX_STAGES`] such regions unused.
+    pub fn add_stage(&self, stage: Stage) -> Option<u64> {
         let id = self.next_id();
-        self.stages.lock().insert(id, stage);
-        id
+        let mut stages = self.stages.lock();
+        if stages.by_id.len() - usize::from(stages.spare.is_some()) >= MAX_STAGES {
+            return None;
+        }
+        stages.by_id.insert(id, stage);
+        Some(id)
+    }
+
+    /// Notes that a put used a staged region of `size` bytes: from now on the connection is
+    /// offered spare regions of that size.
+    pub fn staged_put(&self, size: usize) {
+        self.spare_size.store(size, Ordering::Relaxed);
+    }
+
+    /// A spare region for the connection's next put, if it has used staged regions, has no
+    /// spare, and a free segment of the size its last staged put used is at hand. None is made:
+    /// a segment that was just freed, and that the client has mapped and written before, is
+    /// what makes the spare cheaper to write than a new one. A spare stays the connection's
+    /// until a request names it (the client may be writing it), and holds no store memory
+    /// until a put uses it.
+    pub fn offer_spare(&self) -> Option<(Spare, Vec<Arc<Segment>>)> {
+        let size = self.spare_size.load(Ordering::Relaxed);
+        if size == 0 || self.stages.lock().spare.is_some() {
+            return None;
+        }
+        let region = self.pool.reuse(size)?;
+        let segment = Arc::clone(region.segment());
+        let len = region.capacity() as u64;
+        let id = self.next_id();
+        {
+            let mut stages = self.stages.lock();
+            if stages.spare.is_some() {
+                drop(stages);
+                drop(region);
+                return None;
+            }
+            stages.spare = Some(id);
+            stages.by_id.insert(id, Stage { region, guard: None });
+        }
+        let (segments, fds) = self.introduce([&segment]);
+        let cell = SharedCell { segment: segment.id(), offset: 0 };
+        Some((Spare { stage: id, cell, len, segments }, fds))
+    }
+
+    /// Frees the spare region `id`, which the client will not write.
+    pub fn give_back_spare(&self, id: u64) {
+        let region = {
+            let mut stages = self.stages.lock();
+            if stages.spare != Some(id) {
+                return;
+            }
+            stages.spare = None;
+            stages.by_id.remove(&id)
+        };
+        drop(region);
+    }
+
+    /// Whether `id` is the spare region, which a put still has to pay for.
+    pub fn is_spare(&self, id: u64) -> bool {
+        self.stages.lock().spare == Some(id)
     }
 
     pub fn take_stage(&self, id: u64) -> Option<Stage> {
-        self.stages.lock().remove(&id)
+        let mut stages = self.stages.lock();
+        if stages.spare == Some(id) {
+            stages.spare = None;
+        }
+        stages.by_id.remove(&id)
     }
 
     /// Keeps `chunks` alive until the client unpins the returned id (or disconnects).

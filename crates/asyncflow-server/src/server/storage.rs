@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 
 use crate::persist::{Payloads, Persistence};
 
-use super::cells::{cells_in, incoming_chunk, outgoing_cells};
+use super::cells::{cells_in, extent, incoming_chunk, outgoing_cells};
 use super::metadata::Outcome;
 use super::outgoing::Answer;
 use super::session::Session;
@@ -88,6 +88,10 @@ impl Storage {
     }
 
     fn keep(&self, session: &Session, s: &StoreCells, payload: Vec<u8>, wait: Wait<'_>) -> Outcome {
+        // The staged region is taken first, so that a put that fails still frees it.
+        let extent = extent(s.columns.iter().flat_map(|(_, metas)| metas));
+        let chunk =
+            incoming_chunk(session, s.source, payload, extent, |b| self.memory.reserve(b, wait))?;
         if let Some((_, cells)) = s.columns.iter().find(|(_, c)| c.len() != s.rows.len()) {
             return Err(StoreError::schema(format!(
                 "{} cells given for {} rows",
@@ -95,7 +99,6 @@ impl Storage {
                 s.rows.len()
             )));
         }
-        let chunk = incoming_chunk(session, s.source, payload, |b| self.memory.reserve(b, wait))?;
         let columns = s
             .columns
             .iter()
