@@ -29,16 +29,19 @@ pub fn send_with_fds(
 }
 
 /// Receives into `buf`, appending any descriptors that arrive to `fds`. Returns the byte count
-/// (0 at end of stream).
+/// (0 at end of stream). With `flags` holding `DONTWAIT`, a socket with nothing to read fails
+/// with `WouldBlock` instead of waiting.
 pub fn recv_with_fds(
     socket: impl AsFd,
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
+    flags: RecvFlags,
 ) -> io::Result<usize> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut ancillary = RecvAncillaryBuffer::new(&mut space);
     let mut iov = [io::IoSliceMut::new(buf)];
-    let msg = rustix::net::recvmsg(socket, &mut iov, &mut ancillary, RecvFlags::CMSG_CLOEXEC)?;
+    let msg =
+        rustix::net::recvmsg(socket, &mut iov, &mut ancillary, flags | RecvFlags::CMSG_CLOEXEC)?;
     for message in ancillary.drain() {
         if let RecvAncillaryMessage::ScmRights(received) = message {
             fds.extend(received);
@@ -61,7 +64,7 @@ mod tests {
         seg.write(0, b"shared");
         assert_eq!(send_with_fds(a.as_fd(), b"x", &[seg.fd()]).unwrap(), 1);
         let (mut buf, mut fds) = ([0u8; 4], Vec::new());
-        assert_eq!(recv_with_fds(&b, &mut buf, &mut fds).unwrap(), 1);
+        assert_eq!(recv_with_fds(&b, &mut buf, &mut fds, RecvFlags::empty()).unwrap(), 1);
         let mapped = Segment::open(7, fds.pop().unwrap(), 4096).unwrap();
         assert_eq!(&mapped.bytes()[..6], b"shared");
     }

@@ -36,6 +36,7 @@ use asyncflow_proto::{
 use asyncflow_shm::{Segment, recv_with_fds};
 use parking_lot::Mutex;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::net::RecvFlags;
 
 use super::Policy;
 use crate::error::{Error, Result};
@@ -107,16 +108,28 @@ impl Stream {
 
     /// Reads exactly `buf.len()` bytes, collecting any descriptors that come with them. When
     /// the socket's read timeout passes with nothing read, asks `idle` whether to keep waiting.
+    /// Reads what has arrived into `buf`, collecting any descriptors that come with it, without
+    /// waiting: `WouldBlock` if nothing has.
+    fn read_now(&mut self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => recv_with_fds(s.as_fd(), buf, fds, RecvFlags::DONTWAIT),
+            Stream::Tcp(s) => Ok(rustix::net::recv(s.as_fd(), buf, RecvFlags::DONTWAIT)?.0),
+        }
+    }
+
+    /// Reads until `buf` is full, its first `at` bytes being there already.
     fn read_exact_patiently(
         &mut self,
         buf: &mut [u8],
+        mut at: usize,
         fds: &mut Vec<OwnedFd>,
         idle: &mut dyn FnMut() -> std::io::Result<()>,
     ) -> std::io::Result<()> {
-        let mut at = 0;
         while at < buf.len() {
             let got = match self {
-                Stream::Unix(s) => recv_with_fds(s.as_fd(), &mut buf[at..], fds),
+                Stream::Unix(s) => {
+                    recv_with_fds(s.as_fd(), &mut buf[at..], fds, RecvFlags::empty())
+                }
                 Stream::Tcp(s) => s.read(&mut buf[at..]),
             };
             match got {
@@ -229,19 +242,35 @@ struct RawFrame {
     fds: Vec<OwnedFd>,
 }
 
+/// The first bytes of a frame, read before it was known whether one had come.
+#[derive(Default)]
+struct Started {
+    head: [u8; HEADER_LEN],
+    have: usize,
+    fds: Vec<OwnedFd>,
+}
+
 fn read_frame(
     stream: &mut Stream,
     limits: Limits,
     idle: &mut dyn FnMut() -> std::io::Result<()>,
 ) -> Result<RawFrame> {
-    let mut head = [0u8; HEADER_LEN];
-    let mut fds = Vec::new();
-    stream.read_exact_patiently(&mut head, &mut fds, idle)?;
+    read_rest_of_frame(stream, Started::default(), limits, idle)
+}
+
+fn read_rest_of_frame(
+    stream: &mut Stream,
+    started: Started,
+    limits: Limits,
+    idle: &mut dyn FnMut() -> std::io::Result<()>,
+) -> Result<RawFrame> {
+    let Started { mut head, have, mut fds } = started;
+    stream.read_exact_patiently(&mut head, have, &mut fds, idle)?;
     let header = FrameHeader::decode(&head, limits)?;
     let mut meta = vec![0u8; header.meta_len as usize];
-    stream.read_exact_patiently(&mut meta, &mut fds, idle)?;
+    stream.read_exact_patiently(&mut meta, 0, &mut fds, idle)?;
     let mut payload = vec![0u8; header.payload_len as usize];
-    stream.read_exact_patiently(&mut payload, &mut fds, idle)?;
+    stream.read_exact_patiently(&mut payload, 0, &mut fds, idle)?;
     Ok(RawFrame { header, meta, payload, fds })
 }
 
@@ -587,6 +616,16 @@ impl Link {
     /// understood breaks the link for everyone. `gone` says, while the daemon is silent, whether
     /// nobody uses the link any more. Returns whether the link still works.
     fn read_one(&self, reader: &mut Reader, gone: &dyn Fn() -> bool) -> bool {
+        self.read_rest_of_one(reader, Started::default(), gone)
+    }
+
+    /// `read_one` of a frame whose first bytes are `started`.
+    fn read_rest_of_one(
+        &self,
+        reader: &mut Reader,
+        started: Started,
+        gone: &dyn Fn() -> bool,
+    ) -> bool {
         let Reader { stream, last_heard } = reader;
         let frame = {
             let mut idle = || -> std::io::Result<()> {
@@ -609,7 +648,7 @@ impl Link {
                 self.ping();
                 Ok(())
             };
-            read_frame(stream, Limits::DEFAULT, &mut idle)
+            read_rest_of_frame(stream, started, Limits::DEFAULT, &mut idle)
         };
         *last_heard = Instant::now();
         let why = match frame {
@@ -751,11 +790,27 @@ impl Pending {
                 }
                 Err(TryRecvError::Empty) => {}
             }
-            if let Some(mut reader) = self.link.reader.try_lock()
-                && reader.stream.readable()
-            {
-                self.link.read_one(&mut reader, &stays);
-                continue;
+            if let Some(mut reader) = self.link.reader.try_lock() {
+                // One system call finds out whether a frame has come and reads its start.
+                let mut started = Started::default();
+                match reader.stream.read_now(&mut started.head, &mut started.fds) {
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                        ) => {}
+                    Ok(n) => {
+                        started.have = n;
+                        // Nothing read means the daemon hung up: reading on says so.
+                        self.link.read_rest_of_one(&mut reader, started, &stays);
+                        continue;
+                    }
+                    // Reading again meets the error and breaks the link, saying why.
+                    Err(_) => {
+                        self.link.read_rest_of_one(&mut reader, started, &stays);
+                        continue;
+                    }
+                }
             }
             if Instant::now() >= until {
                 return None;
