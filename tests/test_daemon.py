@@ -158,7 +158,7 @@ def test_a_shared_memory_put_after_the_first_is_one_round_trip(daemons: Daemons)
     before = requests_served(port)
     for i in range(1, 6):
         one_round(i)
-    assert requests_served(port) - before == 5 * 4, "put, claim, read and ack: no staging"
+    assert requests_served(port) - before == 5 * 3, "put, claim (bringing the cells), ack"
     gc.collect()
     assert store.stats()["memory_used"] == 0, "an unused spare holds no store memory"
     # A put of another size gives the spare back and stages; once its rows are gone, their
@@ -171,6 +171,36 @@ def test_a_shared_memory_put_after_the_first_is_one_round_trip(daemons: Daemons)
     store.claim("t", "x", 1, timeout=5).ack()
     store.put({"x": [np.full(10, 2, np.uint8)]})  # into a 64 KiB spare
     assert requests_served(port) - before == 2 + 2 + 2 + 1 + 2 + 1
+
+
+def test_a_shared_memory_claim_brings_its_cells_and_reading_them_asks_nothing(
+    daemons: Daemons,
+) -> None:
+    port = free_port()
+    url = daemons("--metrics", f"127.0.0.1:{port}").url
+    shm, tcp = af.connect(url, transport="shm"), af.connect(url, transport="tcp")
+    shm.register_task("t")
+    shm.register_task("u")
+    shm.put({"x": [np.arange(5, dtype=np.int32)] * 3, "y": [b"a", b"b", b"c"]})
+    # Over TCP the claim brings no cells (they would all cross the socket whether read or not).
+    before = requests_served(port)
+    batch = tcp.claim("u", "x", 3, timeout=5)
+    assert [v.tolist() for v in batch.read()["x"]] == [list(range(5))] * 3
+    assert requests_served(port) - before == 2
+    batch.ack()
+    before = requests_served(port)
+    batch = shm.claim("t", "x", 3, timeout=5)
+    values = batch.read()["x"]
+    assert requests_served(port) - before == 1, "the claim only"
+    assert [v.tolist() for v in values] == [list(range(5))] * 3
+    assert batch.read(["y"])["y"] == [b"a", b"b", b"c"], "a field not claimed is read"
+    assert requests_served(port) - before == 2
+    batch.ack()
+    with pytest.raises(af.LeaseError):  # the rows are gone; the daemon says so
+        batch.read()
+    del values
+    gc.collect()
+    assert shm.stats()["memory_used"] == 0, "the cells sent with the claim are let go"
 
 
 def test_a_put_into_a_spare_waits_for_memory_under_a_limit(daemons: Daemons) -> None:

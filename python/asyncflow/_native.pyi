@@ -7,6 +7,7 @@ import numpy.typing as npt
 __all__ = [
     "DEFAULT_LINEAR_WEIGHT",
     "ChunkOwner",
+    "ClaimedCells",
     "RemoteStore",
     "Router",
     "Store",
@@ -24,6 +25,10 @@ DEFAULT_LINEAR_WEIGHT: float
 @final
 class ChunkOwner:
     def __len__(self) -> int: ...
+
+@final
+class ClaimedCells:
+    def read(self, fields: list[str]) -> dict[str, list[Any]] | None: ...
 
 # Stub-only: both backends have exactly these methods (the Python ``Store`` wraps either), but
 # share no base class at run time.
@@ -68,6 +73,7 @@ class _Backend:
         npt.NDArray[np.uint64],
         npt.NDArray[np.int64],
         float | None,
+        ClaimedCells | None,
     ]: ...
     def ack(self, lease: int, indexes: npt.NDArray[np.uint64] | None = None) -> None: ...
     def release(self, lease: int, indexes: npt.NDArray[np.uint64] | None = None) -> None: ...

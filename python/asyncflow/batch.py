@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -14,7 +16,12 @@ from asyncflow.errors import BadRequestError, LeaseError, UnknownIndexError
 if TYPE_CHECKING:
     import torch
 
+    from asyncflow._native import ClaimedCells
     from asyncflow.store import Store
+
+#: Seconds before its lease's end that cells sent with a claim stop being read locally: the
+#: lease's end is measured by the daemon, a little before the claim's reply arrives.
+CELLS_MARGIN = 0.05
 
 
 class Batch:
@@ -28,6 +35,8 @@ class Batch:
     """
 
     __slots__ = (
+        "_cells",
+        "_cells_until",
         "_unsettled",
         "expires_in",
         "fields",
@@ -49,6 +58,7 @@ class Batch:
         versions: np.ndarray,
         groups: np.ndarray,
         expires_in: float | None,
+        cells: ClaimedCells | None = None,
     ) -> None:
         self.store = store
         self.task = task
@@ -64,6 +74,10 @@ class Batch:
         #: Seconds the lease had left when the claim returned.
         self.expires_in = expires_in
         self._unsettled = len(indexes) if lease is not None else 0
+        # The claimed fields' cells, when a daemon on this machine sent them with the claim:
+        # read without asking it again while the lease certainly holds them.
+        self._cells = cells
+        self._cells_until = self._lease_end(expires_in)
 
     def __len__(self) -> int:
         return len(self.indexes)
@@ -77,8 +91,13 @@ class Batch:
         claimed fields. Raises ``LeaseError`` if the rows are gone because the lease ended."""
         if len(self) == 0:
             return {f: [] for f in fields or self.fields}
+        names = list(fields or self.fields)
+        if self._cells is not None and time.monotonic() < self._cells_until:
+            sent = self._cells.read(names)
+            if sent is not None:
+                return sent
         try:
-            return self.store.read(self.indexes, list(fields or self.fields))
+            return self.store.read(self.indexes, names)
         except UnknownIndexError as e:
             if self.lease is None:
                 raise
@@ -124,7 +143,19 @@ class Batch:
 
     def renew(self, timeout: float | None = None) -> float:
         """Extends the lease; returns the seconds it now has left."""
-        return self.store.renew(self, timeout)
+        left = self.store.renew(self, timeout)
+        self._cells_until = self._lease_end(left)
+        return left
+
+    @staticmethod
+    def _lease_end(expires_in: float | None) -> float:
+        return math.inf if expires_in is None else time.monotonic() + expires_in - CELLS_MARGIN
+
+    def _drop_cells(self) -> None:
+        """Lets go of the cells sent with the claim. Done before an ack or release is sent, so
+        that the daemon hears first that they are no longer viewed and can reuse their memory
+        as soon as the rows are freed."""
+        self._cells = None
 
     def _settle(self, rows: int | None) -> None:
         """Records that ``rows`` (None: all remaining) were acked or released."""

@@ -205,7 +205,7 @@ class Store:
         never claimed afresh.
         """
         names = (fields,) if isinstance(fields, str) else tuple(fields)
-        lease, idx, versions, groups, left = self._native.claim(
+        lease, idx, versions, groups, left, cells = self._native.claim(
             task,
             list(names),
             batch_size,
@@ -225,7 +225,7 @@ class Store:
             linear_weight=linear_weight,
             equal_count=equal_count,
         )
-        return Batch(self, task, names, lease, idx, versions, groups, left)
+        return Batch(self, task, names, lease, idx, versions, groups, left, cells)
 
     @staticmethod
     def _lease(batch: Batch | int) -> int | None:
@@ -239,6 +239,8 @@ class Store:
         if lease is None:
             return
         subset = None if indexes is None else _index_array(indexes)
+        if isinstance(batch, Batch):
+            batch._drop_cells()
         self._native.ack(lease, subset)
         if isinstance(batch, Batch):
             batch._settle(None if subset is None else len(subset))
@@ -250,6 +252,8 @@ class Store:
         if lease is None:
             return
         subset = None if indexes is None else _index_array(indexes)
+        if isinstance(batch, Batch):
+            batch._drop_cells()
         self._native.release(lease, subset)
         if isinstance(batch, Batch):
             batch._settle(None if subset is None else len(subset))

@@ -104,10 +104,13 @@ pub enum Request {
         scope: Option<Vec<String>>,
     },
     Put(PutRequest),
+    /// With `read`, the claimed rows' cells of the claimed fields come with the reply
+    /// (`Reply::ClaimedCells`), so that reading them takes no second round trip.
     Claim {
         spec: ClaimSpec,
         allow_partial: bool,
         timeout: Option<Duration>,
+        read: bool,
     },
     Ack {
         lease: u64,
@@ -147,7 +150,7 @@ pub enum Request {
     /// slow to answer from one that has stopped answering.
     Ping,
     /// Reserve a shared-memory region of `bytes` for a put that follows; `give_back` is the
-    /// connection's spare region (see `Reply::Stored`), too small for this put, which the client
+    /// connection's spare region (see `Reply::WithSpare`), too small for this put, which the client
     /// will not write.
     Stage {
         bytes: u64,
@@ -344,10 +347,11 @@ impl Request {
                 put_timeout(&mut w, p.timeout);
                 put_source(&mut w, p.source);
             }
-            Request::Claim { spec, allow_partial, timeout } => {
+            Request::Claim { spec, allow_partial, timeout, read } => {
                 claim::encode(&mut w, spec);
                 w.bool(*allow_partial);
                 put_timeout(&mut w, *timeout);
+                w.bool(*read);
             }
             Request::Ack { lease, subset } | Request::Release { lease, subset } => {
                 w.u64(*lease);
@@ -437,6 +441,7 @@ impl Request {
                 spec: claim::decode(r)?,
                 allow_partial: r.bool()?,
                 timeout: r.opt(Reader::duration)?,
+                read: r.bool()?,
             },
             Op::Ack => Request::Ack { lease: r.u64()?, subset: r.opt(Reader::u64s)? },
             Op::Release => Request::Release { lease: r.u64()?, subset: r.opt(Reader::u64s)? },
@@ -555,6 +560,28 @@ mod tests {
         let mut bad = Request::Stage { bytes: 1, timeout: None, give_back: Some(1) }.encode();
         bad[9] = 2; // not an option tag
         assert!(Request::decode(Op::Stage, &bad, 0).is_err());
+    }
+
+    #[test]
+    fn a_claim_round_trips_with_or_without_its_cells_asked_for() {
+        for read in [false, true] {
+            let spec = ClaimSpec {
+                task: "t".into(),
+                fields: vec!["x".into()],
+                batch_size: 4,
+                partition: None,
+                min_version: None,
+                whole_groups: false,
+                share: None,
+            };
+            let req = Request::Claim { spec, allow_partial: true, timeout: None, read };
+            let bytes = req.encode();
+            let back = Request::decode(Op::Claim, &bytes, 0).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{req:?}"));
+            for cut in 0..bytes.len() {
+                assert!(Request::decode(Op::Claim, &bytes[..cut], 0).is_err(), "cut at {cut}");
+            }
+        }
     }
 
     #[test]

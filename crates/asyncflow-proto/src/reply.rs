@@ -121,6 +121,13 @@ pub enum Reply {
         reply: Box<Reply>,
         spare: Spare,
     },
+    /// A claim answered with its rows' cells of the claimed fields, as `Cells` would bring them.
+    ClaimedCells {
+        claimed: Claimed,
+        columns: Vec<WireColumn>,
+        pin: Option<u64>,
+        segments: Segments,
+    },
 }
 
 /// Why a request failed.
@@ -134,6 +141,38 @@ pub enum Failure {
     Protocol(String),
     #[error("unavailable: {0}")]
     Unavailable(String),
+}
+
+fn put_claimed(w: &mut Writer, c: &Claimed) {
+    w.opt(c.lease, |w, l| {
+        w.u64(l);
+    });
+    w.u64s(&c.rows).u64s(&c.versions).list(&c.groups, |w, g| {
+        w.opt(*g, |w, g| {
+            w.u64(g);
+        });
+    });
+    w.opt(c.expires_in, |w, d| {
+        w.duration(d);
+    });
+}
+
+fn get_claimed(r: &mut Reader<'_>) -> Result<Claimed, ProtoError> {
+    Ok(Claimed {
+        lease: r.opt(Reader::u64)?,
+        rows: r.u64s()?,
+        versions: r.u64s()?,
+        groups: r.list(1, |r| r.opt(Reader::u64))?,
+        expires_in: r.opt(Reader::duration)?,
+    })
+}
+
+fn put_cells(w: &mut Writer, columns: &[WireColumn], pin: Option<u64>, segments: &Segments) {
+    w.list(columns, put_column);
+    w.opt(pin, |w, p| {
+        w.u64(p);
+    });
+    put_segments(w, segments);
 }
 
 fn put_segments(w: &mut Writer, s: &Segments) {
@@ -275,28 +314,13 @@ impl Reply {
                 });
             }
             Reply::Claimed(c) => {
-                w.u8(4);
-                w.opt(c.lease, |w, l| {
-                    w.u64(l);
-                });
-                w.u64s(&c.rows).u64s(&c.versions).list(&c.groups, |w, g| {
-                    w.opt(*g, |w, g| {
-                        w.u64(g);
-                    });
-                });
-                w.opt(c.expires_in, |w, d| {
-                    w.duration(d);
-                });
+                put_claimed(w.u8(4), c);
             }
             Reply::Renewed(d) => {
                 w.u8(5).duration(*d);
             }
             Reply::Cells { columns, pin, segments } => {
-                w.u8(6).list(columns, put_column);
-                w.opt(*pin, |w, p| {
-                    w.u64(p);
-                });
-                put_segments(&mut w, segments);
+                put_cells(w.u8(6), columns, *pin, segments);
             }
             Reply::RowInfos(infos) => {
                 w.u8(7).list(infos, put_row_info);
@@ -335,6 +359,10 @@ impl Reply {
                 w.u64(spare.len);
                 put_segments(&mut w, &spare.segments);
             }
+            Reply::ClaimedCells { claimed, columns, pin, segments } => {
+                put_claimed(w.u8(15), claimed);
+                put_cells(&mut w, columns, *pin, segments);
+            }
         }
         w.buf
     }
@@ -345,7 +373,7 @@ impl Reply {
         let mut r = Reader::new(meta);
         let reply = Self::decode_body(&mut r)?;
         r.finish()?;
-        if let Reply::Cells { columns, .. } = &reply {
+        if let Reply::Cells { columns, .. } | Reply::ClaimedCells { columns, .. } = &reply {
             for cell in columns.iter().flat_map(|c| &c.cells) {
                 if let CellPlace::Inline(offset) = cell.place
                     && offset.checked_add(cell.len).is_none_or(|end| end > payload_len)
@@ -376,13 +404,7 @@ impl Reply {
             1 => Reply::Done,
             2 => Reply::Rows(r.u64s()?),
             3 => Reply::Admitted { rows: r.u64s()?, fields: r.list(4, Reader::u32)? },
-            4 => Reply::Claimed(Claimed {
-                lease: r.opt(Reader::u64)?,
-                rows: r.u64s()?,
-                versions: r.u64s()?,
-                groups: r.list(1, |r| r.opt(Reader::u64))?,
-                expires_in: r.opt(Reader::duration)?,
-            }),
+            4 => Reply::Claimed(get_claimed(r)?),
             5 => Reply::Renewed(r.duration()?),
             6 => Reply::Cells {
                 columns: r.list(10, get_column)?,
@@ -405,7 +427,7 @@ impl Reply {
             14 => Reply::WithSpare {
                 // Checked before it is decoded, so that nesting cannot recurse.
                 reply: match r.u8()? {
-                    6 | 11 | 14 => {
+                    6 | 11 | 14 | 15 => {
                         return Err(ProtoError::malformed("a spare beside a reply with segments"));
                     }
                     inner => Box::new(Self::decode_kind(inner, r)?),
@@ -416,6 +438,12 @@ impl Reply {
                     len: r.u64()?,
                     segments: get_segments(r)?,
                 },
+            },
+            15 => Reply::ClaimedCells {
+                claimed: get_claimed(r)?,
+                columns: r.list(10, get_column)?,
+                pin: r.opt(Reader::u64)?,
+                segments: get_segments(r)?,
             },
             t => return Err(ProtoError::malformed(format!("unknown reply kind {t}"))),
         })
@@ -556,6 +584,43 @@ mod tests {
         let back = Reply::decode(&reply.encode(), 72).unwrap();
         assert_eq!(format!("{back:?}"), format!("{reply:?}"));
         assert!(Reply::decode(&reply.encode(), 71).is_err());
+    }
+
+    #[test]
+    fn a_claim_with_its_cells_round_trips_and_inline_cells_are_bounded_by_the_payload() {
+        let claimed = Claimed {
+            lease: Some(3),
+            rows: vec![10, 11],
+            versions: vec![1, 1],
+            groups: vec![None, Some(4)],
+            expires_in: Some(Duration::from_secs(30)),
+        };
+        let reply = Reply::ClaimedCells {
+            claimed,
+            columns: vec![WireColumn {
+                name: "x".into(),
+                schema: FieldSchema::scalar(DType::F64),
+                cells: vec![
+                    WireCell { place: CellPlace::Inline(0), len: 8, first_dim: 1 },
+                    WireCell {
+                        place: CellPlace::Shared(SharedCell { segment: 2, offset: 64 }),
+                        len: 8,
+                        first_dim: 1,
+                    },
+                ],
+            }],
+            pin: Some(6),
+            segments: Segments { new: vec![(2, 4096)], retired: vec![] },
+        };
+        let bytes = reply.encode();
+        let back = Reply::decode(&bytes, 8).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{reply:?}"));
+        assert!(Reply::decode(&bytes, 7).is_err());
+        for cut in 0..bytes.len() {
+            assert!(Reply::decode(&bytes[..cut], 8).is_err(), "cut at {cut}");
+        }
+        let beside_a_spare = Reply::WithSpare { reply: Box::new(reply), spare: spare() };
+        assert!(Reply::decode(&beside_a_spare.encode(), 8).is_err());
     }
 
     #[test]

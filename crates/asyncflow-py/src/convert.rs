@@ -16,14 +16,48 @@ use crate::errors::to_py;
 use crate::scheduler::cost_model;
 
 /// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
-/// versions and groups (-1: no group), and seconds until the lease expires.
+/// versions and groups (-1: no group), seconds until the lease expires, and the claimed fields'
+/// cells when they came with the claim.
 pub type ClaimResult<'py> = (
     Option<u64>,
     Bound<'py, PyArray1<u64>>,
     Bound<'py, PyArray1<u64>>,
     Bound<'py, PyArray1<i64>>,
     Option<f64>,
+    Option<ClaimedCells>,
 );
+
+/// The cells of a claim's fields, sent with the claim by a daemon on this machine: `Batch.read`
+/// views them without asking the daemon again. Holding them keeps their memory in the daemon.
+#[pyclass(module = "asyncflow._native", frozen)]
+pub struct ClaimedCells {
+    columns: Vec<(String, FieldSchema, Vec<Cell>)>,
+}
+
+impl ClaimedCells {
+    pub fn new(columns: Vec<(String, FieldSchema, Vec<Cell>)>) -> Self {
+        Self { columns }
+    }
+}
+
+#[pymethods]
+impl ClaimedCells {
+    /// `{field: [one value per row]}` for `fields`, as a read returns it; `None` if one of them
+    /// did not come with the claim.
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        fields: Vec<String>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let picked: Option<Vec<_>> =
+            fields.iter().map(|f| self.columns.iter().find(|(name, ..)| name == f)).collect();
+        picked
+            .map(|columns| {
+                columns_dict(py, columns.into_iter().map(|(n, s, c)| (n.as_str(), s, c.as_slice())))
+            })
+            .transpose()
+    }
+}
 
 /// Row metadata: `(indexes, partitions, groups, versions, tags)`.
 pub type RowsResult<'py> = (
@@ -160,6 +194,7 @@ pub fn claim_result<'py>(
     versions: Vec<u64>,
     groups: &[Option<u64>],
     expires_in: Option<Duration>,
+    cells: Option<ClaimedCells>,
 ) -> ClaimResult<'py> {
     let groups: Vec<i64> = groups.iter().map(|&g| group_to_py(g)).collect();
     (
@@ -168,6 +203,7 @@ pub fn claim_result<'py>(
         versions.into_pyarray(py),
         groups.into_pyarray(py),
         expires_in.map(|d| d.as_secs_f64()),
+        cells,
     )
 }
 

@@ -22,6 +22,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::Store>()?;
     m.add_class::<remote::RemoteStore>()?;
     m.add_class::<arrays::ChunkOwner>()?;
+    m.add_class::<convert::ClaimedCells>()?;
     m.add_class::<scheduler::Router>()?;
     m.add_function(wrap_pyfunction!(scheduler::costs, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::partition, m)?)?;

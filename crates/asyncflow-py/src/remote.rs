@@ -13,8 +13,8 @@ use pyo3::types::PyDict;
 
 use crate::blocking::{detached, timeout as duration};
 use crate::convert::{
-    ClaimResult, RowsResult, ShareArgs, claim_result, claim_spec, columns_dict, inspect_fields,
-    put_target, rows_result, seconds, stats_dict,
+    ClaimResult, ClaimedCells, RowsResult, ShareArgs, claim_result, claim_spec, columns_dict,
+    inspect_fields, put_target, rows_result, seconds, stats_dict,
 };
 use crate::errors::BadRequestError;
 
@@ -175,8 +175,10 @@ impl RemoteStore {
             claim_spec(task, fields, batch_size, partition, min_version, whole_groups, share)?;
         let timeout = duration(timeout)?;
         let client = self.client(py)?;
-        let c = detached(py, None, |wait| client.claim(&spec, allow_partial, timeout, wait))?;
-        Ok(claim_result(py, c.lease, c.rows, c.versions, &c.groups, c.expires_in))
+        let (c, cells) =
+            detached(py, None, |wait| client.claim(&spec, allow_partial, timeout, wait))?;
+        let cells = cells.map(ClaimedCells::new);
+        Ok(claim_result(py, c.lease, c.rows, c.versions, &c.groups, c.expires_in, cells))
     }
 
     #[pyo3(signature = (lease, indexes = None))]

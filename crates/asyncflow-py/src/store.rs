@@ -120,7 +120,8 @@ impl Store {
         let claimed =
             detached(py, deadline(timeout)?, |wait| store.claim(&spec, allow_partial, wait))?;
         let left = claimed.deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        Ok(claim_result(py, claimed.lease, claimed.rows, claimed.versions, &claimed.groups, left))
+        let c = claimed;
+        Ok(claim_result(py, c.lease, c.rows, c.versions, &c.groups, left, None))
     }
 
     /// Commits a lease, or only `indexes` of it.

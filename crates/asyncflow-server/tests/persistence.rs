@@ -27,9 +27,9 @@ fn spec(batch_size: usize) -> ClaimSpec {
 fn work(client: &Client) -> Vec<u64> {
     client.register_task("t", None, NOW).unwrap();
     let rows = put_ints(client, "x", &(0..10).collect::<Vec<_>>());
-    let acked = client.claim(&spec(4), false, Some(Duration::from_secs(5)), NOW).unwrap();
+    let acked = client.claim(&spec(4), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     client.ack(acked.lease.unwrap(), None, NOW).unwrap();
-    let leased = client.claim(&spec(3), false, Some(Duration::from_secs(5)), NOW).unwrap();
+    let leased = client.claim(&spec(3), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     assert_eq!(leased.rows, rows[4..7]);
     rows
 }
@@ -39,7 +39,7 @@ fn check_restored(client: &Client, rows: &[u64]) {
     let live: Vec<u64> = client.rows(None, None, NOW).unwrap().iter().map(|r| r.index).collect();
     assert_eq!(live, rows[4..], "acked rows stay gone, the others come back");
     assert_eq!(read_ints(client, &rows[4..], "x"), (4..10).collect::<Vec<i64>>());
-    let again = client.claim(&spec(6), false, Some(Duration::from_secs(5)), NOW).unwrap();
+    let again = client.claim(&spec(6), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     assert_eq!(again.rows, rows[4..], "rows that were leased are delivered again");
     client.ack(again.lease.unwrap(), None, NOW).unwrap();
     let more = put_ints(client, "x", &[99]);

@@ -56,7 +56,7 @@ fn rows_spread_over_storage_daemons_and_come_back_in_order(prefer: Preference, t
         let owned = rows.iter().filter(|&&r| r % 3 == owner as u64).count() as u64;
         assert_eq!(payload_rows(daemon), owned, "storage daemon {owner} holds its rows only");
     }
-    let claimed = client.claim(&spec(12), false, Some(Duration::from_secs(1)), NOW).unwrap();
+    let claimed = client.claim(&spec(12), false, Some(Duration::from_secs(1)), NOW).unwrap().0;
     assert_eq!(read_ints(&client, &claimed.rows, "x"), values);
     client.ack(claimed.lease.unwrap(), None, NOW).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -475,9 +475,9 @@ impl Link {
             }
             Ok(reply) => {
                 let segments = match &reply {
-                    Reply::Cells { segments, .. } | Reply::Staged { segments, .. } => {
-                        Some(segments)
-                    }
+                    Reply::Cells { segments, .. }
+                    | Reply::Staged { segments, .. }
+                    | Reply::ClaimedCells { segments, .. } => Some(segments),
                     _ => None,
                 };
                 match segments.map(|s| self.map_segments(s, fds)).transpose() {
@@ -494,7 +494,12 @@ impl Link {
             }
             None => {
                 // Nobody waits (a ping, or a caller that gave up): let go of what it pinned.
-                if let Ok((Reply::Cells { pin: Some(pin), .. }, _)) = delivery {
+                if let Ok((
+                    Reply::Cells { pin: Some(pin), .. }
+                    | Reply::ClaimedCells { pin: Some(pin), .. },
+                    _,
+                )) = delivery
+                {
                     self.unpins.lock().push(pin);
                 }
             }

@@ -14,7 +14,7 @@ use asyncflow_core::{
     Cell, Chunk, ClaimSpec, FieldSchema, PutTarget, RowInfo, StoreError, StoreStats, Wait,
 };
 use asyncflow_proto::{
-    CellPlace, Claimed, PayloadSource, PutRequest, Reply, Request, Role, StoreCells,
+    CellPlace, Claimed, PayloadSource, PutRequest, Reply, Request, Role, StoreCells, WireColumn,
 };
 use asyncflow_shm::{SegmentView, size_class};
 
@@ -98,14 +98,23 @@ fn unknown(e: Error) -> Error {
     }
 }
 
-/// Turns a `Cells` reply into cells: inline ones view the received payload, shared ones view the
-/// mapped segment and keep the daemon's pin until the last of them is dropped.
+/// Turns a `Cells` reply into cells (see `view_cells`).
 fn cells_of(answer: Answer) -> Result<Vec<ReadColumn>> {
     let Reply::Cells { columns, pin, .. } = answer.reply else {
         return Err(unexpected(&answer.reply));
     };
-    let conn = &answer.link;
-    let inline = crate::received::into_chunk(answer.payload, None);
+    view_cells(columns, pin, answer.payload, &answer.link)
+}
+
+/// Cells sent by the daemon: inline ones view the received `payload`, shared ones view the
+/// mapped segment and keep the daemon's `pin` until the last of them is dropped.
+fn view_cells(
+    columns: Vec<WireColumn>,
+    pin: Option<u64>,
+    payload: Vec<u8>,
+    conn: &Arc<Link>,
+) -> Result<Vec<ReadColumn>> {
+    let inline = crate::received::into_chunk(payload, None);
     let token = pin.map(|p| Arc::new(conn.pin_token(p)));
     let mut shared: HashMap<u64, Arc<Chunk>> = HashMap::new();
     let mut out = Vec::with_capacity(columns.len());
@@ -311,15 +320,25 @@ impl Client {
         }
     }
 
+    /// Leases rows. On the shared-memory path of a standalone daemon the claimed fields' cells
+    /// come with the claim (only their places cross the socket): they are returned too, and
+    /// reading them takes no second round trip.
     pub fn claim(
         &self,
         spec: &ClaimSpec,
         allow_partial: bool,
         timeout: Option<Duration>,
         wait: Wait<'_>,
-    ) -> Result<Claimed> {
-        match self.call(&Request::Claim { spec: spec.clone(), allow_partial, timeout }, wait)? {
-            Reply::Claimed(c) => Ok(c),
+    ) -> Result<(Claimed, Option<Vec<ReadColumn>>)> {
+        let read = self.storage.is_empty() && self.primary.is_shm();
+        let req = Request::Claim { spec: spec.clone(), allow_partial, timeout, read };
+        let answer = self.primary.call(&req, &[], wait)?;
+        match answer.reply {
+            Reply::Claimed(c) => Ok((c, None)),
+            Reply::ClaimedCells { claimed, columns, pin, .. } => {
+                let cells = view_cells(columns, pin, answer.payload, &answer.link)?;
+                Ok((claimed, Some(cells)))
+            }
             other => Err(unexpected(&other)),
         }
     }

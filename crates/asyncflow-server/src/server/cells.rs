@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use asyncflow_core::{Cell, Chunk, FieldSchema, MemoryGuard, StoreError};
 use asyncflow_proto::{
-    CellMeta, CellPlace, PayloadSource, Reply, SharedCell, WireCell, WireColumn, align_payload,
+    CellMeta, CellPlace, PayloadSource, Reply, Segments, SharedCell, WireCell, WireColumn,
+    align_payload,
 };
 use asyncflow_shm::{MAX_FDS, MIN_SEGMENT};
 
@@ -89,14 +90,30 @@ pub fn cells_in(chunk: &Arc<Chunk>, metas: &[CellMeta]) -> Result<Vec<Cell>, Sto
         .collect()
 }
 
-/// Builds the reply to a read: shared cells where the session maps shared memory and the cell
-/// lives in it, inline cells otherwise. One reply introduces at most `MAX_FDS` segments the
-/// client has not mapped yet (the descriptors one message can carry); cells in further new
-/// segments go inline, and a later read maps them.
+/// Cells on their way to a client, and what it needs to view them.
+pub struct Outgoing {
+    pub columns: Vec<WireColumn>,
+    pub pin: Option<u64>,
+    pub segments: Segments,
+    pub answer: Answer,
+}
+
+impl Outgoing {
+    /// The reply to a read.
+    pub fn read_reply(self) -> (Reply, Answer) {
+        let Self { columns, pin, segments, answer } = self;
+        (Reply::Cells { columns, pin, segments }, answer)
+    }
+}
+
+/// Sends cells: shared cells where the session maps shared memory and the cell lives in it,
+/// inline cells otherwise. One reply introduces at most `MAX_FDS` segments the client has not
+/// mapped yet (the descriptors one message can carry); cells in further new segments go inline,
+/// and a later read maps them.
 pub fn outgoing_cells(
     session: &Session,
     columns: Vec<(String, FieldSchema, Vec<Cell>)>,
-) -> (Reply, Answer) {
+) -> Outgoing {
     let mut answer = Answer::default();
     let mut cursor = 0u64;
     let mut pinned: HashMap<*const Chunk, Arc<Chunk>> = HashMap::new();
@@ -143,7 +160,7 @@ pub fn outgoing_cells(
             answer.fds = fds;
             (Some(shm.pin(pinned.into_values().collect())), intro)
         }
-        _ => (None, asyncflow_proto::Segments::default()),
+        _ => (None, Segments::default()),
     };
-    (Reply::Cells { columns: wire, pin, segments }, answer)
+    Outgoing { columns: wire, pin, segments, answer }
 }

@@ -454,7 +454,10 @@ fn outgoing(
             // client's next put needs no round trip to stage one.
             let offer = match reply {
                 _ if notice => None,
-                Reply::Cells { .. } | Reply::Staged { .. } | Reply::WithSpare { .. } => None,
+                Reply::Cells { .. }
+                | Reply::Staged { .. }
+                | Reply::WithSpare { .. }
+                | Reply::ClaimedCells { .. } => None,
                 _ => session.shm.as_ref().and_then(ShmSession::offer_spare),
             };
             match offer {

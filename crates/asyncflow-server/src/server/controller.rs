@@ -82,6 +82,11 @@ impl Controller {
                 }
                 Ok((Reply::Done, Answer::default()))
             }
+            // The payloads are on the storage daemons: a claim comes without them.
+            Request::Claim { spec, allow_partial, timeout, .. } => {
+                let claim = Request::Claim { spec, allow_partial, timeout, read: false };
+                metadata::execute(&self.store, session, claim, payload, wait)
+            }
             other => metadata::execute(&self.store, session, other, payload, wait),
         }
     }

@@ -38,15 +38,41 @@ fn put(
     done(Reply::Rows(store.put(columns, &p.target)?))
 }
 
-fn claimed(c: asyncflow_core::Claimed) -> Reply {
+fn claimed(c: asyncflow_core::Claimed) -> Claimed {
     let now = Instant::now();
-    Reply::Claimed(Claimed {
+    Claimed {
         lease: c.lease,
         rows: c.rows,
         versions: c.versions,
         groups: c.groups,
         expires_in: c.deadline.map(|d| d.saturating_duration_since(now)),
-    })
+    }
+}
+
+/// A claim's reply with its rows' cells of the claimed `fields`. The rows are leased whatever
+/// happens here, so a claim whose cells cannot be read (none should be: claimed rows have every
+/// claimed field) is answered without them, and the client reads them as it would anyway.
+fn with_cells(
+    store: &Store,
+    session: &Session,
+    claimed: Claimed,
+    fields: &[String],
+) -> (Reply, Answer) {
+    if claimed.rows.is_empty() {
+        return (Reply::Claimed(claimed), Answer::default());
+    }
+    match store.read(&claimed.rows, fields) {
+        Ok(columns) => {
+            let columns = columns.into_iter().map(|c| (c.name, c.schema, c.cells)).collect();
+            let out = outgoing_cells(session, columns);
+            let (columns, pin, segments) = (out.columns, out.pin, out.segments);
+            (Reply::ClaimedCells { claimed, columns, pin, segments }, out.answer)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "claimed rows could not be read with their claim");
+            (Reply::Claimed(claimed), Answer::default())
+        }
+    }
 }
 
 /// Runs `req` against `store`. `payload` is the frame's payload section.
@@ -62,8 +88,13 @@ pub fn execute(
             store.register_task(&name, scope).and(done(Reply::Done))
         }
         Request::Put(p) => put(store, session, p, payload, wait),
-        Request::Claim { spec, allow_partial, .. } => {
-            done(claimed(store.claim(&spec, allow_partial, wait)?))
+        Request::Claim { spec, allow_partial, read, .. } => {
+            let claimed = claimed(store.claim(&spec, allow_partial, wait)?);
+            if read {
+                Ok(with_cells(store, session, claimed, &spec.fields))
+            } else {
+                done(Reply::Claimed(claimed))
+            }
         }
         Request::Ack { lease, subset } => {
             store.ack(lease, subset.as_deref()).and(done(Reply::Done))
@@ -78,7 +109,7 @@ pub fn execute(
         Request::Read { rows, fields } => {
             let columns = store.read(&rows, &fields)?;
             let columns = columns.into_iter().map(|c| (c.name, c.schema, c.cells)).collect();
-            Ok(outgoing_cells(session, columns))
+            Ok(outgoing_cells(session, columns).read_reply())
         }
         Request::Rows { rows, partition } => done(Reply::RowInfos(match rows {
             Some(rows) => store.row_info(&rows)?,

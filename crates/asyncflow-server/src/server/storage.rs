@@ -157,7 +157,7 @@ impl Storage {
                 let unnamed = FieldSchema::ragged(DType::U8, vec![]);
                 let columns =
                     cells.into_iter().map(|c| (String::new(), unnamed.clone(), c)).collect();
-                Ok(outgoing_cells(session, columns))
+                Ok(outgoing_cells(session, columns).read_reply())
             }
             Request::DropRows { rows } => {
                 self.forget(&rows)?;

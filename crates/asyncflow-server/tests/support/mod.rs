@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use asyncflow_core::{DType, FieldSchema, NewRows, PutTarget, Wait};
-use asyncflow_server::client::{Client, Policy, Preference, PutColumn};
+use asyncflow_server::client::{Client, Policy, Preference, PutColumn, ReadColumn};
 use asyncflow_server::config::Flags;
 use tokio::sync::oneshot;
 
@@ -96,6 +96,10 @@ pub fn put_ints(client: &Client, field: &str, values: &[i64]) -> Vec<u64> {
 }
 
 pub fn read_ints(client: &Client, rows: &[u64], field: &str) -> Vec<i64> {
-    let columns = client.read(rows, &[field.to_owned()], NOW).unwrap();
-    columns[0].2.iter().map(|c| i64::from_le_bytes(c.bytes().try_into().unwrap())).collect()
+    ints(&client.read(rows, &[field.to_owned()], NOW).unwrap()[0])
+}
+
+/// The values of a column of `put_ints` cells.
+pub fn ints(column: &ReadColumn) -> Vec<i64> {
+    column.2.iter().map(|c| i64::from_le_bytes(c.bytes().try_into().unwrap())).collect()
 }
