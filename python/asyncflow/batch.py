@@ -88,7 +88,10 @@ class Batch:
     def read(self, fields: Sequence[str] | None = None) -> dict[str, list[Any]]:
         """``{field: [value per row]}`` — read-only NumPy views into store memory (no copy; they
         keep the payload alive while referenced), or ``bytes`` for bytes fields. Defaults to the
-        claimed fields. Raises ``LeaseError`` if the rows are gone because the lease ended."""
+        claimed fields. Raises ``LeaseError`` if the rows are gone because the lease ended.
+
+        From a daemon on this machine the claimed fields' cells came with the claim, and the
+        batch keeps them until it is acked or released: reading them asks the daemon nothing."""
         if len(self) == 0:
             return {f: [] for f in fields or self.fields}
         names = list(fields or self.fields)

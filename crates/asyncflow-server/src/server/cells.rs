@@ -3,7 +3,7 @@
 //! of it, so the daemon copies nothing. Going out, a cell in shared memory is named by segment and
 //! offset (and pinned until the client lets go), any other cell is sent inline.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use asyncflow_core::{Cell, Chunk, FieldSchema, MemoryGuard, StoreError};
@@ -11,7 +11,7 @@ use asyncflow_proto::{
     CellMeta, CellPlace, PayloadSource, Reply, Segments, SharedCell, WireCell, WireColumn,
     align_payload,
 };
-use asyncflow_shm::{MAX_FDS, MIN_SEGMENT};
+use asyncflow_shm::{MAX_FDS, MIN_SEGMENT, Segment};
 
 use super::outgoing::{Answer, Part};
 use super::session::{Session, Stage};
@@ -116,29 +116,36 @@ pub fn outgoing_cells(
 ) -> Outgoing {
     let mut answer = Answer::default();
     let mut cursor = 0u64;
-    let mut pinned: HashMap<*const Chunk, Arc<Chunk>> = HashMap::new();
+    // Where each chunk is: the segment it fills, or nowhere the client can map (sent inline).
+    // The cells of one put share a chunk, so this is looked up once per put, not per cell.
+    let mut chunks: HashMap<*const Chunk, Option<Arc<Segment>>> = HashMap::new();
+    let mut pinned = Vec::new();
     let mut segments = Vec::new();
-    let mut new_segments = HashSet::new();
+    let mut introduced = 0;
     let mut wire = Vec::with_capacity(columns.len());
     for (name, schema, cells) in columns {
         let mut out = Vec::with_capacity(cells.len());
         for cell in cells {
-            let shared = session.shm.as_ref().filter(|_| cell.len > 0).and_then(|shm| {
-                let (segment, offset) = shm.pool.locate(cell.bytes().as_ptr())?;
-                let id = segment.id();
-                let mapped = new_segments.contains(&id) || shm.knows(id);
-                if !mapped && new_segments.len() >= MAX_FDS {
-                    return None;
-                }
-                new_segments.extend((!mapped).then_some(id));
-                Some((segment, offset))
-            });
-            let place = if let Some((segment, offset)) = shared {
-                pinned.entry(Arc::as_ptr(&cell.chunk)).or_insert_with(|| Arc::clone(&cell.chunk));
-                let place =
-                    CellPlace::Shared(SharedCell { segment: segment.id(), offset: offset as u64 });
-                segments.push(segment);
-                place
+            let shared = match &session.shm {
+                Some(shm) if cell.len > 0 => chunks
+                    .entry(Arc::as_ptr(&cell.chunk))
+                    .or_insert_with(|| {
+                        let (segment, _) = shm.pool.locate(cell.bytes().as_ptr())?;
+                        let new = !shm.knows(segment.id());
+                        if new && introduced >= MAX_FDS {
+                            return None;
+                        }
+                        introduced += usize::from(new);
+                        pinned.push(Arc::clone(&cell.chunk));
+                        segments.push(Arc::clone(&segment));
+                        Some(segment)
+                    })
+                    .clone(),
+                _ => None,
+            };
+            let place = if let Some(segment) = shared {
+                let offset = cell.bytes().as_ptr() as u64 - segment.as_ptr() as u64;
+                CellPlace::Shared(SharedCell { segment: segment.id(), offset })
             } else {
                 let at = align_payload(cursor);
                 if at > cursor {
@@ -158,7 +165,7 @@ pub fn outgoing_cells(
             segments.dedup_by_key(|s| s.id());
             let (intro, fds) = shm.introduce(&segments);
             answer.fds = fds;
-            (Some(shm.pin(pinned.into_values().collect())), intro)
+            (Some(shm.pin(pinned)), intro)
         }
         _ => (None, Segments::default()),
     };

@@ -6,7 +6,7 @@ use std::time::Instant;
 use asyncflow_core::{Column, FieldSchema, Store, StoreError, Wait};
 use asyncflow_proto::{Claimed, PutRequest, Reply, Request};
 
-use super::cells::{cells_in, extent, incoming_chunk, outgoing_cells};
+use super::cells::{Outgoing, cells_in, extent, incoming_chunk, outgoing_cells};
 use super::outgoing::Answer;
 use super::session::Session;
 
@@ -64,9 +64,8 @@ fn with_cells(
     match store.read(&claimed.rows, fields) {
         Ok(columns) => {
             let columns = columns.into_iter().map(|c| (c.name, c.schema, c.cells)).collect();
-            let out = outgoing_cells(session, columns);
-            let (columns, pin, segments) = (out.columns, out.pin, out.segments);
-            (Reply::ClaimedCells { claimed, columns, pin, segments }, out.answer)
+            let Outgoing { columns, pin, segments, answer } = outgoing_cells(session, columns);
+            (Reply::ClaimedCells { claimed, columns, pin, segments }, answer)
         }
         Err(e) => {
             tracing::warn!(error = %e, "claimed rows could not be read with their claim");
