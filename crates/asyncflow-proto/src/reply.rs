@@ -563,21 +563,26 @@ mod tests {
         }
     }
 
+    /// A column of two 8-byte cells: one inline at `inline_at`, one in shared segment 2.
+    fn two_cells(inline_at: u64) -> Vec<WireColumn> {
+        vec![WireColumn {
+            name: "x".into(),
+            schema: FieldSchema::scalar(DType::F64),
+            cells: vec![
+                WireCell { place: CellPlace::Inline(inline_at), len: 8, first_dim: 1 },
+                WireCell {
+                    place: CellPlace::Shared(SharedCell { segment: 2, offset: 128 }),
+                    len: 8,
+                    first_dim: 1,
+                },
+            ],
+        }]
+    }
+
     #[test]
     fn cells_round_trip_and_inline_ones_are_bounded_by_the_payload() {
         let reply = Reply::Cells {
-            columns: vec![WireColumn {
-                name: "x".into(),
-                schema: FieldSchema::scalar(DType::F64),
-                cells: vec![
-                    WireCell { place: CellPlace::Inline(64), len: 8, first_dim: 1 },
-                    WireCell {
-                        place: CellPlace::Shared(SharedCell { segment: 2, offset: 128 }),
-                        len: 8,
-                        first_dim: 1,
-                    },
-                ],
-            }],
+            columns: two_cells(64),
             pin: Some(5),
             segments: Segments { new: vec![(2, 4096)], retired: vec![1] },
         };
@@ -597,18 +602,7 @@ mod tests {
         };
         let reply = Reply::ClaimedCells {
             claimed,
-            columns: vec![WireColumn {
-                name: "x".into(),
-                schema: FieldSchema::scalar(DType::F64),
-                cells: vec![
-                    WireCell { place: CellPlace::Inline(0), len: 8, first_dim: 1 },
-                    WireCell {
-                        place: CellPlace::Shared(SharedCell { segment: 2, offset: 64 }),
-                        len: 8,
-                        first_dim: 1,
-                    },
-                ],
-            }],
+            columns: two_cells(0),
             pin: Some(6),
             segments: Segments { new: vec![(2, 4096)], retired: vec![] },
         };
