@@ -14,6 +14,7 @@ Peers that fail to import or start are reported as skipped, not as errors.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,11 @@ from asyncflow.bench.records import Report
 from asyncflow.bench.workload import CLAIM_BATCH, Rounds
 
 Timing = Callable[[Rounds], float]
+
+# As asyncflow.launch does, before Ray is imported: Ray's workers run in this environment, not in
+# one that `uv run` builds again in a copy of the working directory (minutes before the first
+# TransferQueue actor starts).
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 def ours(report: Report, label: str, metric: str) -> float | None:
