@@ -106,8 +106,6 @@ impl Stream {
         }
     }
 
-    /// Reads exactly `buf.len()` bytes, collecting any descriptors that come with them. When
-    /// the socket's read timeout passes with nothing read, asks `idle` whether to keep waiting.
     /// Reads what has arrived into `buf`, collecting any descriptors that come with it, without
     /// waiting: `WouldBlock` if nothing has.
     fn read_now(&mut self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
@@ -117,7 +115,9 @@ impl Stream {
         }
     }
 
-    /// Reads until `buf` is full, its first `at` bytes being there already.
+    /// Reads until `buf` is full, its first `at` bytes being there already, collecting any
+    /// descriptors that come with them. When the socket's read timeout passes with nothing read,
+    /// asks `idle` whether to keep waiting.
     fn read_exact_patiently(
         &mut self,
         buf: &mut [u8],
@@ -804,14 +804,10 @@ impl Pending {
                             e.kind(),
                             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
                         ) => {}
-                    Ok(n) => {
-                        started.have = n;
-                        // Nothing read means the daemon hung up: reading on says so.
-                        self.link.read_rest_of_one(&mut reader, started, &stays);
-                        continue;
-                    }
-                    // Reading again meets the error and breaks the link, saying why.
-                    Err(_) => {
+                    got => {
+                        // Reading on finishes the frame. After nothing read (the daemon hung
+                        // up) or an error, it meets the same and breaks the link, saying why.
+                        started.have = got.unwrap_or(0);
                         self.link.read_rest_of_one(&mut reader, started, &stays);
                         continue;
                     }
