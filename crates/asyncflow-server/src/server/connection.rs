@@ -511,9 +511,9 @@ async fn answer_and_drain<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// Frees the connection's place under `--max-connections` when it ends, however it ends.
-struct Counted<'d>(&'d Daemon);
+struct Counted(Arc<Daemon>);
 
-impl Drop for Counted<'_> {
+impl Drop for Counted {
     fn drop(&mut self) {
         self.0.connections.fetch_sub(1, Ordering::AcqRel);
     }
@@ -524,43 +524,38 @@ const MAX_IN_FLIGHT: usize = 4096;
 
 /// Serves one connection until the client leaves, breaks the protocol, or the daemon stops: a
 /// local client's on a thread of its own (see the module documentation), any other here.
+/// However it ends, even before it is served, its place under `--max-connections` is freed.
 pub async fn serve(daemon: Arc<Daemon>, link: Link, peer: String, stopping: watch::Receiver<bool>) {
+    let counted = Counted(Arc::clone(&daemon));
     if !link.is_local() {
-        return serve_here(daemon, link, peer, stopping, false).await;
+        return serve_here(daemon, counted, link, peer, stopping, false).await;
     }
     let moved = match StdLink::of(link) {
         Ok(moved) => moved,
         Err(e) => {
             // The socket is gone with its registration; the client sees its connection close.
-            daemon.connections.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(peer = %peer, error = %e, "cannot hand a connection to its own thread");
             return;
         }
     };
     let (done, finished) = tokio::sync::oneshot::channel::<()>();
-    let (d, p, s) = (Arc::clone(&daemon), peer.clone(), stopping.clone());
-    let d2 = Arc::clone(&daemon);
+    let (p, s) = (peer.clone(), stopping.clone());
     let spawned = std::thread::Builder::new().name("asyncflow-local".into()).spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
         let served = runtime.map(|rt| {
             rt.block_on(async move {
                 match moved.into_link() {
-                    Ok(link) => serve_here(d, link, p, s, true).await,
-                    Err(e) => {
-                        d.connections.fetch_sub(1, Ordering::AcqRel);
-                        tracing::warn!(peer = %p, error = %e, "cannot serve a connection");
-                    }
+                    Ok(link) => serve_here(daemon, counted, link, p, s, true).await,
+                    Err(e) => tracing::warn!(peer = %p, error = %e, "cannot serve a connection"),
                 }
             });
         });
         if let Err(e) = served {
-            d2.connections.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(error = %e, "cannot start a connection's event loop");
         }
         drop(done);
     });
     if let Err(e) = spawned {
-        daemon.connections.fetch_sub(1, Ordering::AcqRel);
         tracing::warn!(peer = %peer, error = %e, "cannot start a connection's thread");
         return;
     }
@@ -569,12 +564,12 @@ pub async fn serve(daemon: Arc<Daemon>, link: Link, peer: String, stopping: watc
 
 async fn serve_here(
     daemon: Arc<Daemon>,
+    _counted: Counted,
     link: Link,
     peer: String,
     mut stopping: watch::Receiver<bool>,
     local: bool,
 ) {
-    let _counted = Counted(&daemon);
     let shm = matches!(link, Link::Unix(_)).then(|| daemon.pool.clone()).flatten();
     let (half, writer) = match link {
         Link::Tcp(s) => {
