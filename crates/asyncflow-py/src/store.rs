@@ -117,10 +117,8 @@ impl Store {
         let spec =
             claim_spec(task, fields, batch_size, partition, min_version, whole_groups, share)?;
         let store = &self.inner;
-        let claimed =
-            detached(py, deadline(timeout)?, |wait| store.claim(&spec, allow_partial, wait))?;
-        let left = claimed.deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let c = claimed;
+        let c = detached(py, deadline(timeout)?, |wait| store.claim(&spec, allow_partial, wait))?;
+        let left = c.deadline.map(|d| d.saturating_duration_since(Instant::now()));
         Ok(claim_result(py, c.lease, c.rows, c.versions, &c.groups, left, None))
     }
 
