@@ -1,10 +1,11 @@
 """The built-in task: n-digit addition, ``"37+48="`` -> ``"85"``.
 
 Operands have exactly ``digits`` digits; the answer is written naturally (no leading zeros). A fixed
-set of problems is held out for evaluation and never used for training. For the supervised warm
-start, :func:`demonstration` can reproduce the classic mistake of dropping a carry, which yields a
-model that often knows the right answer (sampling finds it) without preferring it (greedy misses
-it) — the gap RL is good at closing.
+set of problems is held out for evaluation and never used for training, and neither is its
+commuted twin (``48+37=`` has the answer of ``37+48=``): the split is by unordered pair. For the
+supervised warm start, :func:`demonstration` can reproduce the classic mistake of dropping a
+carry, which yields a model that often knows the right answer (sampling finds it) without
+preferring it (greedy misses it) — the gap RL is good at closing.
 """
 
 from __future__ import annotations
@@ -44,13 +45,19 @@ class ArithmeticTask:
 
     def __init__(self, digits: int = 2, eval_size: int = 200) -> None:
         lo, hi = 10 ** (digits - 1), 10**digits
-        pairs = [(a, b) for a in range(lo, hi) for b in range(lo, hi)]
-        if eval_size >= len(pairs) // 2:
+        unordered = [(a, b) for a in range(lo, hi) for b in range(a, hi)]
+        if eval_size >= len(unordered) // 2:
             raise ValueError(f"eval_size {eval_size} leaves too few training problems")
-        random.Random(SPLIT_SEED).shuffle(pairs)
+        rng = random.Random(SPLIT_SEED)
+        rng.shuffle(unordered)
+        # Each held-out pair is asked in one order, drawn at random; neither order is trained on.
         self.digits = digits
-        self._eval = pairs[:eval_size]
-        self._train = pairs[eval_size:]
+        self._eval = [(a, b) if rng.random() < 0.5 else (b, a) for a, b in unordered[:eval_size]]
+        self._train = [
+            ordered
+            for a, b in unordered[eval_size:]
+            for ordered in ([(a, b)] if a == b else [(a, b), (b, a)])
+        ]
 
     def eval_set(self) -> list[Problem]:
         return [_problem(a, b) for a, b in self._eval]
