@@ -9,7 +9,8 @@ staleness alike. Per staleness (case ``staleness-<k>``), averaged over seeds:
 - ``time_to_target_s``: RL seconds until held-out accuracy first reaches the target, evaluation
   time excluded (the trainer waits for it). A run that never reaches it counts its whole RL time
   and lowers ``reached_target``.
-- ``final_accuracy`` (with ``final_accuracy_min`` / ``_max`` over seeds), ``tokens_per_s``
+- ``initial_accuracy`` and ``final_accuracy``: held-out accuracy before and after RL (each with
+  ``_min`` / ``_max`` over seeds), ``tokens_per_s``
   (generated tokens per RL second, evaluation excluded), ``rl_seconds``.
 
 Ratios are against staleness 0 measured in the same run.
@@ -69,6 +70,7 @@ class RunResult:
     staleness: int
     time_to_target: float
     reached: bool
+    initial_accuracy: float
     final_accuracy: float
     tokens_per_s: float
     rl_seconds: float
@@ -100,6 +102,7 @@ def result(run_dir: Path, seed: int, staleness: int, target: float) -> RunResult
         staleness=staleness,
         time_to_target=reached_at if reached_at is not None else rl - total_eval,
         reached=reached_at is not None,
+        initial_accuracy=float(summary["accuracy_before"]),
         final_accuracy=float(summary["accuracy_after"]),
         tokens_per_s=summary["tokens_generated"] / (rl - total_eval),
         rl_seconds=rl,
@@ -125,7 +128,8 @@ def run_all(workdir: Path, settings: Settings, report: Report, quick: bool) -> l
             report.progress(
                 f"seed {seed} staleness {k}: {time.monotonic() - started:.0f}s, RL "
                 f"{r.rl_seconds:.0f}s, target {'at ' if r.reached else 'not reached, '}"
-                f"{r.time_to_target:.0f}s, accuracy {r.final_accuracy:.3f}, "
+                f"{r.time_to_target:.0f}s, accuracy {r.initial_accuracy:.3f} -> "
+                f"{r.final_accuracy:.3f}, "
                 f"{r.tokens_per_s:.0f} tokens/s, engines {r.engines}"
             )
             results.append(r)
@@ -158,10 +162,12 @@ def _add(report: Report, case: str, runs: list[RunResult], base: list[RunResult]
         ("time_to_target_s", "time_to_target", "s"),
         ("rl_seconds", "rl_seconds", "s"),
         ("tokens_per_s", "tokens_per_s", "tokens/s"),
+        ("initial_accuracy", "initial_accuracy", "fraction"),
         ("final_accuracy", "final_accuracy", "fraction"),
     ]:
         report.add(case, metric, avg(runs, field), unit, sync, avg(base, field))
-    accuracies = [r.final_accuracy for r in runs]
-    report.add(case, "final_accuracy_min", min(accuracies), "fraction")
-    report.add(case, "final_accuracy_max", max(accuracies), "fraction")
+    for field in ("initial_accuracy", "final_accuracy"):
+        values = [float(getattr(r, field)) for r in runs]
+        report.add(case, f"{field}_min", min(values), "fraction")
+        report.add(case, f"{field}_max", max(values), "fraction")
     report.add(case, "reached_target", avg(runs, "reached"), "fraction")
