@@ -6,8 +6,13 @@ or leave a client hanging."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import numpy as np
 import pytest
 
+import asyncflow as af
 from asyncflow.reliability import faults
 
 
@@ -18,9 +23,13 @@ def assert_clean(outcome: faults.Outcome) -> None:
 
 @pytest.mark.parametrize("kind", ["standalone", "cluster"])
 def test_a_killed_consumers_leases_expire_and_its_rows_come_again_once(kind: str) -> None:
-    outcome = faults.consumer_killed_holding_leases(kind)
+    outcome = faults.consumer_killed_holding_leases(kind, rows=96)
     assert_clean(outcome)
-    assert outcome.rows == 96
+    # The store's own count: each of the 96 rows acked once, by the consumer or the drain.
+    assert outcome.store["rows_acked"] == 96
+    assert outcome.store["live_rows"] == 0
+    # The rows the consumer acked before it died never came again; the rest did.
+    assert 0 < outcome.seen < 96
 
 
 @pytest.mark.parametrize(
@@ -29,7 +38,11 @@ def test_a_killed_consumers_leases_expire_and_its_rows_come_again_once(kind: str
 def test_a_producer_killed_mid_put_leaves_no_partial_row(kind: str, transport: str) -> None:
     outcome = faults.producer_killed_mid_put(kind, transport, seed=1)
     assert_clean(outcome)
-    assert outcome.rows > 0, "the producer wrote whole puts before it died"
+    assert outcome.rows > 0, "the producer recorded puts that returned before it died"
+    assert outcome.lost == 0, "a put the producer recorded as returned is not in the store"
+    assert outcome.seen >= outcome.rows
+    assert outcome.duplicated == 0
+    assert outcome.store["rows_acked"] == outcome.seen, "the store acked a row twice"
 
 
 @pytest.mark.parametrize(
@@ -60,4 +73,52 @@ def test_a_frozen_daemon_ends_a_waiting_claim_with_an_error_saying_what_it_waite
 def test_garbage_on_the_wire_never_takes_the_daemon_down() -> None:
     outcome = faults.garbage_frames(rounds=10, seed=3)
     assert_clean(outcome)
-    assert outcome.rows == 10
+    assert outcome.seen == 10, "a well-behaved put after garbage did not read back whole"
+
+
+def _record(path: Path, puts: list[tuple[int, int]]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for first, count in puts:
+            faults.record_put(fd, first, count)
+    finally:
+        os.close(fd)
+
+
+def test_lost_counts_every_recorded_row_missing_or_not_whole_in_the_store(
+    tmp_path: Path,
+) -> None:
+    """The producer-kill check on a store made to disagree with the record: rows 0-63 put whole,
+    rows 64-127 recorded but never put, and row 5's payload not what was written."""
+    record = tmp_path / "returned-puts"
+    _record(record, [(0, 64), (64, 64)])
+    store = af.Store()
+    store.register_task("t")
+    rows = faults.rows_of(range(64))
+    rows["payload"][5] = np.zeros(3, dtype=np.int64)
+    store.put(rows, partition="p")
+    outcome = faults.Outcome()
+    faults.check_recorded_puts(store, record, outcome)
+    assert outcome.rows == 128
+    assert outcome.seen == 64
+    assert outcome.lost == 64 + 1
+    assert outcome.partial == 1
+    assert not outcome.clean
+
+
+def test_rows_in_the_store_beyond_the_put_under_way_are_flagged(tmp_path: Path) -> None:
+    record = tmp_path / "returned-puts"
+    _record(record, [(0, 64)])
+    store = af.Store()
+    store.register_task("t")
+    store.put(faults.rows_of(range(64 * 3)), partition="p")
+    outcome = faults.Outcome()
+    faults.check_recorded_puts(store, record, outcome)
+    assert outcome.lost == 0
+    assert [n for n in outcome.notes if "unclear" in n and "beyond" in n], outcome.notes
+
+
+def test_a_torn_record_is_flagged(tmp_path: Path) -> None:
+    record = tmp_path / "returned-puts"
+    record.write_text("0 64\n64 6")
+    assert faults.recorded_puts(record) == (set(range(64)), True)

@@ -5,13 +5,14 @@ exchanges no pickled objects with them (``multiprocessing`` would)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 from dataclasses import asdict
 
 import asyncflow as af
-from asyncflow.reliability.faults import WAIT, Transport, rows_of
+from asyncflow.reliability.faults import PRODUCER_BATCH, WAIT, Transport, record_put, rows_of
 from asyncflow.reliability.soak import ClientResult, run_client
 
 
@@ -30,14 +31,17 @@ def consumer(url: str) -> None:
     time.sleep(3600)
 
 
-def producer(url: str, transport: Transport) -> None:
-    """Puts 64-row batches until killed."""
+def producer(url: str, transport: Transport, record: str) -> None:
+    """Puts 64-row batches until killed, appending each put that returned to the file
+    ``record`` (synced before the next put), so the harness knows what it was told was put."""
     store = af.connect(url, transport=transport)
+    fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     i = 0
     while True:
-        store.put(rows_of(range(i, i + 64)), partition="p")
-        i += 64
-        if i == 64:
+        store.put(rows_of(range(i, i + PRODUCER_BATCH)), partition="p")
+        record_put(fd, i, PRODUCER_BATCH)
+        i += PRODUCER_BATCH
+        if i == PRODUCER_BATCH:
             say(started=True)
 
 
@@ -64,7 +68,7 @@ def main(argv: list[str]) -> int:
     if role == "consumer":
         consumer(url)
     elif role == "producer" and rest[0] in ("auto", "tcp", "shm"):
-        producer(url, rest[0])  # type: ignore[arg-type]
+        producer(url, rest[0], rest[1])  # type: ignore[arg-type]
     elif role == "soak":
         soak(url, int(rest[0]), int(rest[1]), float(rest[2]))
     else:

@@ -10,6 +10,7 @@ reader can tell a whole row from a partial or corrupted one.
 from __future__ import annotations
 
 import json
+import os
 import random
 import select
 import signal
@@ -51,6 +52,11 @@ class Outcome:
     #: applied" for a put in flight when the daemon died), by kind.
     expected_errors: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
+    #: Distinct rows the harness read back whole at the end of the trial.
+    seen: int = 0
+    #: The store's own counters at the end of the trial (``stats()``), a tally kept apart
+    #: from the harness's: e.g. ``rows_acked`` against the distinct rows seen.
+    store: dict[str, int] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -79,8 +85,11 @@ def connect(url: str, **kwargs: Any) -> af.Store:
     return af.connect(url, reconnect_timeout=RECONNECT, request_timeout=WAIT, **kwargs)
 
 
-def drain(store: af.Store, task: str, outcome: Outcome) -> Counter[int]:
-    """Claims, checks and acks every row left for ``task``; returns how often each id came."""
+def drain(
+    store: af.Store, task: str, outcome: Outcome, broken: set[int] | None = None
+) -> Counter[int]:
+    """Claims, checks and acks every row left for ``task``; returns how often each id came.
+    Ids whose payload is not what was written for them go into ``broken`` too."""
     seen: Counter[int] = Counter()
     while True:
         batch = store.claim(task, ["id", "payload"], 256, timeout=0.5, allow_partial=True)
@@ -88,9 +97,17 @@ def drain(store: af.Store, task: str, outcome: Outcome) -> Counter[int]:
             return seen
         data = batch.read()
         ids = [int(i) for i in data["id"]]
-        outcome.partial += sum(not ok for ok in whole(data["id"], data["payload"]))
+        oks = whole(data["id"], data["payload"])
+        outcome.partial += sum(not ok for ok in oks)
+        if broken is not None:
+            broken.update(i for i, ok in zip(ids, oks, strict=True) if not ok)
         seen.update(ids)
         batch.ack()
+
+
+def store_counters(store: af.Store) -> dict[str, int]:
+    """The store's own counters (``stats()``'s integers), to check the harness's tallies by."""
+    return {k: v for k, v in store.stats().items() if isinstance(v, int)}
 
 
 # -- a consumer killed while it holds leases ------------------------------------------------
@@ -132,7 +149,8 @@ def consumer_killed_holding_leases(kind: Kind = "standalone", rows: int = 96) ->
         outcome.duplicated = sum(seen[i] - 1 for i in seen if seen[i] > 1)
         outcome.duplicated += len(acked_ids & set(seen))
         outcome.lost = rows - len(acked_ids) - len(set(seen) - acked_ids)
-        stats = store.stats()
+        outcome.seen = len(seen)
+        stats = outcome.store = store_counters(store)
         if stats["rows_acked"] != rows or stats["live_rows"] != 0:
             outcome.notes.append(f"stats after drain: {stats['rows_acked']=} {stats['live_rows']=}")
             outcome.lost += stats["live_rows"]
@@ -151,18 +169,26 @@ def drain_until(store: af.Store, task: str, expected: int, outcome: Outcome) -> 
 
 # -- a producer killed in the middle of a put -------------------------------------------------
 
+#: Rows per put of the producer (``clients.producer``): a put is a batch of consecutive ids.
+PRODUCER_BATCH = 64
+
 
 def producer_killed_mid_put(
     kind: Kind = "standalone", transport: Transport = "shm", seed: int = 0
 ) -> Outcome:
-    """A producer putting 64-row batches is SIGKILLed at a random moment. No consumer may ever
-    see a partial row, and no row of the put it died in may linger unfinished."""
+    """A producer putting 64-row batches is SIGKILLed at a random moment. Every put it recorded
+    as returned must be in the store, whole; no consumer may ever see a partial row, and no
+    row of the put it died in may linger unfinished."""
     outcome = Outcome()
     rng = random.Random(seed)
-    with Deployment(kind) as d:
+    with (
+        tempfile.TemporaryDirectory(prefix="af-producer-") as tmp,
+        Deployment(kind) as d,
+    ):
+        record = Path(tmp) / "returned-puts"
         store = connect(d.url)
         store.register_task("t")
-        child = spawn("producer", d.url, transport)
+        child = spawn("producer", d.url, transport, str(record))
         hear(child)
         time.sleep(rng.uniform(0.0, 0.3))
         child.send_signal(signal.SIGKILL)
@@ -172,13 +198,61 @@ def producer_killed_mid_put(
         while unfinished(store) and time.monotonic() < deadline:
             time.sleep(0.05)
         outcome.partial += unfinished(store)
-        seen = drain(store, "t", outcome)
-        outcome.rows = len(seen)
-        outcome.duplicated = sum(n - 1 for n in seen.values())
-        # Puts are whole batches of consecutive ids: a batch half present was half applied.
-        batches = Counter(i // 64 for i in seen)
-        outcome.partial += sum(1 for n in batches.values() if n != 64)
+        check_recorded_puts(store, record, outcome)
     return outcome
+
+
+def record_put(fd: int, first: int, count: int) -> None:
+    """Appends a put that returned (rows ``first`` to ``first + count - 1``) to the producer's
+    record, and syncs it before the next put: what the record names, the store acknowledged."""
+    os.write(fd, f"{first} {count}\n".encode())
+    os.fsync(fd)
+
+
+def recorded_puts(record: Path) -> tuple[set[int], bool]:
+    """The ids of every put the producer recorded as returned, and whether the record ends in a
+    torn line (which one ``write`` of a few bytes, killed or not, never leaves)."""
+    text = record.read_text() if record.exists() else ""
+    *lines, tail = text.split("\n")
+    ids: set[int] = set()
+    for line in lines:
+        first, count = (int(x) for x in line.split())
+        ids.update(range(first, first + count))
+    return ids, tail != ""
+
+
+def lost_rows(recorded: Iterable[int], seen: Iterable[int], broken: Iterable[int]) -> set[int]:
+    """Rows recorded as put that the store no longer has, or has other than as written."""
+    present, bad = set(seen), set(broken)
+    return {i for i in recorded if i not in present or i in bad}
+
+
+def check_recorded_puts(store: af.Store, record: Path, outcome: Outcome) -> None:
+    """Drains the store and holds it to the producer's record: every recorded row must come
+    back whole and once. Rows nobody recorded may only be the one put that was under way at the
+    kill (it returned, or it was applied, but was not recorded)."""
+    recorded, torn = recorded_puts(record)
+    if torn:
+        outcome.notes.append("unclear: the producer's record ends in a torn line")
+    broken: set[int] = set()
+    seen = drain(store, "t", outcome, broken)
+    outcome.rows = len(recorded)
+    outcome.seen = len(seen)
+    outcome.lost = len(lost_rows(recorded, seen, broken))
+    outcome.duplicated = sum(n - 1 for n in seen.values())
+    # Puts are whole batches of consecutive ids: a batch half present was half applied.
+    batches = Counter(i // PRODUCER_BATCH for i in seen)
+    outcome.partial += sum(1 for n in batches.values() if n != PRODUCER_BATCH)
+    end = max(recorded, default=-1) + 1
+    strays = set(seen) - recorded - set(range(end, end + PRODUCER_BATCH))
+    if strays:
+        outcome.notes.append(f"unclear: {len(strays)} rows beyond the put under way at the kill")
+    outcome.store = store_counters(store)
+    if outcome.store["rows_acked"] != len(seen):
+        outcome.notes.append(
+            f"unclear: the store acked {outcome.store['rows_acked']} rows, "
+            f"the harness saw {len(seen)} distinct"
+        )
 
 
 def unfinished(store: af.Store) -> int:
@@ -391,7 +465,9 @@ def garbage_frames(rounds: int = 50, seed: int = 0) -> Outcome:
                     pass
             ids = good.put(rows_of([k]))
             data = good.read(ids, ["id", "payload"])
-            outcome.partial += sum(not ok for ok in whole(data["id"], data["payload"]))
+            oks = whole(data["id"], data["payload"])
+            outcome.partial += sum(not ok for ok in oks)
+            outcome.seen += sum(oks)
             outcome.rows += 1
         if d.members["standalone"].proc.poll() is not None:
             outcome.crashes += 1
