@@ -15,6 +15,12 @@ other, in the same run. Per mode:
 - ``overhead_per_sample``: CPU milliseconds the framework spent per trained sample, in every
   process and the store daemon. Emulated engines only sleep, so all of it is store, scheduling,
   weight publication and worker bookkeeping.
+- ``rollout_devices``: the devices generating; each separated mode runs at its own best split
+  (:mod:`asyncflow.bench.split`), colocated-sync on all of them.
+- ``sim_samples_per_s``: the simulator's figure for the same mode, split and cost model, in
+  virtual time.
+
+Every figure is emulated: accelerators spend the cost model's time, nothing is computed.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncflow as af
+from asyncflow import _native
 from asyncflow.bench import costs as cost_model
 from asyncflow.bench.costs import CostModel
 from asyncflow.bench.emulation.modes import (
@@ -41,6 +48,7 @@ from asyncflow.bench.emulation.modes import (
     processes,
 )
 from asyncflow.bench.records import Report
+from asyncflow.bench.split import simulated_rate, with_best_split
 from asyncflow.daemon import DaemonProcess
 from asyncflow.train import register_tasks
 
@@ -180,6 +188,8 @@ class ModeResult:
     decode_fill: float
     overhead_ms: float
     staleness: float
+    rollout_devices: int
+    simulated: float
 
 
 def measure(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> ModeResult:
@@ -197,6 +207,11 @@ def measure(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mode
     cpu = sum(r["cpu_s"] for r in run.reports) + run.daemon_cpu_s
     ages = [(int(a), n) for m in run.metrics for a, n in m["staleness"].items()]
     busy, fill = busy_fractions(run, place, costs, window)
+    simulated = (
+        _native.simulate(costs.params(), mode.name)["samples_per_s"]
+        if place.colocated
+        else simulated_rate(costs, mode.name, place.rollout_devices)
+    )
     return ModeResult(
         samples_per_s=steps * w.samples_per_step / modelled,
         ideal=ideal,
@@ -205,6 +220,8 @@ def measure(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mode
         decode_fill=fill,
         overhead_ms=1e3 * cpu / (len(times) * w.samples_per_step),
         staleness=sum(a * n for a, n in ages) / max(1, sum(n for _, n in ages)),
+        rollout_devices=place.rollout_devices,
+        simulated=float(simulated),
     )
 
 
@@ -212,18 +229,22 @@ def run(report: Report, quick: bool = False, costs_path: str | None = None) -> N
     costs = cost_model.load(costs_path)
     if quick:
         costs = quick_costs(costs)
-    rollout, train = costs.split()
+    per_mode = {name: with_best_split(costs, name, mode.colocated) for name, mode in MODES.items()}
+    splits = ", ".join(
+        f"{name} {c.rollout_devices}" for name, c in per_mode.items() if c.rollout_devices
+    )
     e = costs.emulation
     report.note(
-        f"cost model {costs_path or cost_model.DEFAULT.name}{' (quick)' if quick else ''}: "
-        f"{costs.devices} devices (separated modes: {rollout} generate, {train} train), "
+        f"emulated accelerators, cost model {costs_path or cost_model.DEFAULT.name}"
+        f"{' (quick)' if quick else ''}: {costs.devices} devices, devices generating in the "
+        f"separated modes (each at its own best split): {splits}; "
         f"{costs.workload.samples_per_step} samples per step; {e.warmup_steps} warm-up and "
         f"{e.steps} measured steps per mode, time and tokens compressed {e.compression:g}x"
     )
     results: dict[str, ModeResult] = {}
     with tempfile.TemporaryDirectory(prefix="asyncflow-pipeline-") as tmp:
         for name, mode in MODES.items():
-            results[name] = measure(mode, costs, Path(tmp), report)
+            results[name] = measure(mode, per_mode[name], Path(tmp), report)
             _add(report, name, results[name], results[BASELINE])
 
 
@@ -236,3 +257,5 @@ def _add(report: Report, case: str, r: ModeResult, base: ModeResult) -> None:
     report.add(case, "decode_fill", r.decode_fill, "fraction")
     report.add(case, "overhead_per_sample", r.overhead_ms, "ms")
     report.add(case, "staleness_mean", r.staleness, "versions")
+    report.add(case, "rollout_devices", r.rollout_devices, "devices")
+    report.add(case, "sim_samples_per_s", r.simulated, "samples/s")

@@ -44,7 +44,7 @@ def pipeline(report: Report, plt: Any) -> Any:
         rate.text(x, m, f"{m / base:.2f}x", ha="center", va="bottom")
     rate.set_xticks(list(xs), cases, rotation=20)
     rate.set_ylabel("trained samples / s (modelled)")
-    rate.set_title("throughput, ratio to colocated-sync")
+    rate.set_title("throughput (emulated accelerators), ratio to colocated-sync")
     rate.legend(loc="upper left", fontsize=8)
     pools = {
         "generation": ("rollout", "weight_load"),
