@@ -92,7 +92,7 @@ def sim(report: Report, plt: Any) -> Any:
     eff.set_ylim(0, 1.1)
     eff.axhline(0.9, color="grey", linestyle=":", label="0.9")
     eff.set_xlabel("devices")
-    eff.set_title("scaling efficiency (throughput per device ÷ at the smallest size)")
+    eff.set_title("simulated scaling efficiency (no stragglers, no shared links)")
     eff.legend()
     rate.plot(devices, [_value(rs, c, "samples_per_s") for c in cases], "o-", label="async-1")
     sync = [_baseline(rs, c, "samples_per_s", "colocated-sync") for c in cases]
