@@ -89,6 +89,33 @@ pub struct StoreStats {
     pub lease_timeout: Duration,
 }
 
+/// Where a store reads the time its leases are measured in: the monotonic clock, unless the
+/// caller drives one of its own (a test that moves time on instead of sleeping).
+#[derive(Clone)]
+pub struct Clock(Arc<dyn Fn() -> Instant + Send + Sync>);
+
+impl Clock {
+    pub fn new(now: impl Fn() -> Instant + Send + Sync + 'static) -> Self {
+        Self(Arc::new(now))
+    }
+
+    pub fn now(&self) -> Instant {
+        (self.0)()
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::new(Instant::now)
+    }
+}
+
+impl fmt::Debug for Clock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Clock")
+    }
+}
+
 /// Told which rows were freed, for a store whose payloads also live elsewhere (a controller
 /// whose storage daemons must drop them).
 type FreeHook = Box<dyn Fn(&[u64]) + Send + Sync>;
@@ -96,6 +123,7 @@ type FreeHook = Box<dyn Fn(&[u64]) + Send + Sync>;
 #[derive(Debug)]
 pub struct Store {
     config: StoreConfig,
+    clock: Clock,
     index: Mutex<Index>,
     /// Signalled whenever rows may have become claimable (new readiness, released leases).
     changed: Condvar,
@@ -123,6 +151,12 @@ impl fmt::Debug for OnceHook {
 
 impl Store {
     pub fn new(config: StoreConfig) -> Result<Self> {
+        Self::with_clock(config, Clock::default())
+    }
+
+    /// A store whose leases run on `clock`. Waits (claim and put timeouts) still run on the
+    /// monotonic clock: a driven clock decides when leases expire, not how long a call blocks.
+    pub fn with_clock(config: StoreConfig, clock: Clock) -> Result<Self> {
         if config.shards == 0 {
             return Err(StoreError::bad_request("a store needs at least one shard"));
         }
@@ -137,6 +171,7 @@ impl Store {
             on_free: OnceHook::default(),
             journal: OnceLock::new(),
             config,
+            clock,
         })
     }
 
@@ -317,7 +352,8 @@ impl Store {
         let lease_timeout = self.config.lease_timeout;
         // Shard locks are taken under the index lock here, never the other way round.
         let lengths = |rows: &[u64], field| self.shards.first_dims(rows, field);
-        let outcome = block_on(&self.index, &self.changed, wait, |index, now, last_try| {
+        let outcome = block_on(&self.index, &self.changed, wait, |index, _, last_try| {
+            let now = self.clock.now();
             if index.expire_leases(now) > 0 {
                 self.changed.notify_all();
             }
@@ -357,14 +393,14 @@ impl Store {
 
     /// Commits a lease (or `subset` of its rows); frees rows every task has now acked.
     pub fn ack(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
-        let freed = self.change(|index| index.ack(lease, subset, Instant::now()))?;
+        let freed = self.change(|index| index.ack(lease, subset, self.clock.now()))?;
         self.free_payloads(&freed);
         Ok(())
     }
 
     /// Returns a lease's rows (or `subset`) to be delivered again at once.
     pub fn release(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
-        self.index.lock().release(lease, subset, Instant::now())?;
+        self.index.lock().release(lease, subset, self.clock.now())?;
         self.changed.notify_all();
         Ok(())
     }
@@ -372,7 +408,7 @@ impl Store {
     /// Extends a lease by `timeout` (default: the store's lease timeout) from now.
     pub fn renew(&self, lease: LeaseId, timeout: Option<Duration>) -> Result<Instant> {
         let timeout = timeout.unwrap_or(self.config.lease_timeout);
-        self.index.lock().renew(lease, Instant::now(), timeout)
+        self.index.lock().renew(lease, self.clock.now(), timeout)
     }
 
     /// The cells of `fields` on `rows`, one column per field.

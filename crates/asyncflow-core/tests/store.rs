@@ -1,11 +1,13 @@
 //! Behaviour of the embedded store, one behaviour per test.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use asyncflow_core::{
-    ClaimSpec, Column, DType, FieldSchema, NewRows, PutTarget, Store, StoreConfig, StoreError, Wait,
+    ClaimSpec, Clock, Column, DType, FieldSchema, NewRows, PutTarget, Store, StoreConfig,
+    StoreError, Wait,
 };
 
 const NOW: Wait<'static> = Wait { deadline: None, interrupted: &|| false };
@@ -20,6 +22,17 @@ fn no_wait() -> Wait<'static> {
 
 fn within(ms: u64) -> Wait<'static> {
     Wait::timeout(Some(Duration::from_millis(ms)))
+}
+
+/// A store whose leases run on a clock the test moves by hand, and the hand that moves it: leases
+/// expire exactly when the test says, however slowly the machine runs it.
+fn store_on_a_driven_clock(lease_timeout: Duration) -> (Store, impl Fn(Duration)) {
+    let now = Arc::new(Mutex::new(Instant::now()));
+    let read = Arc::clone(&now);
+    let clock = Clock::new(move || *read.lock().unwrap());
+    let config = StoreConfig { lease_timeout, ..StoreConfig::default() };
+    let advance = move |by: Duration| *now.lock().unwrap() += by;
+    (Store::with_clock(config, clock).unwrap(), advance)
 }
 
 /// A column of i64 cells, one ragged array per row.
@@ -97,16 +110,26 @@ fn a_row_is_claimable_only_once_every_requested_field_is_ready() {
 fn a_blocked_claim_wakes_when_a_put_makes_rows_ready() {
     let s = Arc::new(store());
     s.register_task("gen", None).unwrap();
+    // A waiting claim asks its caller whether to stop after each sleep: once asked, it has
+    // found no rows and gone to sleep, so the put below is what wakes it.
+    let waiting = Arc::new(AtomicBool::new(false));
     let consumer = {
-        let s = Arc::clone(&s);
-        thread::spawn(move || s.claim(&spec("gen", &["prompt"], 4), false, within(10_000)))
+        let (s, waiting) = (Arc::clone(&s), Arc::clone(&waiting));
+        thread::spawn(move || {
+            let asked = || {
+                waiting.store(true, Ordering::SeqCst);
+                false
+            };
+            let deadline = Some(Instant::now() + Duration::from_secs(60));
+            s.claim(&spec("gen", &["prompt"], 4), false, Wait { deadline, interrupted: &asked })
+        })
     };
-    thread::sleep(Duration::from_millis(30));
-    let started = Instant::now();
+    while !waiting.load(Ordering::SeqCst) {
+        thread::yield_now();
+    }
     let idx = put_prompts(&s, 4, "p");
     let c = consumer.join().unwrap().unwrap();
     assert_eq!(c.rows, idx);
-    assert!(started.elapsed() < Duration::from_secs(5));
 }
 
 #[test]
@@ -207,16 +230,20 @@ fn whole_groups_never_split_a_group_to_fill_a_batch() {
 
 #[test]
 fn an_expired_lease_is_redelivered_and_its_ack_fails_without_effect() {
-    let s = Store::new(StoreConfig {
-        lease_timeout: Duration::from_millis(30),
-        ..StoreConfig::default()
-    })
-    .unwrap();
+    let (s, advance) = store_on_a_driven_clock(Duration::from_secs(30));
     s.register_task("t", None).unwrap();
     let idx = put_prompts(&s, 2, "p");
     let first = s.claim(&spec("t", &["prompt"], 2), false, no_wait()).unwrap();
-    thread::sleep(Duration::from_millis(60));
-    let again = s.claim(&spec("t", &["prompt"], 2), false, within(1000)).unwrap();
+    advance(Duration::from_secs(29));
+    assert!(
+        matches!(
+            s.claim(&spec("t", &["prompt"], 2), false, no_wait()),
+            Err(StoreError::Timeout { .. })
+        ),
+        "the rows stay leased until the deadline"
+    );
+    advance(Duration::from_secs(1));
+    let again = s.claim(&spec("t", &["prompt"], 2), false, no_wait()).unwrap();
     assert_eq!(again.rows, idx);
     let err = s.ack(first.lease.unwrap(), None).unwrap_err();
     assert!(matches!(err, StoreError::Lease { ref reason, .. } if reason.contains("expired")));
@@ -250,18 +277,19 @@ fn release_hands_rows_back_at_once() {
 
 #[test]
 fn renew_keeps_a_lease_alive_past_its_first_deadline() {
-    let s = Store::new(StoreConfig {
-        lease_timeout: Duration::from_millis(50),
-        ..StoreConfig::default()
-    })
-    .unwrap();
+    let (s, advance) = store_on_a_driven_clock(Duration::from_secs(10));
     s.register_task("t", None).unwrap();
-    put_prompts(&s, 1, "p");
+    let idx = put_prompts(&s, 1, "p");
     let c = s.claim(&spec("t", &["prompt"], 1), false, no_wait()).unwrap();
+    advance(Duration::from_secs(5));
     s.renew(c.lease.unwrap(), Some(Duration::from_secs(30))).unwrap();
-    thread::sleep(Duration::from_millis(80));
+    advance(Duration::from_secs(29)); // 24 s past the first deadline, 1 s before the new one
     assert!(s.claim(&spec("t", &["prompt"], 1), false, no_wait()).is_err());
-    s.ack(c.lease.unwrap(), None).unwrap();
+    advance(Duration::from_secs(1));
+    let again = s.claim(&spec("t", &["prompt"], 1), false, no_wait()).unwrap();
+    assert_eq!(again.rows, idx, "the renewed lease ends at its new deadline");
+    assert!(matches!(s.ack(c.lease.unwrap(), None), Err(StoreError::Lease { .. })));
+    s.ack(again.lease.unwrap(), None).unwrap();
 }
 
 #[test]
@@ -349,7 +377,12 @@ fn a_put_waits_for_room_and_then_fails_cleanly() {
         let s = Arc::clone(&s);
         thread::spawn(move || {
             let big = vec![1u8; 900];
-            s.pack_column("b", FieldSchema::ragged(DType::U8, vec![]), &[(&big, 900)], within(5000))
+            s.pack_column(
+                "b",
+                FieldSchema::ragged(DType::U8, vec![]),
+                &[(&big, 900)],
+                within(60_000),
+            )
         })
     };
     let c = s.claim(&spec("t", &["b"], 1), false, no_wait()).unwrap();
