@@ -4,8 +4,6 @@ sharded over them, the hf engines and a tiny model; and worker actors killed mid
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from ray.cluster_utils import Cluster
 from asyncflow import config as cfg
 from asyncflow.progress import Reporter
 from asyncflow.train import train
+from asyncflow.workers.trainer import Ledger
 
 GROUPS, N = 4, 8
 FAST = [
@@ -97,23 +96,25 @@ def test_deepspeed_ranks_train_on_a_two_node_cluster_with_the_store_on_both(
 
 
 def test_killed_worker_actors_are_restarted_and_no_group_is_lost_or_trained_twice(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     steps = 4
     killed: list[str] = []
+    write = Ledger.write
 
-    def kill_after_the_first_step() -> None:
-        deadline = time.monotonic() + 300
-        while not (tmp_path / "ledger.jsonl").is_file() or not ledger(tmp_path):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.1)
-        for label in ["rollout", "reward"]:
-            ray.kill(ray.get_actor(label), no_restart=False)
-            killed.append(label)
+    def kill_after_the_first_step(
+        self: Ledger, step: int, trained: list[int], dropped: list[int]
+    ) -> None:
+        """Kills as the trainer records step 0, before it counts the step: the prompts of the
+        last step are not issued yet, so only the restarted actors can roll them out and score
+        them (however fast the pipeline runs)."""
+        write(self, step, trained, dropped)
+        if step == 0:
+            for label in ["rollout", "reward"]:
+                ray.kill(ray.get_actor(label), no_restart=False)
+                killed.append(label)
 
-    killer = threading.Thread(target=kill_after_the_first_step, daemon=True)
-    killer.start()
+    monkeypatch.setattr(Ledger, "write", kill_after_the_first_step)
     summary = run(
         cluster,
         tmp_path,
@@ -121,7 +122,6 @@ def test_killed_worker_actors_are_restarted_and_no_group_is_lost_or_trained_twic
         "trainer.engine=hf",
         "store.lease_timeout=6",
     )
-    killer.join(timeout=10)
     assert killed == ["rollout", "reward"]
     assert summary["placement"]["actor_restarts"] == {"rollout": 1, "reward": 1, "advantage": 0}
     assert [e["step"] for e in ledger(tmp_path)] == list(range(steps))

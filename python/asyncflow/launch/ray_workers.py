@@ -181,6 +181,16 @@ def start(
     return actors
 
 
+def ray_restarts(actor: Any) -> int | None:
+    """How many times Ray has restarted ``actor``, from the cluster's actor table (where Ray's
+    own ``was_current_actor_reconstructed`` looks): the count goes up as a restart begins. None
+    where the table has no entry for it."""
+    from ray._private.state import actors
+
+    entry = actors(actor_id=actor._actor_id.hex())
+    return int(entry["NumRestarts"]) if entry else None
+
+
 class Supervisor(Worker):
     """Runs the worker actors from the job's process: restarts their ``run`` after Ray restarted
     them, fails the run when one raises or has died more than ``ray.max_restarts`` times, adds
@@ -196,7 +206,8 @@ class Supervisor(Worker):
         #: Each actor's current life, and its counters already added to the run's.
         self.lives: dict[str, str] = {}
         self.counted = {label: (0, 0) for label in actors}
-        #: Restarts seen (a new life reported), and deaths Ray reported as final.
+        #: Restarts: those seen (a new life reported) during the run, Ray's count at its end;
+        #: and deaths Ray reported as final.
         self.restarts = dict.fromkeys(actors, 0)
         self.deaths = dict.fromkeys(actors, 0)
         #: When each actor being restarted died.
@@ -268,6 +279,16 @@ class Supervisor(Worker):
             super().run()
         finally:
             self._stop_all()
+        self._take_ray_restarts()
+
+    def _take_ray_restarts(self) -> None:
+        """Counts every restart Ray began, also one whose new life has not answered by the end:
+        the rest of the pipeline may finish the run while an actor is still being restarted, or
+        before a call of the supervisor's reaches the new life."""
+        for label, actor in self.actors.items():
+            counted = ray_restarts(actor)
+            if counted is not None:
+                self.restarts[label] = max(self.restarts[label], counted)
 
     def _stop_all(self, timeout: float = 60.0) -> None:
         """Asks every actor to stop and takes in the reports of those that do in time."""
