@@ -1,11 +1,15 @@
 """What the daemon exposes and leaves behind: its Unix socket is the owner's alone and goes
-with it, shared memory never appears in a file system, connections beyond the cap are refused
-with a reason, and nothing in the package deserialises executable objects."""
+with it, shared memory never appears in a file system and is mapped read-only by readers,
+connections beyond the cap are refused with a reason, and nothing in the package deserialises
+executable objects."""
 
 from __future__ import annotations
 
 import ast
+import signal
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,51 @@ def test_shared_memory_segments_never_appear_in_a_file_system(daemons: Daemons) 
     assert store.read(idx, "x")["x"][0][-1] == 99_999
     after = set(Path("/dev/shm").glob("*")) if Path("/dev/shm").exists() else set()
     assert not {p for p in after - before if "asyncflow" in p.name}
+
+
+def mapping_permissions(addr: int) -> str:
+    """The permissions (``r--s``, ``rw-s``, ...) of this process's mapping that holds ``addr``."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, perms = line.split()[:2]
+        start, end = (int(a, 16) for a in span.split("-"))
+        if start <= addr < end:
+            return perms
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+#: Reads row ``argv[2]`` of field ``adv`` over shared memory and writes its memory through the
+#: raw pointer, as ``torch.from_numpy(view).mul_(100)`` does (torch only warns that the array is
+#: read-only). No core file is left when the write faults.
+WRITE_THROUGH_A_VIEW = """
+import ctypes, resource, sys
+import asyncflow as af
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+store = af.connect(sys.argv[1], transport="shm")
+view = store.read([int(sys.argv[2])], "adv")["adv"][0]
+ctypes.memset(view.ctypes.data, 0x42, view.nbytes)
+print("written", flush=True)
+"""
+
+
+def test_a_write_through_a_shared_memory_view_cannot_change_what_others_read(
+    daemons: Daemons,
+) -> None:
+    url = daemons().url
+    store = af.connect(url, transport="shm")
+    idx = store.put({"adv": [np.ones(4, dtype=np.float32)]})
+    view = store.read(idx, "adv")["adv"][0]
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 100
+    assert mapping_permissions(view.ctypes.data) == "r--s"
+    command = [sys.executable, "-c", WRITE_THROUGH_A_VIEW, url, str(int(idx[0]))]
+    child = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGSEGV, (child.returncode, child.stdout, child.stderr)
+    assert "written" not in child.stdout
+    for reader in (store, af.connect(url, transport="shm")):
+        np.testing.assert_array_equal(reader.read(idx, "adv")["adv"][0], np.ones(4))
+    # Puts from this process still write shared memory (through a mapping of their own).
+    again = store.put({"adv": [np.full(4, 7, dtype=np.float32)] * 3})
+    np.testing.assert_array_equal(store.read(again, "adv")["adv"][2], np.full(4, 7))
 
 
 def test_connections_beyond_the_cap_are_refused_with_a_reason(daemons: Daemons) -> None:

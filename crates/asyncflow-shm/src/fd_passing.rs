@@ -61,7 +61,7 @@ mod tests {
     fn a_segment_descriptor_crosses_a_socket_and_maps_the_same_bytes() {
         let (a, b) = UnixStream::pair().unwrap();
         let seg = Segment::create(7, 4096).unwrap();
-        seg.write(0, b"shared");
+        seg.write(0, b"shared").unwrap();
         assert_eq!(send_with_fds(a.as_fd(), b"x", &[seg.fd()]).unwrap(), 1);
         let (mut buf, mut fds) = ([0u8; 4], Vec::new());
         assert_eq!(recv_with_fds(&b, &mut buf, &mut fds, RecvFlags::empty()).unwrap(), 1);

@@ -1,8 +1,15 @@
 //! One shared-memory segment: a memfd (or, where memfd is missing, a /dev/shm file unlinked the
 //! moment it is created), readable and writable only by its owner (mode 0600), mapped shared.
+//!
+//! A segment received from its owner is mapped read-only (`PROT_READ`) for reading: the views a
+//! client hands out point into that mapping, so a write through one of them (an in-place op on a
+//! tensor made from a read-only array) faults instead of changing what every other reader of the
+//! cell sees. Writing a staged region goes through a second, writable mapping made on the first
+//! `write`, which nothing but `write` ever touches.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{self, Mode, OFlags};
@@ -16,7 +23,11 @@ use crate::error::ShmError;
 pub struct Segment {
     id: u64,
     fd: OwnedFd,
+    /// The mapping `bytes` reads: read-write in the owner, read-only in a receiver.
     ptr: NonNull<u8>,
+    /// The mapping `write` writes: `ptr` itself in the owner; in a receiver, a writable mapping
+    /// of its own, made on the first write.
+    writable: OnceLock<NonNull<u8>>,
     len: usize,
 }
 
@@ -56,19 +67,10 @@ fn unlinked_shm_file(len: usize) -> std::io::Result<OwnedFd> {
     Ok(fd)
 }
 
-fn map(fd: &OwnedFd, len: usize) -> Result<NonNull<u8>, ShmError> {
+fn map(fd: &OwnedFd, len: usize, prot: ProtFlags) -> Result<NonNull<u8>, ShmError> {
     // SAFETY: a fresh shared mapping of a file we hold; no existing memory is affected.
-    let ptr = unsafe {
-        mm::mmap(
-            std::ptr::null_mut(),
-            len.max(1),
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    }
-    .map_err(|e| ShmError::Map { len, source: e.into() })?;
+    let ptr = unsafe { mm::mmap(std::ptr::null_mut(), len.max(1), prot, MapFlags::SHARED, fd, 0) }
+        .map_err(|e| ShmError::Map { len, source: e.into() })?;
     Ok(NonNull::new(ptr.cast()).expect("mmap never returns null on success"))
 }
 
@@ -78,18 +80,19 @@ impl Segment {
         let create = |e: std::io::Error| ShmError::Create { len, source: e };
         let fd = anonymous_fd(len).map_err(create)?;
         fs::ftruncate(&fd, len as u64).map_err(|e| create(e.into()))?;
-        let ptr = map(&fd, len)?;
-        Ok(Self { id, fd, ptr, len })
+        let ptr = map(&fd, len, ProtFlags::READ | ProtFlags::WRITE)?;
+        Ok(Self { id, fd, ptr, writable: OnceLock::from(ptr), len })
     }
 
-    /// Maps a segment received from its owner, after checking it really has `len` bytes.
+    /// Maps a segment received from its owner, after checking it really has `len` bytes. The
+    /// mapping `bytes` reads is read-only.
     pub fn open(id: u64, fd: OwnedFd, len: usize) -> Result<Self, ShmError> {
         let actual = fs::fstat(&fd).map_err(|e| ShmError::Map { len, source: e.into() })?.st_size;
         if u64::try_from(actual).ok() != Some(len as u64) {
             return Err(ShmError::SizeMismatch { expected: len, actual: actual as u64 });
         }
-        let ptr = map(&fd, len)?;
-        Ok(Self { id, fd, ptr, len })
+        let ptr = map(&fd, len, ProtFlags::READ)?;
+        Ok(Self { id, fd, ptr, writable: OnceLock::new(), len })
     }
 
     pub fn id(&self) -> u64 {
@@ -108,7 +111,8 @@ impl Segment {
         self.fd.as_fd()
     }
 
-    pub fn as_ptr(&self) -> *mut u8 {
+    /// Where `bytes` starts.
+    pub fn as_ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
     }
 
@@ -120,18 +124,38 @@ impl Segment {
     }
 
     /// Copies `src` to `offset`. Callers write only regions staged for them.
-    pub fn write(&self, offset: usize, src: &[u8]) {
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
         assert!(offset.checked_add(src.len()).is_some_and(|end| end <= self.len), "write past end");
+        let dst = self.writable_ptr()?;
         // SAFETY: bounds checked above; the destination is mapped and writable, and a staged
         // region is written by its one stager only.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) }
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr().add(offset), src.len()) }
+        Ok(())
+    }
+
+    fn writable_ptr(&self) -> Result<NonNull<u8>, ShmError> {
+        if let Some(&ptr) = self.writable.get() {
+            return Ok(ptr);
+        }
+        let fresh = map(&self.fd, self.len, ProtFlags::READ | ProtFlags::WRITE)?;
+        if let Err(lost) = self.writable.set(fresh) {
+            // Another thread mapped it first: keep theirs.
+            // SAFETY: `lost` was mapped just above with this length and was never shared.
+            let _ = unsafe { mm::munmap(lost.as_ptr().cast(), self.len.max(1)) };
+        }
+        Ok(*self.writable.get().expect("set above"))
     }
 }
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        let len = self.len.max(1);
+        if let Some(&w) = self.writable.get().filter(|&&w| w != self.ptr) {
+            // SAFETY: a mapping of its own, made in `writable_ptr`, not used after drop.
+            let _ = unsafe { mm::munmap(w.as_ptr().cast(), len) };
+        }
         // SAFETY: this mapping was created in `map` with this length and is not used after drop.
-        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len.max(1)) };
+        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), len) };
     }
 }
 
@@ -145,8 +169,46 @@ mod tests {
         let mode = fs::fstat(seg.fd()).unwrap().st_mode & 0o777;
         assert_eq!(mode, 0o600);
         let again = Segment::open(1, seg.fd().try_clone_to_owned().unwrap(), 8192).unwrap();
-        seg.write(100, b"hello");
+        seg.write(100, b"hello").unwrap();
         assert_eq!(&again.bytes()[100..105], b"hello");
+    }
+
+    /// The permissions (`rw-s`, `r--s`, ...) of this process's mapping that holds `addr`.
+    fn permissions_at(addr: usize) -> String {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        for line in maps.lines() {
+            let mut fields = line.split_whitespace();
+            let (range, perms) = (fields.next().unwrap(), fields.next().unwrap());
+            let (start, end) = range.split_once('-').unwrap();
+            let start = usize::from_str_radix(start, 16).unwrap();
+            let end = usize::from_str_radix(end, 16).unwrap();
+            if (start..end).contains(&addr) {
+                return perms.to_owned();
+            }
+        }
+        panic!("no mapping holds {addr:#x}")
+    }
+
+    #[test]
+    fn a_received_segment_is_read_through_a_read_only_mapping() {
+        let seg = Segment::create(1, 8192).unwrap();
+        let again = Segment::open(1, seg.fd().try_clone_to_owned().unwrap(), 8192).unwrap();
+        // What views of the received segment point into: a write through one must fault, not
+        // change what the owner and every other reader see.
+        assert_eq!(permissions_at(again.as_ptr() as usize), "r--s");
+        assert_eq!(permissions_at(again.as_ptr() as usize + 8191), "r--s");
+        assert_eq!(permissions_at(seg.as_ptr() as usize), "rw-s");
+        // Staging still writes it, through a mapping of its own; the read mapping stays read-only.
+        again.write(8000, b"staged").unwrap();
+        assert_eq!(&seg.bytes()[8000..8006], b"staged");
+        assert_eq!(&again.bytes()[8000..8006], b"staged");
+        assert_eq!(permissions_at(again.as_ptr() as usize), "r--s");
+        let writable = *again.writable.get().unwrap();
+        assert_ne!(writable, again.ptr);
+        assert_eq!(permissions_at(writable.as_ptr() as usize), "rw-s");
+        again.write(0, b"again").unwrap();
+        assert_eq!(*again.writable.get().unwrap(), writable, "mapped once");
+        assert_eq!(&seg.bytes()[..5], b"again");
     }
 
     #[test]

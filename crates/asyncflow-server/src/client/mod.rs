@@ -59,7 +59,7 @@ fn send_cells(
         {
             let segment = link.segment(spare.cell.segment)?;
             for &(offset, bytes) in &layout.sources {
-                segment.write((spare.cell.offset + offset) as usize, bytes);
+                segment.write((spare.cell.offset + offset) as usize, bytes)?;
             }
             let put = make(PayloadSource::Staged(spare.stage));
             return link.call(&put, &[], wait).map_err(unknown);
@@ -82,7 +82,7 @@ fn send_cells(
     };
     let segment = link.segment(cell.segment)?;
     for &(offset, bytes) in &layout.sources {
-        segment.write((cell.offset + offset) as usize, bytes);
+        segment.write((cell.offset + offset) as usize, bytes)?;
     }
     // The stage belongs to this link: the put must go on it, not on a new one.
     link.call(&make(PayloadSource::Staged(stage)), &[], wait).map_err(unknown)
