@@ -24,7 +24,8 @@ pub enum RoleFlag {
     Storage,
 }
 
-/// Flags of `asyncflow-store` (and of `asyncflow store serve`).
+/// Flags of `asyncflow-store` (and of `asyncflow store serve`): switches are plain flags.
+#[allow(clippy::struct_excessive_bools)]
 #[derive(Debug, Default, Parser, Deserialize)]
 #[command(name = "asyncflow-store", version, about = "The AsyncFlow sample store daemon")]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
@@ -87,6 +88,11 @@ pub struct Flags {
     /// payload if that is more [default: 256MiB].
     #[arg(long)]
     pub compact_after: Option<String>,
+    /// With --data-dir: start even if a log is damaged, dropping everything from the damage on;
+    /// the damaged file is kept as FILE.damaged-N and what was dropped is printed. Without it a
+    /// damaged data directory is refused.
+    #[arg(long)]
+    pub recover: bool,
     /// Connections served at once; more are refused [default: 1024].
     #[arg(long)]
     pub max_connections: Option<usize>,
@@ -190,6 +196,7 @@ impl Flags {
             data_dir: self.data_dir.or(file.data_dir),
             fsync: self.fsync.or(file.fsync),
             compact_after: self.compact_after.or(file.compact_after),
+            recover: self.recover || file.recover,
             max_connections: self.max_connections.or(file.max_connections),
             max_connection_bytes: self.max_connection_bytes.or(file.max_connection_bytes),
         })
@@ -228,8 +235,10 @@ impl Flags {
         let max_payload = u32::try_from(max_payload)
             .map_err(|_| Error::Config("--max-frame must be below 4GiB".into()))?;
         let persist = match f.data_dir {
-            None if f.fsync.is_some() || f.compact_after.is_some() => {
-                return Err(Error::Config("--fsync and --compact-after need --data-dir".into()));
+            None if f.fsync.is_some() || f.compact_after.is_some() || f.recover => {
+                return Err(Error::Config(
+                    "--fsync, --compact-after and --recover need --data-dir".into(),
+                ));
             }
             None => None,
             Some(dir) => Some(PersistConfig {
@@ -242,6 +251,7 @@ impl Flags {
                     .map(parse_size)
                     .transpose()?
                     .unwrap_or(256 << 20),
+                recover: f.recover,
             }),
         };
         let max_connections = f.max_connections.unwrap_or(1024);

@@ -4,8 +4,13 @@
 //! `snap-g.payload`) of everything before it. A snapshot is written under a temporary name and
 //! renamed when complete, so the state is always: the newest complete snapshot, then the logs of
 //! its generation and every later one. One daemon at a time holds the directory's lock.
+//!
+//! The files hold every payload put, so the daemon creates them readable and writable by its
+//! own user only (0600), and the directories it creates searchable by that user only (0700).
 
 use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use asyncflow_proto::{FileId, Role};
@@ -32,16 +37,22 @@ fn io(path: &Path, what: &str, e: &std::io::Error) -> Error {
     Error::Config(format!("data directory {}: cannot {what}: {e}", path.display()))
 }
 
+/// Opens `path` for writing, creating it if need be with mode 0600 (the owner's alone). Every
+/// file of a data directory is made through here.
+pub fn private_file(path: &Path, truncate: bool) -> std::io::Result<File> {
+    OpenOptions::new().create(true).truncate(truncate).write(true).mode(0o600).open(path)
+}
+
 impl DataDir {
     /// Opens (creating it if need be) the data directory of a daemon of `role`, and locks it.
     pub fn open(path: &Path, role: Role) -> Result<Self> {
-        std::fs::create_dir_all(path).map_err(|e| io(path, "create it", &e))?;
-        let lock_path = path.join("LOCK");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
+        // Directories made here (parents too) are 0700; one that exists keeps its mode.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)
+            .map_err(|e| io(path, "create it", &e))?;
+        let lock = private_file(&path.join("LOCK"), false)
             .map_err(|e| io(path, "open its lock", &e))?;
         if lock.try_lock().is_err() {
             return Err(Error::Config(format!(
@@ -66,7 +77,8 @@ impl DataDir {
                 role.name()
             ))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                std::fs::write(&file, format!("{}\n", role.name()))
+                private_file(&file, true)
+                    .and_then(|mut f| f.write_all(format!("{}\n", role.name()).as_bytes()))
                     .map_err(|e| io(&self.path, "write ROLE", &e))?;
                 self.sync()
             }
@@ -117,7 +129,7 @@ impl DataDir {
     }
 
     /// Removes everything the snapshot of generation `keep_from` made obsolete, and leftovers of
-    /// snapshots that never completed.
+    /// snapshots that never completed (never the copies `--recover` keeps).
     pub fn remove_before(&self, keep_from: u64) -> Result<()> {
         let entries = std::fs::read_dir(&self.path).map_err(|e| io(&self.path, "list it", &e))?;
         for entry in entries.flatten() {
@@ -129,7 +141,9 @@ impl DataDir {
                 .and_then(|rest| rest.split('.').next())
                 .and_then(|g| g.parse::<u64>().ok());
             let unfinished = Path::new(name).extension().is_some_and(|e| e == "tmp");
-            if generation.is_some_and(|g| g < keep_from) || unfinished {
+            // Copies of damaged files that `--recover` kept stay until someone removes them.
+            let kept = name.contains(".damaged-");
+            if (generation.is_some_and(|g| g < keep_from) || unfinished) && !kept {
                 let _ = std::fs::remove_file(entry.path());
             }
         }

@@ -26,12 +26,12 @@ use asyncflow_proto::{CellLoc, ChunkRef, Record, Role, Stored};
 use parking_lot::{Condvar, Mutex};
 
 pub use datadir::DataDir;
-pub use recovery::{Payloads, Recovered};
+pub use recovery::{Dropped, Payloads, Recovered};
 pub use wal::Fsync;
 
 use crate::error::{Error, Result};
 
-/// `--data-dir`, `--fsync` and `--compact-after`.
+/// `--data-dir`, `--fsync`, `--compact-after` and `--recover`.
 #[derive(Debug, Clone)]
 pub struct PersistConfig {
     pub dir: PathBuf,
@@ -39,6 +39,8 @@ pub struct PersistConfig {
     /// A snapshot replaces the log once it holds this many bytes, or twice the live payload
     /// bytes if that is more.
     pub compact_after: u64,
+    /// Start from a damaged log by dropping everything from the damage on (a copy is kept).
+    pub recover: bool,
 }
 
 /// A put's payload, written and waiting for its commit record.
@@ -71,7 +73,9 @@ impl Persistence {
         apply: impl FnMut(Record, &mut Payloads<'_>) -> Result<bool>,
     ) -> Result<(Arc<Self>, Recovered)> {
         let dir = DataDir::open(&config.dir, role)?;
-        let recovered = recovery::replay(&dir, apply)?;
+        let policy =
+            recovery::Policy { synced: config.fsync == Fsync::Always, recover: config.recover };
+        let recovered = recovery::replay(&dir, policy, apply)?;
         let generation = recovered.next_generation;
         let wal = wal::Wal::create(&dir, generation, config.fsync).map_err(|e| {
             Error::Config(format!(

@@ -83,6 +83,10 @@ fn attach(store: &Store, persistence: &Arc<Persistence>) -> Result<()> {
 }
 
 fn report(config: &PersistConfig, r: &Recovered, roles: &Roles) {
+    for dropped in &r.dropped {
+        // Printed as well as logged: whoever ran --recover must see what it cost.
+        eprintln!("asyncflow-store: --recover: {dropped}");
+    }
     let stats = roles.stats();
     tracing::info!(
         dir = %config.dir.display(),
@@ -91,6 +95,7 @@ fn report(config: &PersistConfig, r: &Recovered, roles: &Roles) {
         records = r.records,
         payload_bytes = r.payload_bytes,
         torn_bytes = r.torn_bytes,
+        dropped_logs = r.dropped.len(),
         live_rows = stats.index.live_rows,
         payload_rows = stats.payload_rows,
         fsync = ?config.fsync,

@@ -31,10 +31,19 @@ impl Daemon {
 
     /// Starts a daemon listening on `listen` with these flags.
     pub fn start_at(listen: &str, flags: &[&str]) -> Self {
+        Self::try_start_at(listen, flags).expect("daemon started")
+    }
+
+    /// Starts a daemon with these flags, or returns why it would not start.
+    pub fn try_start(flags: &[&str]) -> asyncflow_server::Result<Self> {
+        Self::try_start_at("127.0.0.1:0", flags)
+    }
+
+    fn try_start_at(listen: &str, flags: &[&str]) -> asyncflow_server::Result<Self> {
         let mut args =
             vec!["--listen".to_owned(), listen.to_owned(), "--log-level".into(), "warn".into()];
         args.extend(flags.iter().map(|s| (*s).to_owned()));
-        let config = Flags::parse_args(args).and_then(Flags::resolve).expect("valid flags");
+        let config = Flags::parse_args(args).and_then(Flags::resolve)?;
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
@@ -52,8 +61,14 @@ impl Daemon {
                 },
             ))
         });
-        let address = ready_rx.recv_timeout(Duration::from_secs(10)).expect("daemon started");
-        Self { address, stop: Some(stop_tx), thread: Some(thread) }
+        match ready_rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(address) => Ok(Self { address, stop: Some(stop_tx), thread: Some(thread) }),
+            // `serve` returned before it was ready, dropping the sender.
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Err(thread.join().unwrap().expect_err("serve ended before it was ready"))
+            }
+            Err(e) => panic!("the daemon did not start: {e}"),
+        }
     }
 
     pub fn url(&self) -> String {
