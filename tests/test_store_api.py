@@ -148,13 +148,15 @@ def test_timeouts_raise_or_return_what_is_ready(store: af.Store) -> None:
 
 
 def test_an_expired_lease_is_redelivered_and_its_late_ack_changes_nothing(
-    make_store: af.Store,
+    store: af.Store,
 ) -> None:
-    store = make_store(lease_timeout=0.1)  # type: ignore[operator]
     store.register_task("t")
     store.put({"x": [1, 2]})
     first = store.claim("t", "x", 2, timeout=1)
-    again = store.claim("t", "x", 2, timeout=2)
+    # The fixture's leases last 30 s: the first one is cut to end a second from now, and the next
+    # claim waits (up to 30 s) until it has, while every other step has 30 s to spare.
+    first.renew(1.0)
+    again = store.claim("t", "x", 2, timeout=30)
     assert list(again.indexes) == list(first.indexes)
     before = store.stats()
     with pytest.raises(af.LeaseError, match="expired"):
@@ -169,12 +171,13 @@ def test_an_expired_lease_is_redelivered_and_its_late_ack_changes_nothing(
 
 
 def test_renew_extends_a_lease(make_store: af.Store) -> None:
-    store = make_store(lease_timeout=0.2)  # type: ignore[operator]
+    store = make_store(lease_timeout=3.0)  # type: ignore[operator]
     store.register_task("t")
     store.put({"x": [1]})
     batch = store.claim("t", "x", 1, timeout=1)
-    assert batch.renew(30.0) > 20
-    assert len(store.claim("t", "x", 1, timeout=0.4, allow_partial=True)) == 0
+    assert batch.renew(60.0) > 50
+    # Waits until well past the first deadline: the renewed lease still holds the row.
+    assert len(store.claim("t", "x", 1, timeout=5.0, allow_partial=True)) == 0
     batch.ack()
 
 
