@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,19 @@ def test_connections_beyond_the_cap_are_refused_with_a_reason(daemons: Daemons) 
     first, second = af.connect(url, transport="tcp"), af.connect(url, transport="tcp")
     with pytest.raises(af.ConnectionError, match="at most 2 connections"):
         af.connect(url, transport="tcp")
-    del first
+    del first  # closes its connection; the daemon frees its place once it sees the close
     second.put({"x": [1]})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            third = af.connect(url, transport="tcp")
+            break
+        except af.ConnectionError as e:
+            assert "at most 2 connections" in str(e)
+            assert time.monotonic() < deadline, "the closed connection's place was never freed"
+            time.sleep(0.05)
+    idx = third.put({"x": [2]})
+    assert [int(v) for v in third.read(idx, "x")["x"]] == [2]
 
 
 def imported_modules(path: Path) -> set[str]:
