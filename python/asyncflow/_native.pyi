@@ -1,4 +1,5 @@
 # Stubs of the compiled module; CI checks them: `python -m mypy.stubtest asyncflow._native`.
+from collections.abc import Callable
 from typing import Any, final
 
 import numpy as np
@@ -8,11 +9,13 @@ __all__ = [
     "DEFAULT_LINEAR_WEIGHT",
     "ChunkOwner",
     "ClaimedCells",
+    "EchoClient",
     "RemoteStore",
     "Router",
     "Store",
     "__version__",
     "costs",
+    "echo_serve",
     "micro_batches",
     "partition",
     "serve",
@@ -115,6 +118,14 @@ def micro_batches(
 ) -> list[list[int]]: ...
 
 @final
+class EchoClient:
+    def __new__(cls, port: int) -> EchoClient: ...
+    def round_trips(
+        self, block: npt.NDArray[np.uint8], rounds: int, back: npt.NDArray[np.uint8]
+    ) -> float: ...
+    def close(self) -> None: ...
+
+@final
 class Router:
     def __new__(cls, heartbeat_timeout: float) -> Router: ...
     def add_engine(self, name: str, now: float) -> None: ...
@@ -144,6 +155,7 @@ class RemoteStore(_Backend):
     ) -> RemoteStore: ...
 
 def serve(args: list[str]) -> int: ...
+def echo_serve(on_listening: Callable[[int], object]) -> None: ...
 def simulate(
     costs: dict[str, float],
     mode: str,

@@ -7,6 +7,7 @@
 mod arrays;
 mod blocking;
 mod convert;
+mod echo;
 mod errors;
 mod remote;
 mod scheduler;
@@ -24,10 +25,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<arrays::ChunkOwner>()?;
     m.add_class::<convert::ClaimedCells>()?;
     m.add_class::<scheduler::Router>()?;
+    m.add_class::<echo::EchoClient>()?;
     m.add_function(wrap_pyfunction!(scheduler::costs, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::partition, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::micro_batches, m)?)?;
     m.add_function(wrap_pyfunction!(remote::serve, m)?)?;
+    m.add_function(wrap_pyfunction!(echo::echo_serve, m)?)?;
     m.add_function(wrap_pyfunction!(sim::simulate, m)?)?;
     Ok(())
 }

@@ -1,36 +1,21 @@
-"""The raw-socket baseline of the ``tcp/*`` cases: a loopback echo server in its own process.
+"""The raw-socket ceiling of the ``tcp/*`` cases: a native loopback echo (``asyncflow-echo``, in
+the ``_native`` module like the daemon) in its own process.
 
-Each message is a length (8 bytes) then that many bytes, received into a buffer and sent back
-whole, so the client measures exactly what moving the same bytes to another process and back
-costs with nothing but the socket in the way.
+Both ends are pipelined and tuned: the client writes its rounds on one thread while another reads
+the echo back, the server relays each chunk it reads to a writer thread, and every socket has
+``TCP_NODELAY`` and 4 MiB send and receive buffers. A round sends the block to the other process
+and receives it back, the bytes a ``tcp`` round moves (put in, read out), with nothing but the
+socket in the way.
 """
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 
-
-def serve(listener: socket.socket) -> None:
-    conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = bytearray()
-    head = bytearray(8)
-    while True:
-        if conn.recv_into(head, 8, socket.MSG_WAITALL) != 8:
-            return
-        n = int.from_bytes(head, "little")
-        if len(buf) < n:
-            buf = bytearray(n)
-        view = memoryview(buf)[:n]
-        got = 0
-        while got < n:
-            got += conn.recv_into(view[got:], n - got)
-        conn.sendall(view)
+from asyncflow import _native
 
 
 class EchoPeer:
@@ -42,33 +27,32 @@ class EchoPeer:
         )
         assert self.proc.stdout is not None
         port = int(self.proc.stdout.readline())
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.client = _native.EchoClient(port)
 
-    def round_trips(self, block: np.ndarray, rounds: int) -> float:
-        """Seconds to send ``block`` and receive it back ``rounds`` times."""
-        data = block.data.cast("B")
-        back = bytearray(len(data))
-        view = memoryview(back)
-        head = len(data).to_bytes(8, "little")
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            self.sock.sendall(head)
-            self.sock.sendall(data)
-            got = 0
-            while got < len(data):
-                got += self.sock.recv_into(view[got:], len(data) - got)
-        return time.perf_counter() - t0
+    def round_trips(self, block: np.ndarray, rounds: int, back: np.ndarray | None = None) -> float:
+        """Seconds to send ``block`` and receive it back ``rounds`` times, the sends running
+        ahead of the receives. ``back`` (the block's shape) ends holding the last echo."""
+        if back is None:
+            back = np.empty_like(block)
+        return self.client.round_trips(np.ascontiguousarray(block), rounds, back)
 
     def close(self) -> None:
-        self.sock.close()
+        self.client.close()
+        self.proc.terminate()
         self.proc.wait(timeout=10)
+
+    def __enter__(self) -> EchoPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def main() -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    print(listener.getsockname()[1], flush=True)
-    serve(listener)
+    def listening(port: int) -> None:
+        print(port, flush=True)
+
+    _native.echo_serve(listening)
 
 
 if __name__ == "__main__":
