@@ -1,13 +1,17 @@
 """``transferqueue/*`` and ``ray/*``: peers on the store suite's workload, each against our own
 figure for the same case (``asyncflow-shm``: the daemon reached from the same machine, which is
-how both peers run here too), so ``ratio`` = peer / ours.
+how both peers run here too), so ``ratio`` = peer / ours. Peers get exactly our work: the same
+rows, rounds and bytes per case, the same number of timed repeats, the same latency samples.
 
 - TransferQueue 0.1.11 with its default SimpleStorage backend: ``put`` a TensorDict of the rows,
   ``get_meta`` (its claim: ready rows not yet consumed by the task), ``get_data``, and
   ``clear_samples`` (its ack: frees the rows).
-- Ray's object store: ``ray.put`` of the rows and ``ray.get`` (zero-copy from shared memory); it
-  has no claim, so its ``claim_*`` figures are taking the next batch's reference from a
-  ``ray.util.queue.Queue``, the usual way Ray workers hand batches to each other.
+- Ray's object store: ``ray.put`` of the rows and ``ray.get`` (zero-copy from shared memory). Ray
+  has no claim, so it reports ``handoff_p50`` / ``handoff_p99`` instead: taking the next batch's
+  reference from a ``ray.util.queue.Queue``, the usual way Ray workers hand batches to each
+  other. The reference travels nested in a list, so the queue actor holds and returns only the
+  reference; a bare ``ObjectRef`` argument would be resolved, and the batch copied into and out
+  of the actor on every hand-off.
 
 Peers that fail to import or start are reported as skipped, not as errors.
 """
@@ -22,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from asyncflow.bench.records import Report
-from asyncflow.bench.workload import CLAIM_BATCH, Rounds
+from asyncflow.bench.workload import CLAIM_BATCH, Rounds, latency_samples, repeats
 
 Timing = Callable[[Rounds], float]
 
@@ -51,14 +55,16 @@ def latencies(
 
 
 def start_ray() -> None:
-    """One local Ray instance for both peers. TransferQueue's controller and two storage units
-    each reserve a CPU, so four logical CPUs are declared whatever the machine has."""
+    """One local Ray instance of our own for both peers (``address="local"``: never a cluster
+    that something else on this machine started). TransferQueue's controller and two storage
+    units each reserve a CPU, so four logical CPUs are declared whatever the machine has."""
     import ray
 
     if not ray.is_initialized():
         ray.init(
-            num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=2 << 30
-        )
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+            object_store_memory=2 << 30,
+        )  # fmt: skip
 
 
 def transferqueue_timings(quick: bool) -> tuple[Timing, Callable[[int, int], tuple[float, float]]]:
@@ -103,10 +109,7 @@ def ray_timings(quick: bool) -> tuple[Timing, Callable[[int, int], tuple[float, 
     import ray
     from ray.util.queue import Queue
 
-    if not ray.is_initialized():
-        ray.init(
-            num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=2 << 30
-        )
+    start_ray()
 
     def rounds(work: Rounds) -> float:
         t0 = time.perf_counter()
@@ -119,12 +122,16 @@ def ray_timings(quick: bool) -> tuple[Timing, Callable[[int, int], tuple[float, 
     def claim_latency(size: int, samples: int) -> tuple[float, float]:
         queue = Queue()
         ref = ray.put(np.zeros((min(CLAIM_BATCH, max(1, (256 << 20) // size)), size), np.uint8))
-        queue.put(ref)
+        queue.put([ref])  # nested: the queue passes the reference on, never the batch
 
         def claim() -> Any:
             return queue.get()
 
-        result = latencies(claim, queue.put, samples)
+        def undo(taken: Any) -> None:
+            assert isinstance(taken[0], ray.ObjectRef), "the queue resolved the reference"
+            queue.put(taken)
+
+        result = latencies(claim, undo, samples)
         queue.shutdown()
         return result
 
@@ -138,37 +145,27 @@ PEERS: dict[str, Callable[[bool], tuple[Timing, Callable[[int, int], tuple[float
 
 
 def run(report: Report, sizes: dict[str, int], quick: bool) -> None:
-    repeats = 2 if quick else 3
-    samples = 50 if quick else 500
+    times = repeats(quick)
+    samples = latency_samples(quick)
     for name, setup in PEERS.items():
         try:
             rounds, claim_latency = setup(quick)
         except Exception as e:  # a missing or broken peer is reported, not fatal
             report.progress(f"{name}: skipped ({type(e).__name__}: {e})")
             continue
+        # Ray has no claim: what it is timed on is a hand-off, and named so.
+        latency = "handoff" if name == "ray" else "claim"
         for label, size in sizes.items():
             report.progress(f"{name}/{label}: the same workload")
-            # 64 MiB per size: the peers are slow enough that more volume only costs time.
-            work = Rounds.of(size, quick=True)
-            seconds = min(rounds(work) for _ in range(repeats))
+            work = Rounds.of(size, quick)
+            seconds = min(rounds(work) for _ in range(times))
             report.add(
                 f"{name}/{label}", "throughput", work.moved / seconds / 1e9, "GB/s",
                 "asyncflow-shm", ours(report, label, "throughput"),
             )  # fmt: skip
             p50, p99 = claim_latency(size, samples)
-            report.add(
-                f"{name}/{label}",
-                "claim_p50",
-                p50,
-                "us",
-                "asyncflow-shm",
-                ours(report, label, "claim_p50"),
-            )
-            report.add(
-                f"{name}/{label}",
-                "claim_p99",
-                p99,
-                "us",
-                "asyncflow-shm",
-                ours(report, label, "claim_p99"),
-            )
+            for metric, value in (("p50", p50), ("p99", p99)):
+                report.add(
+                    f"{name}/{label}", f"{latency}_{metric}", value, "us",
+                    "asyncflow-shm", ours(report, label, f"claim_{metric}"),
+                )  # fmt: skip

@@ -20,17 +20,24 @@ import numpy as np
 import asyncflow as af
 from asyncflow.bench import daemon_cases, peer_cases, persist_cases
 from asyncflow.bench.records import Report
-from asyncflow.bench.workload import CLAIM_BATCH, Rounds, best_of, memcpy_seconds, store_seconds
+from asyncflow.bench.workload import (
+    CLAIM_BATCH,
+    Rounds,
+    best_of,
+    memcpy_seconds,
+    repeats,
+    store_seconds,
+)
 
 SIZES = {"1KiB": 1 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 
 
 def throughput(report: Report, label: str, size: int, quick: bool) -> None:
     work = Rounds.of(size, quick)
-    repeats = 2 if quick else 3
-    base = work.moved / best_of(repeats, lambda: memcpy_seconds(work)) / 1e9
+    times = repeats(quick)
+    base = work.moved / best_of(times, lambda: memcpy_seconds(work)) / 1e9
     store = af.Store(shards=8)
-    value = work.moved / best_of(repeats, lambda: store_seconds(store, work)) / 1e9
+    value = work.moved / best_of(times, lambda: store_seconds(store, work)) / 1e9
     report.add(f"inproc/{label}", "throughput", value, "GB/s", "memcpy", base)
 
 

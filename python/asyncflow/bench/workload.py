@@ -14,6 +14,16 @@ import asyncflow as af
 CLAIM_BATCH = 64
 
 
+def repeats(quick: bool) -> int:
+    """Timings of each throughput case, ours and every baseline's alike."""
+    return 2 if quick else 3
+
+
+def latency_samples(quick: bool) -> int:
+    """Claims (or a peer's hand-offs) timed for each latency percentile, ours and peers' alike."""
+    return 200 if quick else 2000
+
+
 def best_of(repeats: int, fn: Callable[[], float]) -> float:
     """The fastest of ``repeats`` timings (seconds): the least disturbed by a noisy machine."""
     return min(fn() for _ in range(repeats))
