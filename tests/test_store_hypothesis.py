@@ -1,16 +1,18 @@
 """Random calls of the Python API — values of every dtype NumPy has (and some it does not
 take), random shapes and lengths, and options of the right type but any value — on the
 embedded store and on a daemon. Whatever a call rejects, it rejects with a StoreError subclass
-and leaves the store exactly as it was."""
+and leaves the store exactly as it was; whatever it accepts reads back with the dtype, shape and
+bytes it was sent."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import asyncflow as af
@@ -82,6 +84,74 @@ def attempt(store: af.Store, call: Any) -> Any:
     return None
 
 
+def stored_cells(value: Any) -> list[Any]:
+    """What an accepted put of ``value`` holds, one cell per row (see ``asyncflow.columns``): an
+    array's rows along its first axis; ``bytes`` for ``str``/``bytes`` rows; otherwise each
+    row's value as an array."""
+    if isinstance(value, np.ndarray):
+        return [np.asarray(row) for row in value]
+    if isinstance(value[0], (str, bytes)):
+        return [v.encode() if isinstance(v, str) else bytes(v) for v in value]
+    if isinstance(value[0], (bool, int, float, np.generic)):
+        return [np.asarray(row) for row in np.asarray(value)]
+    return [np.asarray(v) for v in value]
+
+
+def assert_read_back(store: af.Store, indexes: Any, data: dict[str, Any]) -> None:
+    """Every field of an accepted put reads back with the dtype, shape and bytes it was sent."""
+    back = store.read(indexes, list(data))
+    for name, value in data.items():
+        sent = stored_cells(value)
+        assert len(back[name]) == len(sent) == len(indexes), name
+        for row, (want, got) in enumerate(zip(sent, back[name], strict=True)):
+            if isinstance(want, bytes):
+                assert got == want, (name, row)
+                continue
+            assert (got.dtype, got.shape) == (want.dtype, want.shape), (name, row)
+            assert got.tobytes() == want.tobytes(), (name, row)
+
+
+#: The dtypes a store column holds.
+STORED_DTYPES = ["bool", "uint8", "int32", "int64", "float16", "float32", "float64"]
+#: Python numbers of one kind per field: int64, float64 and bool columns.
+NUMBERS = [st.integers(-(2**63), 2**63 - 1), st.floats(), st.booleans()]
+#: Fresh field names: a well-formed put never meets a schema an earlier example made.
+FRESH_NAMES = itertools.count()
+
+
+@st.composite
+def well_formed_columns(draw: st.DrawFn) -> dict[str, Any]:
+    """One to three new fields over the same rows, each in one of the forms a put takes, with
+    arbitrary bit patterns (NaN payloads, infinities, subnormals) in its numbers."""
+    rows = draw(st.integers(1, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32)))
+
+    def cell(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        if dtype == "bool":
+            return rng.integers(0, 2, size=shape).astype(bool)
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return rng.integers(0, 256, size=size, dtype=np.uint8).view(dtype).reshape(shape)
+
+    columns: dict[str, Any] = {}
+    for _ in range(draw(st.integers(1, 3))):
+        form = draw(st.sampled_from(["array", "ragged", "numbers", "bytes"]))
+        dtype = draw(st.sampled_from(STORED_DTYPES))
+        trailing = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+        name = f"f{next(FRESH_NAMES)}"
+        if form == "array":
+            columns[name] = cell(dtype, (rows, *trailing))
+        elif form == "ragged":
+            firsts = draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows))
+            columns[name] = [cell(dtype, (n, *trailing)) for n in firsts]
+        elif form == "numbers":
+            kind = draw(st.sampled_from(NUMBERS))
+            columns[name] = draw(st.lists(kind, min_size=rows, max_size=rows))
+        else:
+            texts = st.one_of(st.binary(max_size=8), st.text(max_size=4))
+            columns[name] = draw(st.lists(texts, min_size=rows, max_size=rows))
+    return columns
+
+
 @pytest.fixture
 def seeded(store: af.Store) -> af.Store:
     store.register_task("t")
@@ -113,7 +183,33 @@ def test_a_put_of_anything_is_stored_or_rejected_cleanly(
     timeout: float | None,
 ) -> None:
     options = dict(partition=partition, groups=groups, group_size=group_size, version=version)
-    attempt(seeded, lambda: seeded.put(data, **options, tags=tags, timeout=timeout))
+    idx = attempt(seeded, lambda: seeded.put(data, **options, tags=tags, timeout=timeout))
+    event("accepted" if idx is not None else "rejected")
+    if idx is None:
+        return
+    assert_read_back(seeded, idx, data)
+    rows = seeded.rows(idx)
+    if partition is not None:
+        assert rows.partitions == [partition] * len(idx)
+    if tags is not None:
+        assert rows.tags == [tags] * len(idx)
+    if version is not None:
+        versions = version if isinstance(version, list) else [version] * len(idx)
+        assert list(rows.versions) == versions
+
+
+@SETTINGS
+@given(data=well_formed_columns(), fill=st.booleans())
+def test_a_well_formed_put_or_fill_reads_back_exactly(
+    seeded: af.Store, data: dict[str, Any], fill: bool
+) -> None:
+    names = list(data)
+    if fill and len(names) > 1:  # the first field makes the rows, the others fill them in
+        idx = seeded.put({names[0]: data[names[0]]}, partition="p")
+        assert list(seeded.put({n: data[n] for n in names[1:]}, indexes=idx)) == list(idx)
+    else:
+        idx = seeded.put(data, partition="p")
+    assert_read_back(seeded, idx, data)
 
 
 @SETTINGS
@@ -124,7 +220,11 @@ def test_a_put_of_anything_is_stored_or_rejected_cleanly(
 def test_a_fill_of_any_rows_is_stored_or_rejected_cleanly(
     seeded: af.Store, indexes: list[int], data: dict[str, Any]
 ) -> None:
-    attempt(seeded, lambda: seeded.put(data, indexes=indexes))
+    idx = attempt(seeded, lambda: seeded.put(data, indexes=indexes))
+    event("accepted" if idx is not None else "rejected")
+    if idx is not None:
+        assert list(idx) == indexes
+        assert_read_back(seeded, idx, data)
 
 
 @SETTINGS
