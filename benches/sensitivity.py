@@ -105,7 +105,8 @@ def main() -> None:
 
         a1 = [r["async-1"] for r in runs]
         split = " / ".join(
-            "-".join(sorted({f"{int(r[f'{m} split'])}" for r in runs})) for m in SEPARATED
+            "-".join(str(s) for s in sorted({int(r[f"{m} split"]) for r in runs}))
+            for m in SEPARATED
         )
         print(
             f"| {label} | {avg('colocated-sync'):.2f} | {avg('separated-sync'):.2f}x "
