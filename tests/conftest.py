@@ -11,6 +11,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # As asyncflow.launch does: Ray workers use this environment, set before ray is imported.
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
+import ipaddress
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,3 +79,38 @@ def make_store(
 @pytest.fixture
 def store(make_store: Callable[..., af.Store]) -> af.Store:
     return make_store(shards=4, memory_limit="256MiB", lease_timeout=30.0)
+
+
+def is_loopback(ip: str) -> bool:
+    """127.0.0.0/8 or ::1, also written as an IPv4-mapped IPv6 address (a dual-stack socket)."""
+    address = ipaddress.ip_address(ip.split("%", 1)[0])
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return (mapped or address).is_loopback
+
+
+def non_loopback_listeners() -> list[str]:
+    """Every TCP socket that this process or any process it started (and they started) listens
+    on at an address other than loopback, as ``pid name address port``."""
+    import psutil
+
+    me = psutil.Process()
+    found = []
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            sockets = process.net_connections(kind="inet")
+            name = process.name()
+        except psutil.NoSuchProcess:  # ended meanwhile: it listens on nothing
+            continue
+        found += [
+            f"{process.pid} {name} {s.laddr.ip} {s.laddr.port}"
+            for s in sockets
+            if s.status == psutil.CONN_LISTEN and not is_loopback(s.laddr.ip)
+        ]
+    return found
+
+
+@pytest.fixture
+def listeners_off_loopback() -> Callable[[], list[str]]:
+    """Lists the sockets listening off loopback in this process's tree (tests listen on
+    loopback only)."""
+    return non_loopback_listeners

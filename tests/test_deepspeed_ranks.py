@@ -7,7 +7,7 @@ the module, and the test that kills a rank runs last.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +110,15 @@ def test_a_two_rank_zero3_step_equals_one_step_on_the_whole_batch(
     gap = max(float((published[k] - want[k]).abs().max()) for k in want)
     assert moved > 1e-4, "the step changed the weights"
     assert gap < 1e-5, f"ranks' weights differ from the single-process step by {gap}"
+
+
+def test_the_ranks_meet_and_listen_on_loopback_only(
+    setting: tuple[af.Store, RankGroup, Path], listeners_off_loopback: Callable[[], list[str]]
+) -> None:
+    """Rank 0's rendezvous store and the collectives' sockets (and the store daemon)."""
+    _, group, _ = setting
+    next(group.export_weights())  # once every rank has started
+    assert listeners_off_loopback() == []
 
 
 def test_a_rank_that_dies_is_an_error_naming_it_not_a_hang(

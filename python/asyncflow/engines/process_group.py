@@ -4,10 +4,14 @@ that a rank whose peer died fails instead of waiting for ever.
 
 The group must exist before vLLM is created in the same process: vLLM creates a one-process group
 of its own when there is none, and DeepSpeed would then silently run as a world of one.
+
+Rank 0 serves the rendezvous on ``master_addr`` only (torch's own store would listen on every
+address of the machine), and ranks meeting on loopback keep their collectives' sockets there too.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import socket
@@ -15,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _store(rendezvous: Rendezvous, timeout: timedelta) -> Any:
+    """The rendezvous's key-value store: rank 0 serves it on ``master_addr`` alone, through a
+    socket bound here and handed over, and the other ranks connect to it."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    r = rendezvous
+    if r.rank != 0:
+        return TCPStore(r.master_addr, r.master_port, r.world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in r.master_addr else socket.AF_INET
+    listener = socket.create_server((r.master_addr, r.master_port), family=family)
+    # The store owns the socket from here on, and closes it.
+    return TCPStore(
+        r.master_addr,
+        r.master_port,
+        r.world_size,
+        True,
+        timeout,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def on_gpu() -> bool:
@@ -89,9 +122,19 @@ def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
         rendezvous = Rendezvous(rank=0, world_size=1, master_port=free_port())
     os.environ.update(rendezvous.environ())
     _skip_inference_comm_op()
-    deepspeed.init_distributed(
-        dist_backend="nccl" if on_gpu() else "gloo", timeout=timedelta(seconds=timeout)
+    backend = "nccl" if on_gpu() else "gloo"
+    if is_loopback(rendezvous.master_addr) and sys.platform == "linux":
+        # Left alone, both pick the address of the machine's name or first interface.
+        os.environ.setdefault(f"{backend.upper()}_SOCKET_IFNAME", "lo")
+    # DeepSpeed adopts the group made here, on the store made here.
+    dist.init_process_group(
+        backend,
+        store=_store(rendezvous, timedelta(seconds=timeout)),
+        rank=rendezvous.rank,
+        world_size=rendezvous.world_size,
+        timeout=timedelta(seconds=timeout),
     )
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout))
     if on_gpu():
         from deepspeed.accelerator import get_accelerator
 
