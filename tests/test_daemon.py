@@ -98,8 +98,11 @@ def test_an_unreachable_daemon_is_a_connection_error() -> None:
 
 
 def test_sigterm_stops_a_waiting_claim_and_the_daemon_exits_cleanly(daemons: Daemons) -> None:
-    daemon = daemons()
-    store = af.connect(daemon.url)
+    port = free_port()
+    daemon = daemons("--metrics", f"127.0.0.1:{port}")
+    # The claim ends with an error reply, or, when the connection closes before that reply goes
+    # out, once connecting again has failed for 2 s.
+    store = af.connect(daemon.url, reconnect_timeout=2.0)
     store.register_task("t")
     errors: list[BaseException] = []
 
@@ -109,11 +112,15 @@ def test_sigterm_stops_a_waiting_claim_and_the_daemon_exits_cleanly(daemons: Dae
         except BaseException as e:
             errors.append(e)
 
+    received = metric(port, "received_bytes_total")
     waiter = threading.Thread(target=wait_for_rows)
     waiter.start()
-    time.sleep(0.2)
+    wait_until(lambda: metric(port, "received_bytes_total") > received, "the claim arrived")
+    # The daemon reads a connection's requests in order: once this one is answered, the claim
+    # before it is waiting for rows.
+    store.stats()
     assert daemon.stop() == 0
-    waiter.join(timeout=30)
+    waiter.join(timeout=60)
     assert not waiter.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], af.ConnectionError)
 
@@ -134,10 +141,23 @@ def test_metrics_are_served_in_prometheus_text(daemons: Daemons) -> None:
     assert "asyncflow_live_rows 3" in text
 
 
-def requests_served(port: int) -> int:
+def metric(port: int, name: str) -> int:
+    """A counter or gauge from the daemon's metrics page (``--metrics 127.0.0.1:PORT``)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
         lines = page.read().decode().splitlines()
-    return next(int(n.split()[1]) for n in lines if n.startswith("asyncflow_requests_total "))
+    return next(int(n.split()[1]) for n in lines if n.startswith(f"asyncflow_{name} "))
+
+
+def requests_served(port: int) -> int:
+    return metric(port, "requests_total")
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Polls ``condition`` until it holds; fails after ``timeout`` seconds, naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
 
 
 def test_a_shared_memory_put_after_the_first_is_one_round_trip(daemons: Daemons) -> None:
@@ -215,10 +235,16 @@ def test_a_put_into_a_spare_waits_for_memory_under_a_limit(daemons: Daemons) -> 
         store.put({"x": [np.full(65000, 7, np.uint8)]}, timeout=0.05)
     assert requests_served(port) - before == 1, "the put went into the spare"
     assert store.stats()["memory_used"] == 3 * 35000  # and a spare comes with the reply
-    freed = threading.Timer(0.2, lambda: store.delete(np.concatenate(rows[1:3])))
+    # Room is made only once the put has reached the daemon (and found none).
+    before, received = requests_served(port), metric(port, "received_bytes_total")
+
+    def make_room() -> None:
+        wait_until(lambda: metric(port, "received_bytes_total") > received, "the put arrived")
+        store.delete(np.concatenate(rows[1:3]))
+
+    freed = threading.Thread(target=make_room)
     freed.start()
-    before = requests_served(port)
-    last = store.put({"x": [np.full(65000, 8, np.uint8)]}, timeout=10)
+    last = store.put({"x": [np.full(65000, 8, np.uint8)]}, timeout=60)
     freed.join()
     assert requests_served(port) - before == 2, "the put (into a spare), once room was made"
     assert store.read(last, "x")["x"][0].min() == 8
