@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -66,25 +67,41 @@ def test_eight_producers_and_eight_consumers_lose_and_duplicate_nothing(store: a
     assert stats["live_rows"] == 0 and stats["memory_used"] == 0
 
 
+def inside(thread: int, method: str) -> bool:
+    """Whether ``thread`` is running the store's ``method`` (in its Python wrapper or in the
+    native call the wrapper makes)."""
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == method and code.co_filename.endswith(
+            os.path.join("asyncflow", "store.py")
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_a_blocked_claim_releases_the_gil(store: af.Store) -> None:
     store.register_task("t")
-    ticks = 0
-    stop = threading.Event()
+    main = threading.get_ident()
 
-    def spin() -> None:
-        nonlocal ticks
-        while not stop.is_set():
+    def spin_then_put() -> None:
+        # Python work needs the GIL: it gets done while the claim waits only if the claim lets
+        # go of it. Only then does the row the claim waits for arrive.
+        while not inside(main, "claim"):
+            time.sleep(0.001)
+        ticks = 0
+        while ticks < 100_000:
             ticks += 1
+        store.put({"x": [ticks]})
 
-    spinner = threading.Thread(target=spin)
-    spinner.start()
+    worker = threading.Thread(target=spin_then_put)
+    worker.start()
     try:
-        with pytest.raises(af.TimeoutError):
-            store.claim("t", "x", 1, timeout=0.3)
+        batch = store.claim("t", "x", 1, timeout=60)
     finally:
-        stop.set()
-        spinner.join()
-    assert ticks > 1000, "the other thread ran while the claim waited"
+        worker.join()
+    assert [int(v) for v in batch.read()["x"]] == [100_000]
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
@@ -92,12 +109,18 @@ def test_ctrl_c_interrupts_a_blocked_claim(store: af.Store) -> None:
     store.register_task("t")
     main = threading.main_thread().ident
     assert main is not None and threading.get_ident() == main
-    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
-    started = time.monotonic()
-    timer.start()
+
+    def interrupt_the_claim() -> None:
+        while not inside(main, "claim"):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_the_claim)
     with pytest.raises(KeyboardInterrupt):
-        store.claim("t", "x", 1, timeout=30)
-    assert time.monotonic() - started < 5
+        interrupter.start()
+        store.claim("t", "x", 1, timeout=60)
+    interrupter.join()
+    # A claim deaf to Ctrl-C would wait out its 60 s and end in TimeoutError instead.
 
 
 def test_a_waiting_put_proceeds_when_another_thread_frees_memory(
@@ -111,8 +134,9 @@ def test_a_waiting_put_proceeds_when_another_thread_frees_memory(
         target=lambda: result.append(store.put({"x": [np.ones(6000, np.uint8)]}, timeout=10))
     )
     waiter.start()
-    time.sleep(0.1)
-    assert not result, "the put is still waiting for room"
+    while not inside(waiter.ident or 0, "put"):
+        time.sleep(0.001)
+    assert not result, "the put is waiting for room"
     store.claim("t", "x", 1, timeout=1).ack()
     waiter.join(timeout=10)
     assert len(result) == 1

@@ -101,15 +101,10 @@ fn a_torn_log_tail_is_cut_off_and_the_rest_restored() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn a_snapshot_replaces_the_log_and_restores_the_same_store() {
-    let dir = data_dir("snapshot");
-    let flags = flags(&dir, &["--compact-after", "1"]);
-    let daemon = start(&flags);
-    let rows = work(&daemon.connect(Preference::Shm));
+fn wait_for_snapshot(dir: &Path) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let has_snapshot = || {
-        std::fs::read_dir(&dir).unwrap().any(|e| {
+        std::fs::read_dir(dir).unwrap().any(|e| {
             let name = e.unwrap().file_name();
             let name = name.to_str().unwrap();
             name.starts_with("snap-") && Path::new(name).extension().is_some_and(|e| e == "meta")
@@ -119,6 +114,15 @@ fn a_snapshot_replaces_the_log_and_restores_the_same_store() {
         assert!(Instant::now() < deadline, "a snapshot is written once the log has grown");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+#[test]
+fn a_snapshot_replaces_the_log_and_restores_the_same_store() {
+    let dir = data_dir("snapshot");
+    let flags = flags(&dir, &["--compact-after", "1"]);
+    let daemon = start(&flags);
+    let rows = work(&daemon.connect(Preference::Shm));
+    wait_for_snapshot(&dir);
     daemon.stop().unwrap();
     let again = start(&flags);
     check_restored(&again.connect(Preference::Tcp), &rows);
@@ -175,4 +179,29 @@ fn two_daemons_never_share_a_data_directory() {
     assert!(err.contains("in use by another daemon"), "{err}");
     drop(daemon);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_data_directory_and_its_files_are_the_owners_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let root = data_dir("modes");
+    let dir = root.join("nested");
+    let daemon = start(&flags(&dir, &["--compact-after", "1"]));
+    work(&daemon.connect(Preference::Shm));
+    wait_for_snapshot(&dir);
+    daemon.stop().unwrap();
+    // Every directory the daemon made, parents included, and every file it wrote: payloads,
+    // logs, the snapshot, LOCK and ROLE.
+    assert_eq!((mode(&root), mode(&dir)), (0o700, 0o700));
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        assert_eq!(mode(&path), 0o600, "{}", path.display());
+        names.push(path.file_name().unwrap().to_str().unwrap().to_owned());
+    }
+    for kind in ["LOCK", "ROLE", "log-", "snap-", ".payload", ".meta"] {
+        assert!(names.iter().any(|n| n.contains(kind)), "{kind} in {names:?}");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
 }

@@ -52,8 +52,8 @@ impl DataDir {
             .mode(0o700)
             .create(path)
             .map_err(|e| io(path, "create it", &e))?;
-        let lock = private_file(&path.join("LOCK"), false)
-            .map_err(|e| io(path, "open its lock", &e))?;
+        let lock =
+            private_file(&path.join("LOCK"), false).map_err(|e| io(path, "open its lock", &e))?;
         if lock.try_lock().is_err() {
             return Err(Error::Config(format!(
                 "data directory {} is in use by another daemon",

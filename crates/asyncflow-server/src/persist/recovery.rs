@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use asyncflow_core::payload::{AlignedBytes, ByteStorage};
 use asyncflow_core::{Cell, Change, Chunk, MemoryGuard, StoreError};
 use asyncflow_proto::{FileId, ProtoError, Record, Stored, decode_record};
 
-use super::datadir::DataDir;
+use super::datadir::{DataDir, private_file};
 use crate::error::{Error, Result};
 
 /// What recovery found, for the daemon's log line.
@@ -406,7 +407,9 @@ fn recover(
     let io = |what: &str, e: std::io::Error| {
         Error::Config(format!("--recover cannot {what} {}: {e}", log.path.display()))
     };
-    std::fs::write(&copy, &log.bytes).map_err(|e| io("copy", e))?;
+    private_file(&copy, true)
+        .and_then(|mut f| f.write_all(&log.bytes))
+        .map_err(|e| io("copy", e))?;
     File::open(&copy).and_then(|f| f.sync_all()).map_err(|e| io("sync the copy of", e))?;
     let payload = dir.payload(FileId { generation, snapshot: false });
     if payload.exists() {

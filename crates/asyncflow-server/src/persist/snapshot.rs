@@ -9,7 +9,7 @@ use std::io::{BufWriter, Write};
 use asyncflow_core::{Cell, Change, Snapshot, StoreError};
 use asyncflow_proto::{CellLoc, ChunkRef, FileId, Record, Stored};
 
-use super::datadir::DataDir;
+use super::datadir::{DataDir, private_file};
 use super::wal::failed;
 
 /// The most payload bytes one restored chunk holds.
@@ -88,9 +88,12 @@ pub fn write(dir: &DataDir, generation: u64, snapshot: Snapshot) -> Result<(), S
     let (meta_path, payload_path) = (dir.meta(generation, true), dir.payload(id));
     let (meta_tmp, payload_tmp) =
         (DataDir::unfinished(&meta_path), DataDir::unfinished(&payload_path));
-    let mut payload =
-        PayloadWriter { out: BufWriter::new(File::create(&payload_tmp).map_err(io)?), id, at: 0 };
-    let mut meta = BufWriter::new(File::create(&meta_tmp).map_err(io)?);
+    let mut payload = PayloadWriter {
+        out: BufWriter::new(private_file(&payload_tmp, true).map_err(io)?),
+        id,
+        at: 0,
+    };
+    let mut meta = BufWriter::new(private_file(&meta_tmp, true).map_err(io)?);
     let with_cells = !snapshot.cells.is_empty();
     let mut cells = snapshot.cells.into_iter();
     let mut buf = Vec::new();

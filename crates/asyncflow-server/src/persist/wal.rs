@@ -12,7 +12,7 @@
 //! A change a client was told about has at least reached the kernel, so it survives the
 //! daemon's death; the fsync policy decides whether it also survives the machine's.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,7 +22,7 @@ use asyncflow_core::{Position, StoreError};
 use asyncflow_proto::{ChunkRef, FileId, Record};
 use parking_lot::Mutex;
 
-use super::datadir::DataDir;
+use super::datadir::{DataDir, private_file};
 
 /// When written records are forced to the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,8 +75,7 @@ pub struct PayloadFile {
 
 impl PayloadFile {
     fn create(dir: &DataDir, id: FileId) -> std::io::Result<Self> {
-        let file =
-            OpenOptions::new().create(true).truncate(true).write(true).open(dir.payload(id))?;
+        let file = private_file(&dir.payload(id), true)?;
         Ok(Self { id, file, end: AtomicU64::new(0) })
     }
 
@@ -149,7 +148,7 @@ impl Wal {
     }
 
     fn open_meta(dir: &DataDir, generation: u64) -> std::io::Result<File> {
-        OpenOptions::new().create(true).truncate(true).write(true).open(dir.meta(generation, false))
+        private_file(&dir.meta(generation, false), true)
     }
 
     pub fn fsync(&self) -> Fsync {
