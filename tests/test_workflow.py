@@ -6,9 +6,9 @@ One run is shared by the tests that only inspect its outputs, to keep the suite 
 from __future__ import annotations
 
 import json
-import time
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -18,14 +18,16 @@ from asyncflow import config as cfg
 from asyncflow.engines import register_rollout_engine
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.progress import Reporter
+from asyncflow.scheduler import Rerouted, Router
 from asyncflow.train import train
+from asyncflow.workers import routing
 
 STEPS, GROUPS, N = 20, 16, 16
 #: Small but real: 1-digit addition, where a short warm start leaves the model right about two
 #: times in three and RL visibly raises that within seconds.
 FAST = [
     "data.digits=1",
-    "data.eval_size=30",
+    "data.eval_size=20",  # of the 45 unordered 1-digit pairs, fewer than half may be held out
     "model.hidden_size=64",
     "model.intermediate_size=256",
     "warm_start.steps=200",
@@ -55,6 +57,18 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def busy_spans(run_dir: Path) -> dict[str, set[str]]:
+    """The names of each role's busy spans in the run's trace (``generate v3`` -> ``generate``):
+    what each worker did, not only that it ran (a role that only waited has none)."""
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    roles = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    busy: dict[str, set[str]] = {role: set() for role in roles.values()}
+    for e in events:
+        if e["ph"] == "X" and e["cat"] == "busy":
+            busy[roles[e["tid"]]].add(e["name"].split(" v")[0])
+    return busy
+
+
 def test_the_run_directory_holds_every_output(finished: tuple[Path, dict[str, Any]]) -> None:
     run_dir, summary = finished
     for name in ["config.yaml", "metrics.jsonl", "summary.json", "summary.png", "trace.json"]:
@@ -70,8 +84,10 @@ def test_the_run_directory_holds_every_output(finished: tuple[Path, dict[str, An
         assert key in summary
     assert summary["engines"] == {"rollout": "hf", "trainer": "hf"}
     assert json.loads((run_dir / "summary.json").read_text()) == summary
-    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
-    assert {e["args"]["name"] for e in trace if e["ph"] == "M"} >= {"rollout", "trainer", "reward"}
+    busy = busy_spans(run_dir)
+    assert {"generate", "put samples"} <= busy["rollout"], busy
+    assert {"forward/backward", "optimizer step", "publish"} <= busy["trainer"], busy
+    assert "verify" in busy["reward"] and "advantages" in busy["advantage"], busy
     assert cfg.load(run_dir / "config.yaml").trainer.max_steps == STEPS
 
 
@@ -204,18 +220,36 @@ def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(tmp_path: Pat
 
 def test_two_rollout_engines_share_the_prompt_groups_through_the_router(tmp_path: Path) -> None:
     summary = run(tmp_path, "rollout.engines=2", "trainer.max_steps=3", "warm_start.steps=10")
-    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    busy = {e["args"]["name"] for e in trace if e["ph"] == "M"}
-    assert {"router", "rollout-0", "rollout-1"} <= busy
+    busy = busy_spans(tmp_path)
+    assert "router" in busy
+    for engine in ("rollout-0", "rollout-1"):  # each generated samples and put them in
+        assert {"generate", "put samples"} <= busy[engine], busy
     ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert sorted(g for entry in ledger for g in entry["trained"]) == list(range(3 * GROUPS))
     assert summary["samples_generated"] >= 3 * GROUPS * N
 
 
+class WatchedRouter(Router):
+    """The dispatcher's router, telling the test what it moved off silent engines."""
+
+    moved: ClassVar[list[Rerouted]] = []
+    rerouted = threading.Event()
+
+    def expire(self, *, now: float | None = None) -> list[Rerouted]:
+        moved = super().expire(now=now)
+        WatchedRouter.moved += moved
+        if moved:
+            WatchedRouter.rerouted.set()
+        return moved
+
+
 class StallingEngine(HFRolloutEngine):
-    """The first engine made stops answering for a while on its first call."""
+    """The first engine made falls silent on its first generation call for the rollout (not the
+    evaluation before RL, which runs on the main thread) until the router has moved work off it;
+    it then answers, late."""
 
     made = 0
+    stalled: ClassVar[list[str]] = []
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -223,22 +257,34 @@ class StallingEngine(HFRolloutEngine):
         self.stalls = StallingEngine.made == 1
 
     def generate(self, prompts, sampling):  # type: ignore[no-untyped-def]
-        if self.stalls:
+        if self.stalls and threading.current_thread() is not threading.main_thread():
             self.stalls = False
-            time.sleep(8)
+            StallingEngine.stalled.append(self.label)
+            WatchedRouter.rerouted.wait(timeout=300)
         return super().generate(prompts, sampling)
 
 
-def test_a_silent_rollout_engine_loses_its_prompt_groups_to_the_other(tmp_path: Path) -> None:
+def test_a_silent_rollout_engine_loses_its_prompt_groups_to_the_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    StallingEngine.made, StallingEngine.stalled, WatchedRouter.moved = 0, [], []
+    WatchedRouter.rerouted.clear()
     register_rollout_engine("stalling", StallingEngine)
+    monkeypatch.setattr(routing, "Router", WatchedRouter)
     summary = run(
         tmp_path,
         "rollout.engine=stalling",
         "rollout.engines=2",
-        "rollout.heartbeat_timeout=1",
+        # The silent engine stays silent until it has lost its groups, however long that takes;
+        # the other has 5 s for each call before it would count as silent too.
+        "rollout.heartbeat_timeout=5",
         "trainer.max_steps=2",
         "warm_start.steps=10",
     )
+    assert StallingEngine.stalled == ["rollout-0"]
+    moved = WatchedRouter.moved
+    assert moved and all((m.source, m.to) == ("rollout-0", "rollout-1") for m in moved), moved
+    assert summary["groups_rerouted"] == len(moved)
     ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert sorted(g for entry in ledger for g in entry["trained"]) == list(range(2 * GROUPS))
     assert summary["steps"] == 2

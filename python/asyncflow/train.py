@@ -453,6 +453,7 @@ class Run:
             "staleness_histogram": {str(k): v for k, v in sorted(state.staleness.items())},
             "samples_generated": state.generated_samples,
             "samples_dropped": state.dropped_samples,
+            "groups_rerouted": state.rerouted_groups,
             "tokens_generated": state.generated_tokens,
             "busy_fraction": busy,
             "model_parameters": parameter_count(model_dir),

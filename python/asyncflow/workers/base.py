@@ -44,6 +44,8 @@ class RunState:
     generated_tokens: int = 0
     generated_samples: int = 0
     dropped_samples: int = 0
+    #: Prompt groups taken off a rollout engine that fell silent, to be generated elsewhere.
+    rerouted_groups: int = 0
     #: Prompt groups the feeder has put (its cursor), read by checkpoints under the lock below.
     issued_groups: int = 0
     staleness: Counter[int] = field(default_factory=Counter)

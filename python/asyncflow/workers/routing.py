@@ -127,6 +127,7 @@ class Dispatcher(Worker):
                 item = self.routed.pop(m.work, None)
                 if item is None:
                     continue
+                self.ctx.state.add(rerouted_groups=1)
                 self.inboxes[m.source].remove(m.work)
                 if m.to is None:
                     self._unroutable.append(item)
