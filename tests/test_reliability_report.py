@@ -1,0 +1,43 @@
+"""The reliability report states the commit and date it ran at, and reports the fuzz corpus
+replay as cargo reported it: a failed replay fails the report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncflow.reliability import report
+
+
+def kept(replay_outcome: str) -> dict[str, Any]:
+    return {
+        "random_input": {"summary": "8 passed", "code": 0, "examples": 3, "reasons": []},
+        "machine": {"cpu": "cpu", "load_before": "1", "load_after": "2", "minutes": 1.0},
+        "run": {
+            "commit": "0123456789ab",
+            "date": "2026-01-02 03:04 UTC",
+            "uncommitted": [],
+            "trials": 2,
+            "soak_seconds": 5.0,
+        },
+        "corpus_replay": {
+            "inputs": 7,
+            "checked_in": 5,
+            "outcome": replay_outcome,
+            "summary": "test result: FAILED. 0 passed; 1 failed",
+            "command": "cargo test",
+        },
+    }
+
+
+def test_the_report_names_its_commit_date_and_settings() -> None:
+    text, failed = report.render([], [], kept("passed"), None)
+    assert "commit `0123456789ab`, started 2026-01-02 03:04 UTC" in text
+    assert "--trials 2 --soak-seconds 5" in text
+    assert "| 7 inputs (5 checked in) | test passed |" in text
+    assert not failed
+
+
+def test_a_failed_corpus_replay_fails_the_report() -> None:
+    text, failed = report.render([], [], kept("failed"), None)
+    assert "test failed" in text
+    assert failed
