@@ -24,7 +24,8 @@ pub enum RoleFlag {
     Storage,
 }
 
-/// Flags of `asyncflow-store` (and of `asyncflow store serve`): switches are plain flags.
+/// Flags of `asyncflow-store` (and of `asyncflow store serve`): switches are plain flags;
+/// numbers take values starting with `-`, so `--lease-timeout -1` is refused by name.
 #[allow(clippy::struct_excessive_bools)]
 #[derive(Debug, Default, Parser, Deserialize)]
 #[command(name = "asyncflow-store", version, about = "The AsyncFlow sample store daemon")]
@@ -38,13 +39,13 @@ pub struct Flags {
     #[arg(long)]
     pub listen: Option<String>,
     /// Payload shards (independently locked) [default: 8].
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub shards: Option<usize>,
     /// Payload bytes the store may hold, e.g. 4GiB [default: no limit].
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub memory_limit: Option<String>,
     /// Seconds a claim's lease lasts [default: 30].
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub lease_timeout: Option<f64>,
     /// Token every client must present.
     #[arg(long, env = "ASYNCFLOW_TOKEN", hide_env_values = true)]
@@ -74,7 +75,7 @@ pub struct Flags {
     #[arg(long, value_delimiter = ',')]
     pub storage: Vec<String>,
     /// Largest payload one frame may carry, e.g. 1GiB [default: 1GiB].
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub max_frame: Option<String>,
     /// Keep the store in this directory (write-ahead log and snapshots) so that a restart
     /// restores every completed put and every row not yet acked [default: nothing kept].
@@ -82,11 +83,11 @@ pub struct Flags {
     pub data_dir: Option<PathBuf>,
     /// With --data-dir: when the log is forced to disk: always (before each change is
     /// acknowledged), never (left to the kernel), or an interval such as 100ms [default: always].
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub fsync: Option<String>,
     /// With --data-dir: replace the log by a snapshot once it holds this much, or twice the live
     /// payload if that is more [default: 256MiB].
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub compact_after: Option<String>,
     /// With --data-dir: start even if a log is damaged, dropping everything from the damage on;
     /// the damaged file is kept as FILE.damaged-N and what was dropped is printed. Without it a
@@ -94,11 +95,11 @@ pub struct Flags {
     #[arg(long)]
     pub recover: bool,
     /// Connections served at once; more are refused [default: 1024].
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub max_connections: Option<usize>,
     /// Request bytes one connection may have in flight (read, not yet answered); its reading
     /// pauses beyond that [default: twice --max-frame].
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub max_connection_bytes: Option<String>,
 }
 
@@ -129,6 +130,7 @@ pub fn parse_size(text: &str) -> Result<u64> {
     let t = text.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
+    let not_a_size = || Error::Config(format!("not a size: {text:?} (try 4GiB)"));
     let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" => 1000,
@@ -139,11 +141,47 @@ pub fn parse_size(text: &str) -> Result<u64> {
         "gib" => 1 << 30,
         "t" | "tb" => 1000_u64.pow(4),
         "tib" => 1 << 40,
-        _ => return Err(Error::Config(format!("not a size: {text:?} (try 4GiB)"))),
+        _ => return Err(not_a_size()),
     };
-    let value: f64 =
-        number.parse().map_err(|_| Error::Config(format!("not a size: {text:?} (try 4GiB)")))?;
-    Ok((value * scale as f64) as u64)
+    let value: f64 = number.parse().map_err(|_| not_a_size())?;
+    let bytes = value * scale as f64;
+    // 2^64 itself is the first float `as u64` would saturate.
+    if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
+        return Err(Error::Config(format!("{text:?} is more bytes than can be counted")));
+    }
+    Ok(bytes as u64)
+}
+
+/// A size flag's value: a size, and not zero.
+fn size_flag(flag: &str, text: &str) -> Result<u64> {
+    match parse_size(text) {
+        Ok(0) => Err(Error::Config(format!("{flag} must be more than 0 bytes, not {text:?}"))),
+        Ok(bytes) => Ok(bytes),
+        Err(e) => Err(Error::Config(format!("{flag}: {e}"))),
+    }
+}
+
+/// The longest `--lease-timeout`: a year (a deadline this far out never overflows a clock).
+pub const MAX_LEASE_SECS: f64 = 365.0 * 24.0 * 3600.0;
+/// The most payload shards.
+pub const MAX_SHARDS: usize = 1 << 16;
+
+/// Seconds given as a float, as a duration in `(0, max]`.
+pub fn seconds(flag: &str, value: f64, max: f64) -> Result<Duration> {
+    if !(value.is_finite() && value > 0.0 && value <= max) {
+        return Err(Error::Config(format!(
+            "{flag} must be a number of seconds above 0 and at most {max}, not {value}"
+        )));
+    }
+    Duration::try_from_secs_f64(value)
+        .map_err(|e| Error::Config(format!("{flag} {value}: {e}")))
+        .and_then(|d| {
+            if d.is_zero() {
+                Err(Error::Config(format!("{flag} {value} is too short to count")))
+            } else {
+                Ok(d)
+            }
+        })
 }
 
 fn resolve(what: &str, addr: &str) -> Result<SocketAddr> {
@@ -213,15 +251,17 @@ impl Flags {
                  allow any client on the network"
             )));
         }
-        let lease_timeout = f.lease_timeout.unwrap_or(30.0);
-        if !(lease_timeout.is_finite() && lease_timeout > 0.0) {
+        let lease_timeout =
+            seconds("--lease-timeout", f.lease_timeout.unwrap_or(30.0), MAX_LEASE_SECS)?;
+        let shards = f.shards.unwrap_or(8);
+        if !(1..=MAX_SHARDS).contains(&shards) {
             return Err(Error::Config(format!(
-                "--lease-timeout must be positive, not {lease_timeout}"
+                "--shards must be from 1 to {MAX_SHARDS}, not {shards}"
             )));
         }
-        let shards = f.shards.unwrap_or(8);
-        if shards == 0 {
-            return Err(Error::Config("--shards must be at least 1".into()));
+        let log_level = f.log_level.unwrap_or_else(|| "info".into());
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log_level) {
+            return Err(Error::Config(format!("--log-level {log_level:?}: {e}")));
         }
         let role = match f.role.unwrap_or(RoleFlag::Standalone) {
             RoleFlag::Standalone => Role::Standalone,
@@ -231,7 +271,10 @@ impl Flags {
         if (role == Role::Controller) == f.storage.is_empty() {
             return Err(Error::Config("--storage is given exactly for --role controller".into()));
         }
-        let max_payload = f.max_frame.as_deref().map(parse_size).transpose()?.unwrap_or(1 << 30);
+        let max_payload = match f.max_frame.as_deref() {
+            Some(text) => size_flag("--max-frame", text)?,
+            None => 1 << 30,
+        };
         let max_payload = u32::try_from(max_payload)
             .map_err(|_| Error::Config("--max-frame must be below 4GiB".into()))?;
         let persist = match f.data_dir {
@@ -245,12 +288,10 @@ impl Flags {
                 dir,
                 fsync: Fsync::parse(f.fsync.as_deref().unwrap_or("always"))
                     .map_err(Error::Config)?,
-                compact_after: f
-                    .compact_after
-                    .as_deref()
-                    .map(parse_size)
-                    .transpose()?
-                    .unwrap_or(256 << 20),
+                compact_after: match f.compact_after.as_deref() {
+                    Some(text) => size_flag("--compact-after", text)?,
+                    None => 256 << 20,
+                },
                 recover: f.recover,
             }),
         };
@@ -258,8 +299,8 @@ impl Flags {
         if max_connections == 0 {
             return Err(Error::Config("--max-connections must be at least 1".into()));
         }
-        let max_connection_bytes = match f.max_connection_bytes.as_deref().map(parse_size) {
-            Some(bytes) => bytes?,
+        let max_connection_bytes = match f.max_connection_bytes.as_deref() {
+            Some(text) => size_flag("--max-connection-bytes", text)?,
             None => 2 * u64::from(max_payload),
         };
         if max_connection_bytes < u64::from(max_payload) {
@@ -270,11 +311,15 @@ impl Flags {
         Ok(Config {
             listen,
             shards,
-            memory_limit: f.memory_limit.as_deref().map(parse_size).transpose()?,
-            lease_timeout: Duration::from_secs_f64(lease_timeout),
+            memory_limit: f
+                .memory_limit
+                .as_deref()
+                .map(|text| size_flag("--memory-limit", text))
+                .transpose()?,
+            lease_timeout,
             token,
             metrics: f.metrics.as_deref().map(|m| resolve("--metrics", m)).transpose()?,
-            log_level: f.log_level.unwrap_or_else(|| "info".into()),
+            log_level,
             log_json: f.log_json,
             shm_socket: (!f.no_shm)
                 .then(|| f.shm_socket.unwrap_or_else(|| default_shm_socket(listen))),
@@ -352,6 +397,60 @@ mod tests {
         assert_eq!((c.max_connections, c.max_connection_bytes), (1024, 2 << 20));
         assert!(config(&["--max-connections", "0"]).is_err());
         assert!(config(&["--max-frame", "1MiB", "--max-connection-bytes", "1KiB"]).is_err());
+    }
+
+    #[test]
+    fn hostile_numbers_are_refused_naming_the_flag() {
+        let hostile = ["1e20", "-1", "nan", "NaN", "inf", "-inf", "0", "1e400", "", "x"];
+        let numeric = [
+            "--lease-timeout",
+            "--shards",
+            "--memory-limit",
+            "--max-frame",
+            "--compact-after",
+            "--max-connections",
+            "--max-connection-bytes",
+            "--fsync",
+        ];
+        for flag in numeric {
+            for value in hostile {
+                let mut args = vec![flag, value];
+                if matches!(flag, "--compact-after" | "--fsync") {
+                    args.extend(["--data-dir", "/tmp/x"]);
+                }
+                // No value may panic; a refusal names the flag.
+                match config(&args) {
+                    Err(e) => assert!(e.to_string().contains(flag), "{flag} {value:?}: {e}"),
+                    Ok(c) => panic!("{flag} {value:?} was accepted: {c:?}"),
+                }
+            }
+        }
+        // Huge but finite values and units are refused, not wrapped or saturated.
+        for args in [
+            ["--lease-timeout", "1e300"],
+            ["--memory-limit", "99999999999999999999TiB"],
+            ["--memory-limit", "1e20"],
+            ["--shards", "99999999999"],
+            ["--max-frame", "5GiB"],
+            ["--log-level", "loud=[[["],
+        ] {
+            let err = config(&args).unwrap_err().to_string();
+            assert!(err.contains(args[0]), "{args:?}: {err}");
+        }
+        let fsync = config(&["--data-dir", "/tmp/x", "--fsync", "1e20s"]).unwrap_err();
+        assert!(fsync.to_string().contains("--fsync"), "{fsync}");
+        // The file's values are checked the same way.
+        let path = std::env::temp_dir().join(format!("af-hostile-{}.toml", std::process::id()));
+        for line in ["lease-timeout = 1e20", "lease-timeout = nan", "lease-timeout = -inf"] {
+            std::fs::write(&path, line).unwrap();
+            let err = config(&["--config", path.to_str().unwrap()]).unwrap_err().to_string();
+            assert!(err.contains("lease-timeout"), "{line}: {err}");
+        }
+        std::fs::remove_file(&path).unwrap();
+        // And the daemon exits 2, as for a usage error, without starting.
+        for args in [["--lease-timeout", "1e20"], ["--lease-timeout", "-1"], ["--shards", "0"]] {
+            assert_eq!(crate::run(args.map(str::to_owned)), 2, "{args:?}");
+        }
     }
 
     #[test]

@@ -35,6 +35,10 @@ pub enum Fsync {
     Never,
 }
 
+/// The shortest and longest `--fsync` interval.
+const MIN_INTERVAL: Duration = Duration::from_millis(1);
+const MAX_INTERVAL: Duration = Duration::from_secs(24 * 3600);
+
 impl Fsync {
     /// `always`, `never`, or an interval such as `100ms` or `1s`.
     pub fn parse(text: &str) -> Result<Self, String> {
@@ -49,14 +53,19 @@ impl Fsync {
                 } else {
                     (other, 1.0)
                 };
-                match number.trim().parse::<f64>() {
-                    Ok(v) if v.is_finite() && v > 0.0 => {
-                        Ok(Fsync::Every(Duration::from_secs_f64(v * scale)))
-                    }
-                    _ => Err(format!(
-                        "--fsync takes always, never, or an interval like 100ms, not {text:?}"
-                    )),
-                }
+                let interval = number
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .and_then(|v| Duration::try_from_secs_f64(v * scale).ok())
+                    .filter(|d| (MIN_INTERVAL..=MAX_INTERVAL).contains(d));
+                interval.map(Fsync::Every).ok_or_else(|| {
+                    format!(
+                        "--fsync takes always, never, or an interval from 1ms to 1 day like \
+                         100ms, not {text:?}"
+                    )
+                })
             }
         }
     }
@@ -275,5 +284,8 @@ mod tests {
         assert_eq!(Fsync::parse("2s"), Ok(Fsync::Every(Duration::from_secs(2))));
         assert!(Fsync::parse("sometimes").is_err());
         assert!(Fsync::parse("0ms").is_err());
+        for hostile in ["1e20s", "1e20", "inf", "nan", "-1s", "0.0001ms", "2e5"] {
+            assert!(Fsync::parse(hostile).is_err(), "{hostile}");
+        }
     }
 }
