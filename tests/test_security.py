@@ -1,7 +1,7 @@
 """What the daemon exposes and leaves behind: its Unix socket is the owner's alone and goes
-with it, shared memory never appears in a file system and is mapped read-only by readers,
-connections beyond the cap are refused with a reason, and nothing in the package deserialises
-executable objects."""
+with it, shared memory never appears in a file system and is mapped read-only by readers, the
+daemon a training job starts demands a token of its own, connections beyond the cap are refused
+with a reason, and nothing in the package deserialises executable objects."""
 
 from __future__ import annotations
 
@@ -88,6 +88,31 @@ def test_a_write_through_a_shared_memory_view_cannot_change_what_others_read(
     # Puts from this process still write shared memory (through a mapping of their own).
     again = store.put({"adv": [np.full(4, 7, dtype=np.float32)] * 3})
     np.testing.assert_array_equal(store.read(again, "adv")["adv"][2], np.full(4, 7))
+
+
+def test_the_daemon_a_training_job_starts_demands_a_token_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncflow.config import Config
+    from asyncflow.train import open_store, start_daemon
+
+    monkeypatch.delenv("ASYNCFLOW_TOKEN", raising=False)
+    config = Config()
+    config.trainer.dp_size = 2  # the trainer ranks, in processes of their own, need a daemon
+    daemon = start_daemon(config)
+    assert daemon is not None and daemon.token is not None and len(daemon.token) == 32
+    try:
+        # Even on loopback: without a token any local user could read and clear every row.
+        for token in (None, "wrong"):
+            with pytest.raises(af.AuthError):
+                af.connect(daemon.url, token=token)
+        # Not on its command line either, which every local user can read.
+        assert daemon.token.encode() not in Path(f"/proc/{daemon.proc.pid}/cmdline").read_bytes()
+        store = open_store(config, daemon)  # as the job and, with daemon.token, its ranks do
+        idx = store.put({"x": [np.arange(3)]})
+        assert len(af.connect(daemon.url, token=daemon.token).rows(idx)) == 1
+    finally:
+        assert daemon.stop() == 0
 
 
 def test_connections_beyond_the_cap_are_refused_with_a_reason(daemons: Daemons) -> None:

@@ -108,6 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(args)
     if args.command == "bench":
         from asyncflow.bench import run_suite
+        from asyncflow.daemon import TOKEN_ENV, new_token
+
+        # The daemons a suite starts, and the client processes it starts, take the token from
+        # here: on loopback without one, any local user could read and clear their rows.
+        os.environ.setdefault(TOKEN_ENV, new_token())
 
         return run_suite(args.suite, json_path=args.json, quick=args.quick, costs=args.costs)
     if args.command == "reliability":

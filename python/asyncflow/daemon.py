@@ -9,13 +9,14 @@ are zero-copy views of the daemon's memory; elsewhere they travel over TCP. A co
 from __future__ import annotations
 
 import os
+import secrets
 import select
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 from asyncflow import _native
 from asyncflow.store import Store
@@ -65,6 +66,11 @@ def connect(
     return Store._over(native)
 
 
+def new_token() -> str:
+    """A random token for a daemon a job starts for itself (128 bits, hex)."""
+    return secrets.token_hex(16)
+
+
 def serve(args: Sequence[str] = ()) -> int:
     """Runs the daemon (the ``asyncflow-store`` binary's code) with these command-line flags until
     SIGTERM or SIGINT; returns its exit code."""
@@ -76,20 +82,31 @@ class DaemonProcess:
     port unless ``flags`` say otherwise. ``url`` is where it listens; ``stop()`` sends SIGTERM,
     as an operator would, and returns the exit code (0 when it stopped cleanly).
 
-    ``prefix`` runs it under another command (e.g. ``ip netns exec NAME``). Used by tests and
-    benchmarks; also a context manager.
+    ``prefix`` runs it under another command (e.g. ``ip netns exec NAME``). ``token`` is the
+    token the daemon demands; it reaches the daemon in its environment (``$ASYNCFLOW_TOKEN``),
+    never on its command line, which every local user can read. Without one the daemon demands
+    ``$ASYNCFLOW_TOKEN`` if this process has it set, else nothing: then any local user can
+    connect to it, even on loopback, and read or clear every row. Used by the training job,
+    tests and benchmarks; also a context manager.
     """
 
     def __init__(
-        self, *flags: str, startup_timeout: float = 60.0, prefix: Sequence[str] = ()
+        self,
+        *flags: str,
+        startup_timeout: float = 60.0,
+        prefix: Sequence[str] = (),
+        token: str | None = None,
     ) -> None:
         command = [*prefix, sys.executable, "-m", "asyncflow.cli", "store", "serve"]
         defaults = [
             *(["--listen", "127.0.0.1:0"] if "--listen" not in flags else []),
             *(["--log-level", "warn"] if "--log-level" not in flags else []),
         ]
+        env = None if token is None else {**os.environ, TOKEN_ENV: token}
+        #: The token it demands (None: none), for :meth:`connect`.
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.proc = subprocess.Popen(
-            [*command, *defaults, *flags], stdout=subprocess.PIPE, text=True
+            [*command, *defaults, *flags], stdout=subprocess.PIPE, text=True, env=env
         )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], startup_timeout)
@@ -101,6 +118,10 @@ class DaemonProcess:
         #: ``tcp://HOST:PORT``
         self.url = line.split()[-1]
         self._killed = False
+
+    def connect(self, **options: Any) -> Store:
+        """:func:`connect` to it with its token; ``options`` as :func:`connect` takes them."""
+        return connect(self.url, token=self.token, **options)
 
     @property
     def port(self) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from asyncflow import checkpoint, weights
 from asyncflow.config import Config, ConfigError
-from asyncflow.daemon import DaemonProcess, connect
+from asyncflow.daemon import DaemonProcess, connect, new_token
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
 from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
 from asyncflow.engines.ranks import RankGroup
@@ -91,7 +91,7 @@ def resolve_run_dir(config: Config, run_dir: Path | None) -> Path:
 def open_store(config: Config, daemon: DaemonProcess | None) -> Store:
     s = config.store
     if daemon is not None:
-        return connect(daemon.url)
+        return daemon.connect()
     if s.address == "embedded":
         return Store(shards=s.shards, memory_limit=s.memory_limit, lease_timeout=s.lease_timeout)
     return connect(s.address, token=s.token)
@@ -99,7 +99,8 @@ def open_store(config: Config, daemon: DaemonProcess | None) -> Store:
 
 def start_daemon(config: Config) -> DaemonProcess | None:
     """A store daemon for this run, when trainer ranks in other processes need one and none is
-    configured."""
+    configured. It demands a token made for the run (``daemon.token``, handed to the ranks): on
+    loopback without one, any local user could connect, read every row and clear partitions."""
     s = config.store
     if config.trainer.dp_size == 1 or s.address != "embedded":
         return None
@@ -110,6 +111,7 @@ def start_daemon(config: Config) -> DaemonProcess | None:
         "--lease-timeout",
         str(s.lease_timeout),
         *(["--memory-limit", str(limit)] if limit is not None else []),
+        token=new_token(),
     )
 
 
@@ -202,6 +204,7 @@ class Run:
                 cleanup.enter_context(daemon)
                 self.reporter.line(f"store daemon for the trainer ranks at {daemon.url}")
             address = daemon.url if daemon is not None else c.store.address
+            token = daemon.token if daemon is not None else c.store.token
             store = open_store(c, daemon)
             since = time.monotonic()
             rollout_name = resolve_engine_name("rollout", c.rollout.engine)
@@ -211,7 +214,7 @@ class Run:
                 f"trainer={train_name} x{c.trainer.dp_size}"
             )
             # The trainer first: its process group must exist before vLLM would make its own.
-            trainer_engine = self._train_engine(train_name, model_dir, store, address)
+            trainer_engine = self._train_engine(train_name, model_dir, store, address, token)
             cleanup.callback(trainer_engine.close)
             rollouts: list[RolloutEngine] = []
             # Last in, first out: the rollout engines close before the trainer (vLLM's shutdown
@@ -271,13 +274,15 @@ class Run:
             actors,
         )
 
-    def _train_engine(self, name: str, model_dir: Path, store: Store, address: str) -> TrainEngine:
+    def _train_engine(
+        self, name: str, model_dir: Path, store: Store, address: str, token: str | None
+    ) -> TrainEngine:
         c = self.config
         if c.trainer.dp_size == 1:
             return create_train_engine(name, model_dir, c)
         if name != "deepspeed":
             raise ConfigError(f"trainer.dp_size > 1 needs trainer.engine deepspeed, not {name!r}")
-        return RankGroup(model_dir, c, store, address, self.run_dir / "logs")
+        return RankGroup(model_dir, c, store, address, self.run_dir / "logs", token)
 
     def _run(
         self,

@@ -128,7 +128,10 @@ class RankGroup(Ranks):
         store: Store,
         store_address: str,
         log_dir: Path,
+        store_token: str | None = None,
     ) -> None:
+        """``store_token``: the token of the daemon at ``store_address`` (default: the configured
+        ``store.token``), handed to each rank in its spec."""
         super().__init__(store, config)
         self.logs = [log_dir / f"trainer-rank-{r}.log" for r in range(config.trainer.dp_size)]
         port = free_port()
@@ -145,7 +148,7 @@ class RankGroup(Ranks):
                 model_dir,
                 config,
                 store_address,
-                config.store.token,
+                store_token if store_token is not None else config.store.token,
                 log,
             )
             proc = context.Process(
