@@ -1,10 +1,11 @@
-"""The main job on a Ray cluster (``launcher: ray``): two Ray nodes on this machine, the store
-sharded over them, the hf engines and a tiny model; and worker actors killed mid-run."""
+"""The main job on a Ray cluster (``launcher: ray``): two Ray nodes on this machine's loopback,
+the store sharded over them, the hf engines and a tiny model; worker actors killed mid-run; and
+the Ray instance the launcher starts itself, on loopback only."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,10 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+import asyncflow as af
 from asyncflow import config as cfg
+from asyncflow.launch.ray_cluster import RayCluster
+from asyncflow.launch.ray_join import LOOPBACK
 from asyncflow.progress import Reporter
 from asyncflow.train import train
 from asyncflow.workers.trainer import Ledger
@@ -37,13 +41,14 @@ FAST = [
 
 
 def start_cluster(attempts: int = 3) -> Cluster:
-    """Two Ray nodes on this machine. Ray gives a starting raylet a fixed 30 s to register,
-    which a heavily loaded machine can miss: that (and only that) is tried again."""
+    """Two Ray nodes on this machine's loopback. Ray gives a starting raylet a fixed 30 s to
+    register, which a heavily loaded machine can miss: that (and only that) is tried again."""
     for attempt in range(1, attempts + 1):
         nodes = None
         try:
-            nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
-            nodes.add_node(num_cpus=3)
+            head = {"num_cpus": 3, "node_ip_address": LOOPBACK}
+            nodes = Cluster(initialize_head=True, head_node_args=head)
+            nodes.add_node(num_cpus=3, node_ip_address=LOOPBACK)
             nodes.wait_for_nodes()
             return nodes
         except Exception as e:
@@ -75,12 +80,43 @@ def trained_groups(run_dir: Path) -> list[int]:
     return sorted(g for entry in ledger(run_dir) for g in entry["trained"])
 
 
-def test_deepspeed_ranks_train_on_a_two_node_cluster_with_the_store_on_both(
-    cluster: Cluster, tmp_path: Path
+def test_a_ray_instance_the_launcher_starts_listens_on_loopback_only(
+    monkeypatch: pytest.MonkeyPatch, listeners_off_loopback: Callable[[], list[str]]
 ) -> None:
+    """Without ``ray.address`` or ``$RAY_ADDRESS``: Ray's servers and the store daemons listen on
+    loopback only, and the node's address (where daemons listen and trainer ranks meet) is it."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    asks = ["ray.trainer_cpus=0.25", "ray.rollout_cpus=0.25", "ray.worker_cpus=0.25"]
+    config = cfg.load(None, ["launcher=ray", "ray.start_timeout=180", *asks])
+    with RayCluster(config) as cluster:
+        assert [node["NodeManagerAddress"] for node in ray.nodes()] == [LOOPBACK]
+        assert cluster.url.startswith(f"tcp://{LOOPBACK}:")
+        assert af.connect(cluster.url, token=cluster.token).stats()["storage_daemons"] == 1
+        assert listeners_off_loopback() == []
+    assert not ray.is_initialized()
+
+
+def test_deepspeed_ranks_train_on_a_two_node_cluster_with_the_store_on_both(
+    cluster: Cluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    listeners_off_loopback: Callable[[], list[str]],
+) -> None:
+    mid_run: list[list[str]] = []
+    write = Ledger.write
+
+    def look_after_the_first_step(
+        self: Ledger, step: int, trained: list[int], dropped: list[int]
+    ) -> None:
+        write(self, step, trained, dropped)
+        if step == 0:  # every daemon, rank and actor is up
+            mid_run.append(listeners_off_loopback())
+
+    monkeypatch.setattr(Ledger, "write", look_after_the_first_step)
     summary = run(
         cluster, tmp_path, "trainer.max_steps=2", "trainer.engine=deepspeed", "trainer.dp_size=2"
     )
+    assert mid_run == [[]], "the run listens on loopback only (the cluster is on loopback)"
     assert summary["launcher"] == "ray"
     assert summary["placement"]["nodes"] == 2
     assert summary["placement"]["storage_daemons"] == 2, "one storage daemon per node"

@@ -1,11 +1,12 @@
 """``launcher: ray``: the run's place on a Ray cluster, from joining it to tearing it down.
 
-Start-up order: join the cluster (``ray.address``, else ``$RAY_ADDRESS``, else a Ray instance on
-this machine); reserve a placement group per role (trainer ranks packed together, rollout engines
-spread over the nodes, the small workers packed); place the store (a storage daemon per node, the
-controller here) with a token made for the run; then, when asked, the trainer ranks and the worker
-actors. Leaving the context stops them all in reverse order (also on Ctrl-C or an error) and
-leaves the cluster. The feeder and the trainer's bookkeeping stay in the job's process.
+Start-up order: join the cluster (``ray.address``, else ``$RAY_ADDRESS``, else a Ray instance
+started on this machine, on loopback); reserve a placement group per role (trainer ranks packed
+together, rollout engines spread over the nodes, the small workers packed); place the store (a
+storage daemon per node, the controller here) with a token made for the run; then, when asked,
+the trainer ranks and the worker actors. Leaving the context stops them all in reverse order
+(also on Ctrl-C or an error) and leaves the cluster. The feeder and the trainer's bookkeeping stay
+in the job's process.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncflow.config import Config
 from asyncflow.launch import ray_workers
+from asyncflow.launch.ray_join import join
 from asyncflow.launch.ray_ranks import RayRanks
 from asyncflow.launch.ray_store import place_store
 from asyncflow.store import Store
@@ -82,8 +84,8 @@ class RayCluster:
         if ray.is_initialized():
             return  # the caller's own connection: it stays theirs
         address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or None
-        ray.init(
-            address=address,
+        join(
+            address,
             runtime_env={"env_vars": ACTOR_ENV},
             include_dashboard=False,
             log_to_driver=False,

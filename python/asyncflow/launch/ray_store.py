@@ -1,7 +1,8 @@
 """The store across a Ray cluster: one storage daemon per node holds the payloads written there
 and read there (over shared memory), and one controller, on the driver's node, holds metadata,
-readiness and leases. Each daemon is a child process of a small actor pinned to its node; every
-daemon demands the run's token, since they listen on the nodes' network addresses.
+readiness and leases. Each daemon is a child process of a small actor pinned to its node, and
+listens on the node's address (loopback on a Ray instance started on this machine); every daemon
+demands the run's token, since on a cluster that address is the node's network address.
 """
 
 from __future__ import annotations
