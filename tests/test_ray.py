@@ -5,6 +5,9 @@ the Ray instance the launcher starts itself, on loopback only."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,13 +15,18 @@ from typing import Any
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.exceptions import RayActorError
 
 import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow.launch.ray_cluster import RayCluster
-from asyncflow.launch.ray_join import LOOPBACK
+from asyncflow.launch.ray_join import LOOPBACK, join
+from asyncflow.launch.ray_workers import Report, Supervisor
+from asyncflow.models.tokenizer import CharTokenizer
 from asyncflow.progress import Reporter
+from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import train
+from asyncflow.workers.base import Context, RunState
 from asyncflow.workers.trainer import Ledger
 
 GROUPS, N = 4, 8
@@ -162,6 +170,63 @@ def test_killed_worker_actors_are_restarted_and_no_group_is_lost_or_trained_twic
     assert summary["placement"]["actor_restarts"] == {"rollout": 1, "reward": 1, "advantage": 0}
     assert [e["step"] for e in ledger(tmp_path)] == list(range(steps))
     assert trained_groups(tmp_path) == list(range(steps * GROUPS)), "every group trained once"
+
+
+def slow_to_restart() -> Any:
+    """An actor with a worker actor's surface whose restart outlasts the run: its new life never
+    answers. (Made in a function, so that Ray sends the class itself: its workers cannot import
+    this module.)"""
+
+    class SlowToRestart:
+        def __init__(self) -> None:
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                time.sleep(600)
+            self.life = uuid.uuid4().hex
+            self.stopped = threading.Event()
+
+        def run(self) -> Report:
+            self.stopped.wait()
+            return self.report()
+
+        def stop(self) -> None:
+            self.stopped.set()
+
+        def report(self) -> Report:
+            return Report(self.life, 0, 0, [], 0.0)
+
+    return ray.remote(SlowToRestart)
+
+
+def wait_until_it_answers_no_more(actor: Any, timeout: float = 120.0) -> None:
+    """Until a call fails because the actor died (Ray applies ``ray.kill`` shortly after)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.report.remote(), timeout=timeout)
+        except RayActorError:  # ActorUnavailableError too: its restart has begun
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the killed actor still answered after {timeout:.0f}s")
+
+
+def test_a_restart_is_counted_when_the_run_ends_before_the_new_life_answers(
+    cluster: Cluster,
+) -> None:
+    join(cluster.address, log_to_driver=False)
+    try:
+        actor = slow_to_restart().options(max_restarts=1, max_concurrency=2).remote()
+        ray.get(actor.report.remote(), timeout=180)
+        ctx = Context(af.Store(), cfg.load(None, []), CharTokenizer(), Tracer(), RunState())
+        supervisor = Supervisor(ctx, {"slow": actor})
+        ray.kill(actor, no_restart=False)
+        wait_until_it_answers_no_more(actor)
+        ctx.stop.set()  # the run ends at once
+        supervisor.run()
+        assert supervisor.lives == {}, "no life reported to the supervisor"
+        assert supervisor.restarts == {"slow": 1}
+        ray.kill(actor)
+    finally:
+        ray.shutdown()
 
 
 def test_resuming_is_refused_on_ray(tmp_path: Path) -> None:
