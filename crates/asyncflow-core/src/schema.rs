@@ -78,6 +78,11 @@ impl fmt::Display for DType {
     }
 }
 
+/// The most bytes one cell may have, and the largest dimension: what an array (NumPy's
+/// `npy_intp`, Rust's `isize`) can index.
+pub const MAX_CELL_BYTES: u64 = i64::MAX as u64;
+pub const MAX_DIM: u64 = i64::MAX as u64;
+
 /// The fixed part of a field's cells.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FieldSchema {
@@ -96,18 +101,27 @@ impl FieldSchema {
         Self { dtype, trailing: Some(trailing) }
     }
 
-    /// Checks the schema is one the store can hold.
+    /// Checks the schema is one the store can hold: every size it implies is countable.
     pub fn validate(&self) -> Result<()> {
         if self.dtype == DType::Bytes && self.trailing.as_ref().is_none_or(|t| !t.is_empty()) {
             return Err(StoreError::schema("a bytes field holds one 1-D run of bytes per row"));
         }
-        Ok(())
+        self.row_stride().map(|_| ())
     }
 
-    /// Bytes taken by one step of the first dimension (or by a scalar cell).
-    pub fn row_stride(&self) -> u64 {
-        let trailing: u64 = self.trailing.iter().flatten().product();
-        trailing * self.dtype.item_size() as u64
+    /// Bytes taken by one step of the first dimension (or by a scalar cell); a schema error if
+    /// that is more than [`MAX_CELL_BYTES`] or a dimension is more than an array can have.
+    pub fn row_stride(&self) -> Result<u64> {
+        let mut stride = self.dtype.item_size() as u64;
+        for &d in self.trailing.iter().flatten() {
+            if d > MAX_DIM {
+                return Err(StoreError::schema(format!("{self}: dimension {d} is too large")));
+            }
+            stride = stride.checked_mul(d).filter(|&b| b <= MAX_CELL_BYTES).ok_or_else(|| {
+                StoreError::schema(format!("{self}: one row of a cell has too many bytes"))
+            })?;
+        }
+        Ok(stride)
     }
 
     /// The shape of a cell whose first dimension is `first_dim` (ignored for scalars).
@@ -118,12 +132,24 @@ impl FieldSchema {
         }
     }
 
-    /// Bytes of a cell whose first dimension is `first_dim`.
-    pub fn cell_bytes(&self, first_dim: u64) -> u64 {
-        match self.trailing {
-            None => self.dtype.item_size() as u64,
-            Some(_) => first_dim * self.row_stride(),
+    /// Bytes of a cell whose first dimension is `first_dim` (ignored for scalars); a schema
+    /// error if the cell could not exist: more than [`MAX_CELL_BYTES`] bytes, or a dimension
+    /// more than an array can have.
+    pub fn cell_bytes(&self, first_dim: u64) -> Result<u64> {
+        let stride = self.row_stride()?;
+        if self.trailing.is_none() {
+            return Ok(stride);
         }
+        if first_dim > MAX_DIM {
+            return Err(StoreError::schema(format!(
+                "a {self} cell of first dimension {first_dim} is too large"
+            )));
+        }
+        stride.checked_mul(first_dim).filter(|&b| b <= MAX_CELL_BYTES).ok_or_else(|| {
+            StoreError::schema(format!(
+                "a {self} cell of first dimension {first_dim} has too many bytes"
+            ))
+        })
     }
 }
 
@@ -160,10 +186,31 @@ mod tests {
     fn cell_sizes_follow_the_shape() {
         let s = FieldSchema::ragged(DType::F32, vec![3, 2]);
         assert_eq!(s.cell_shape(5), vec![5, 3, 2]);
-        assert_eq!(s.cell_bytes(5), 5 * 6 * 4);
+        assert_eq!(s.cell_bytes(5).unwrap(), 5 * 6 * 4);
         let scalar = FieldSchema::scalar(DType::F64);
         assert_eq!(scalar.cell_shape(7), Vec::<u64>::new());
-        assert_eq!(scalar.cell_bytes(7), 8);
+        assert_eq!(scalar.cell_bytes(7).unwrap(), 8);
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_schema_errors_not_wrapped() {
+        // (2^62 + 1) * 4 bytes wraps to 4 in 64 bits.
+        let f32_rows = FieldSchema::ragged(DType::F32, vec![1]);
+        let e = f32_rows.cell_bytes((1 << 62) + 1).unwrap_err();
+        assert!(matches!(e, StoreError::Schema(_)), "{e}");
+        // 2^32 * 2^32 wraps to 0 bytes.
+        let square = FieldSchema::ragged(DType::U8, vec![1 << 32, 1 << 32]);
+        assert!(matches!(square.validate(), Err(StoreError::Schema(_))));
+        assert!(matches!(square.cell_bytes(0), Err(StoreError::Schema(_))));
+        assert!(matches!(square.cell_bytes(1), Err(StoreError::Schema(_))));
+        // A dimension an array cannot have, even with no bytes.
+        let empty = FieldSchema::ragged(DType::F32, vec![0]);
+        assert_eq!(empty.cell_bytes(3).unwrap(), 0);
+        assert!(empty.cell_bytes(u64::MAX).is_err());
+        assert!(FieldSchema::ragged(DType::F32, vec![u64::MAX, 0]).validate().is_err());
+        // The largest sizes that fit are kept.
+        assert_eq!(f32_rows.cell_bytes(1 << 60).unwrap(), 1 << 62);
+        assert!(f32_rows.cell_bytes(1 << 61).is_err(), "2^63 bytes is past isize");
     }
 
     #[test]

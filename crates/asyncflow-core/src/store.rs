@@ -539,7 +539,7 @@ impl Store {
 fn check_cells(column: &Column) -> Result<()> {
     column.schema.validate()?;
     for (k, cell) in column.cells.iter().enumerate() {
-        let expected = column.schema.cell_bytes(cell.first_dim);
+        let expected = column.schema.cell_bytes(cell.first_dim)?;
         if cell.len as u64 != expected {
             return Err(StoreError::schema(format!(
                 "row {k} of field {:?} has {} bytes; a {} cell of first dimension {} needs {expected}",

@@ -505,3 +505,19 @@ fn an_admitted_put_is_claimable_only_after_commit_and_frees_are_reported() {
     s.ack(claimed.lease.unwrap(), None).unwrap();
     assert_eq!(*freed.lock(), admitted.rows);
 }
+
+#[test]
+fn puts_whose_sizes_overflow_are_schema_errors() {
+    // (2^62 + 1) * 4 bytes wraps to 4 in 64 bits; 2^32 * 2^32 wraps to 0.
+    let s = store();
+    let crafted: [(FieldSchema, &[u8], u64); 2] = [
+        (FieldSchema::ragged(DType::F32, vec![1]), &[0u8; 4], (1 << 62) + 1),
+        (FieldSchema::ragged(DType::U8, vec![1 << 32, 1 << 32]), &[], 1),
+    ];
+    for (schema, bytes, first_dim) in crafted {
+        let column = Column::pack("x", schema, &[(bytes, first_dim)], None);
+        let put = s.put(vec![column], &new_rows("p"));
+        assert!(matches!(put, Err(StoreError::Schema(_))), "{put:?}");
+    }
+    assert_eq!(s.stats().index.live_rows, 0, "nothing was stored");
+}

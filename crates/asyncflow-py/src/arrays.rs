@@ -139,7 +139,8 @@ impl PendingColumn {
         };
         schema.validate().map_err(to_py)?;
         let first_dim = cell_shape.first().copied().unwrap_or(1);
-        let cell_bytes = schema.cell_bytes(first_dim) as usize;
+        let cell_bytes = usize::try_from(schema.cell_bytes(first_dim).map_err(to_py)?)
+            .map_err(|_| schema_err(name, "a cell is larger than this machine can address"))?;
         let source = array_bytes(name, arr)?;
         Ok(Self {
             name: name.to_owned(),
@@ -322,13 +323,27 @@ impl<'py> CellViews<'py> {
             self.owners.insert(key, o.clone());
             o
         };
-        let mut dims: Vec<npy_intp> =
-            schema.cell_shape(cell.first_dim).iter().map(|&d| d as npy_intp).collect();
+        // Checked again here, with checked arithmetic, rather than trusted: the array below
+        // reads exactly `cell_bytes` bytes, so they must be the cell's.
+        let cell_bytes = schema.cell_bytes(cell.first_dim).map_err(to_py)?;
+        if cell_bytes != cell.len as u64 {
+            return Err(to_py(StoreError::schema(format!(
+                "a {schema} cell of first dimension {} needs {cell_bytes} bytes, not {}",
+                cell.first_dim, cell.len
+            ))));
+        }
+        let mut dims = schema
+            .cell_shape(cell.first_dim)
+            .iter()
+            .map(|&d| npy_intp::try_from(d))
+            .collect::<Result<Vec<npy_intp>, _>>()
+            .map_err(|_| to_py(StoreError::schema(format!("a {schema} cell is too large"))))?;
         let data = cell.bytes().as_ptr().cast_mut().cast::<c_void>();
         let py = self.py;
-        // SAFETY: `data` points at `cell.len` bytes laid out C-contiguously for `dims` and the
-        // dtype (checked when the cell was put); the array is created read-only and its base is
-        // `owner`, which holds the chunk alive for the array's lifetime.
+        // SAFETY: `data` points at `cell.len` bytes, which is exactly what `dims` and the dtype
+        // need laid out C-contiguously (checked just above, without overflow); the array is
+        // created read-only and its base is `owner`, which holds the chunk alive for the
+        // array's lifetime.
         unsafe {
             let array_type = npyffi::get_type_object(py, NpyTypes::PyArray_Type);
             let raw = PY_ARRAY_API.PyArray_NewFromDescr(

@@ -150,3 +150,33 @@ fn wrong_tokens_are_refused_before_any_operation() {
         still_serves(&good, 1);
     }
 }
+
+/// Puts whose sizes overflow 64 bits — `(2^62 + 1) * 4` wraps to 4 bytes, `2^32 * 2^32` to 0 —
+/// are refused with a schema error over either data path, and the store is unchanged.
+#[test]
+fn puts_whose_sizes_overflow_are_schema_errors() {
+    use asyncflow_core::{DType, FieldSchema, StoreError};
+    use asyncflow_server::Error;
+    use asyncflow_server::client::PutColumn;
+
+    let daemon = Daemon::start(&[]);
+    for prefer in [Preference::Tcp, Preference::Shm] {
+        let client = daemon.connect(prefer);
+        let four = [0u8; 4];
+        let crafted = [
+            ("wide", FieldSchema::ragged(DType::F32, vec![1]), &four[..], (1u64 << 62) + 1),
+            ("square", FieldSchema::ragged(DType::U8, vec![1 << 32, 1 << 32]), &four[..0], 1),
+            ("empty", FieldSchema::ragged(DType::F32, vec![0]), &four[..0], u64::MAX),
+        ];
+        for (name, schema, bytes, first_dim) in crafted {
+            let column = PutColumn { name: name.into(), schema, cells: vec![(bytes, first_dim)] };
+            let put = client.put(&[column], support::new_rows(), None, support::NOW);
+            assert!(
+                matches!(put, Err(Error::Store(StoreError::Schema(_)))),
+                "{prefer:?} {name}: {put:?}"
+            );
+        }
+        let stats = client.stats(support::NOW).unwrap();
+        assert_eq!(stats.index.live_rows, 0, "{prefer:?}: nothing was stored");
+    }
+}

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use asyncflow_core::{Column, FieldSchema, Store, StoreError, Wait};
+use asyncflow_core::{Column, Store, StoreError, Wait};
 use asyncflow_proto::{Claimed, PutRequest, Reply, Request};
 
 use super::cells::{Outgoing, cells_in, extent, incoming_chunk, outgoing_cells};
@@ -133,7 +133,7 @@ pub fn check_cell_sizes(p: &PutRequest) -> Result<(), StoreError> {
     for c in &p.columns {
         c.schema.validate()?;
         for (k, cell) in c.cells.iter().enumerate() {
-            let expected = FieldSchema::cell_bytes(&c.schema, cell.first_dim);
+            let expected = c.schema.cell_bytes(cell.first_dim)?;
             if cell.len != expected {
                 return Err(StoreError::schema(format!(
                     "row {k} of field {:?} has {} bytes; a {} cell of first dimension {} needs {expected}",
