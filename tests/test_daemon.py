@@ -356,3 +356,27 @@ def test_garbage_on_one_connection_does_not_disturb_another(daemons: Daemons) ->
             except OSError:
                 pass
         assert len(store.put({"x": [1]})) == 1
+
+
+def test_serve_help_names_the_command_that_ran_it() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncflow.cli", "store", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage: asyncflow store serve [OPTIONS]" in done.stdout
+    assert "asyncflow-store [OPTIONS]" not in done.stdout
+    # A usage error names it too, and exits 2 like every refused flag.
+    bad = subprocess.run(
+        [sys.executable, "-m", "asyncflow.cli", "store", "serve", "--lease-timeout", "1e20"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.startswith("asyncflow store serve: ") and "--lease-timeout" in bad.stderr
+    assert "panicked" not in bad.stderr

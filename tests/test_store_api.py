@@ -170,6 +170,16 @@ def test_an_expired_lease_is_redelivered_and_its_late_ack_changes_nothing(
         first.read()
 
 
+def test_reading_rows_after_acking_them_says_the_batch_acked_them(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [1, 2]})
+    batch = store.claim("t", "x", 2, timeout=1)
+    batch.ack()
+    with pytest.raises(af.LeaseError, match="this batch acked them") as err:
+        batch.read()
+    assert "expired" not in str(err.value)
+
+
 def test_renew_extends_a_lease(make_store: af.Store) -> None:
     store = make_store(lease_timeout=3.0)  # type: ignore[operator]
     store.register_task("t")

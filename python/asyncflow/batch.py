@@ -35,6 +35,7 @@ class Batch:
     """
 
     __slots__ = (
+        "_acked",
         "_cells",
         "_cells_until",
         "_unsettled",
@@ -74,6 +75,8 @@ class Batch:
         #: Seconds the lease had left when the claim returned.
         self.expires_in = expires_in
         self._unsettled = len(indexes) if lease is not None else 0
+        # Rows this batch acked (None: all of them), to say so when they are read afterwards.
+        self._acked: set[int] | None = set()
         # The claimed fields' cells, when a daemon on this machine sent them with the claim:
         # read without asking it again while the lease certainly holds them.
         self._cells = cells
@@ -104,6 +107,11 @@ class Batch:
         except UnknownIndexError as e:
             if self.lease is None:
                 raise
+            if self._acked is None or self._acked.intersection(self.indexes.tolist()):
+                raise LeaseError(
+                    f"rows of lease {self.lease} are gone ({e}): this batch acked them, and an "
+                    "ack commits rows and frees those every task has acked; read before acking"
+                ) from e
             # A live lease keeps its rows: they can only be gone once it has ended.
             raise LeaseError(
                 f"rows of lease {self.lease} are gone ({e}): the lease ended (it expired, or the "
@@ -159,6 +167,13 @@ class Batch:
         that the daemon hears first that they are no longer viewed and can reuse their memory
         as soon as the rows are freed."""
         self._cells = None
+
+    def _note_acked(self, indexes: np.ndarray | None) -> None:
+        """Records that this batch acked ``indexes`` (None: all its rows)."""
+        if indexes is None or self._acked is None:
+            self._acked = None
+        else:
+            self._acked.update(indexes.tolist())
 
     def _settle(self, rows: int | None) -> None:
         """Records that ``rows`` (None: all remaining) were acked or released."""

@@ -71,10 +71,11 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def serve(args: Sequence[str] = ()) -> int:
+def serve(args: Sequence[str] = (), program: str = "asyncflow store serve") -> int:
     """Runs the daemon (the ``asyncflow-store`` binary's code) with these command-line flags until
-    SIGTERM or SIGINT; returns its exit code."""
-    return _native.serve(list(args))
+    SIGTERM or SIGINT; returns its exit code. Usage and errors name ``program``, the command
+    that ran it."""
+    return _native.serve(list(args), program)
 
 
 class DaemonProcess:

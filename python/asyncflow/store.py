@@ -243,6 +243,7 @@ class Store:
             batch._drop_cells()
         self._native.ack(lease, subset)
         if isinstance(batch, Batch):
+            batch._note_acked(subset)
             batch._settle(None if subset is None else len(subset))
 
     @_arguments

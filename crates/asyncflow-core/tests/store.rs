@@ -521,3 +521,16 @@ fn puts_whose_sizes_overflow_are_schema_errors() {
     }
     assert_eq!(s.stats().index.live_rows, 0, "nothing was stored");
 }
+
+#[test]
+fn a_lease_from_before_a_restart_says_so() {
+    // A daemon sets the floor of its lease ids at start; ids below it are an earlier run's.
+    let s = store();
+    s.set_lease_floor(1 << 40);
+    put_prompts(&s, 1, "p");
+    s.register_task("t", None).unwrap();
+    let err = s.ack(5, None).unwrap_err().to_string();
+    assert!(err.contains("restarted"), "{err}");
+    let err = s.ack((1 << 40) + 77, None).unwrap_err().to_string();
+    assert!(err.contains("unknown, or already acked"), "{err}");
+}

@@ -278,8 +278,11 @@ impl RemoteStore {
 }
 
 /// Runs the store daemon with these command-line arguments until SIGTERM or SIGINT; returns its
-/// exit code. This is the very code of the `asyncflow-store` binary.
+/// exit code. This is the very code of the `asyncflow-store` binary; `program` is the command
+/// its usage and errors name.
 #[pyfunction]
-pub fn serve(py: Python<'_>, args: Vec<String>) -> i32 {
-    py.detach(|| asyncflow_server::run(args))
+#[pyo3(signature = (args, program = "asyncflow-store"))]
+pub fn serve(py: Python<'_>, args: Vec<String>, program: &str) -> i32 {
+    let program = program.to_owned();
+    py.detach(move || asyncflow_server::run_as(&program, args))
 }

@@ -32,8 +32,18 @@ fn init_logging(level: &str, json: bool) {
 /// SIGINT, and returns the process exit code. Prints `listening on tcp://ADDR` on stdout once
 /// clients can connect.
 pub fn run<I: IntoIterator<Item = String>>(args: I) -> i32 {
-    let command_line = std::iter::once("asyncflow-store".to_owned()).chain(args);
-    let flags = match <config::Flags as clap::Parser>::try_parse_from(command_line) {
+    run_as("asyncflow-store", args)
+}
+
+/// [`run`] under another name: `program` is what usage, `--help` and errors call the command
+/// (`asyncflow store serve` when the Python CLI runs it).
+pub fn run_as<I: IntoIterator<Item = String>>(program: &str, args: I) -> i32 {
+    let command_line = std::iter::once(program.to_owned()).chain(args);
+    let command = <config::Flags as clap::CommandFactory>::command().bin_name(program);
+    let flags = match command
+        .try_get_matches_from(command_line)
+        .and_then(|m| <config::Flags as clap::FromArgMatches>::from_arg_matches(&m))
+    {
         Ok(f) => f,
         Err(e) => {
             let _ = e.print();
@@ -43,7 +53,7 @@ pub fn run<I: IntoIterator<Item = String>>(args: I) -> i32 {
     let config = match flags.resolve() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("asyncflow-store: {e}");
+            eprintln!("{program}: {e}");
             return 2;
         }
     };
@@ -56,7 +66,7 @@ pub fn run<I: IntoIterator<Item = String>>(args: I) -> i32 {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("asyncflow-store: cannot start the runtime: {e}");
+            eprintln!("{program}: cannot start the runtime: {e}");
             return 1;
         }
     };
@@ -71,7 +81,7 @@ pub fn run<I: IntoIterator<Item = String>>(args: I) -> i32 {
     match served {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("asyncflow-store: {e}");
+            eprintln!("{program}: {e}");
             1
         }
     }

@@ -205,3 +205,29 @@ fn the_data_directory_and_its_files_are_the_owners_alone() {
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+#[test]
+fn acking_a_lease_from_before_a_restart_says_the_daemon_restarted() {
+    let dir = data_dir("old-lease");
+    let flags = flags(&dir, &[]);
+    let daemon = start(&flags);
+    let client = daemon.connect(Preference::Tcp);
+    client.register_task("t", None, NOW).unwrap();
+    put_ints(&client, "x", &[1]);
+    let claimed = client.claim(&spec(1), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
+    drop(client);
+    daemon.stop().unwrap();
+    // Lease ids of a run start above its start time in seconds: the next run must start in a
+    // later second to tell an old id from one of its own.
+    let second = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let stopped = second().as_secs();
+    while second().as_secs() == stopped {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let again = start(&flags);
+    let client = again.connect(Preference::Tcp);
+    let err = client.ack(claimed.lease.unwrap(), None, NOW).unwrap_err().to_string();
+    assert!(err.contains("daemon restarted"), "{err}");
+    drop((client, again));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -24,6 +24,8 @@ struct Lease {
 #[derive(Debug, Default)]
 pub(super) struct Leases {
     next_id: LeaseId,
+    /// Ids below this were granted by an earlier run of the daemon.
+    floor: LeaseId,
     active: HashMap<LeaseId, Lease>,
     /// Deadlines, soonest first; entries for leases already gone or renewed are skipped.
     expiry: BinaryHeap<Reverse<(Instant, LeaseId)>>,
@@ -47,6 +49,7 @@ impl Leases {
     /// Makes every id granted from now on at least `floor`.
     pub(super) fn raise_floor(&mut self, floor: u64) {
         self.next_id = self.next_id.max(floor.saturating_sub(1));
+        self.floor = self.floor.max(floor);
     }
 
     /// A fresh id from the lease id space, for holders that share a lease (see `shared.rs`).
@@ -73,6 +76,9 @@ impl Leases {
     pub(super) fn missing(&self, id: LeaseId) -> StoreError {
         let reason = if self.expired_set.contains(&id) {
             "expired before it was acked; its rows were handed out again"
+        } else if id < self.floor {
+            "from before the daemon restarted (leases do not survive a restart); its rows that \
+             were not acked are delivered again"
         } else {
             "unknown, or already acked or released"
         };

@@ -14,7 +14,7 @@ mod storage;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -73,14 +73,65 @@ fn build_roles(config: &Config) -> Result<Roles> {
     })
 }
 
-/// A Unix socket only this user can connect to, replacing a stale file from an earlier run.
-fn bind_shm_socket(path: &Path) -> Result<UnixListener> {
-    if path.exists() {
+/// A socket file nobody accepts on: connecting is refused (a live daemon's socket accepts).
+fn stale_socket(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt as _;
+    let is_socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+    is_socket
+        && std::os::unix::net::UnixStream::connect(path)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+}
+
+/// Removes the sockets that daemons of this user left in `dir` under the default name
+/// (`asyncflow-store-PID-*.sock`) when they were killed: only socket files of this user whose
+/// process is gone and that nobody accepts on (a live daemon's socket is not even touched).
+pub fn remove_stale_sockets(dir: &Path) {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let socket = Path::new(name).extension().is_some_and(|e| e == "sock");
+        let pid = name.strip_prefix("asyncflow-store-").and_then(|rest| rest.split('-').next());
+        let Some(pid) = pid.filter(|_| socket).and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let path = entry.path();
+        let gone = !Path::new(&format!("/proc/{pid}")).exists();
+        let mine = std::fs::symlink_metadata(&path).is_ok_and(|m| m.uid() == me);
+        if gone && mine && stale_socket(&path) && std::fs::remove_file(&path).is_ok() {
+            tracing::info!(path = %path.display(), "removed a stale socket of a daemon that died");
+        }
+    }
+}
+
+/// The Unix socket file, removed when the daemon stops or fails to start.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A Unix socket only this user can connect to, replacing a stale file from an earlier run (a
+/// socket nobody accepts on); a live daemon's socket, or a file that is no socket, is left be.
+fn bind_shm_socket(path: &Path) -> Result<(UnixListener, SocketFile)> {
+    if std::fs::symlink_metadata(path).is_ok() {
+        if !stale_socket(path) {
+            return Err(Error::Config(format!(
+                "--shm-socket {}: the path is in use (a live daemon's socket, or not a socket)",
+                path.display()
+            )));
+        }
         std::fs::remove_file(path)?;
     }
-    let listener = UnixListener::bind(path)?;
+    let listener = UnixListener::bind(path)
+        .map_err(|e| Error::Config(format!("cannot listen on {}: {e}", path.display())))?;
+    let file = SocketFile(path.to_owned());
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
+    Ok((listener, file))
 }
 
 /// A socket clients connect to: TCP, or the Unix socket of the shared-memory path.
@@ -163,7 +214,17 @@ pub async fn serve(
         .await
         .map_err(|e| Error::Config(format!("cannot listen on {}: {e}", config.listen)))?;
     let address = tcp.local_addr()?;
-    let unix = config.shm_socket.as_deref().map(bind_shm_socket).transpose()?;
+    if config.shm_socket.is_some() {
+        remove_stale_sockets(&std::env::temp_dir());
+    }
+    // Removed on every way out of here, a failed start included.
+    let (unix, _socket_file) = match config.shm_socket.as_deref().map(bind_shm_socket) {
+        Some(bound) => {
+            let (listener, file) = bound?;
+            (Some(listener), Some(file))
+        }
+        None => (None, None),
+    };
     let metrics = match config.metrics {
         Some(addr) => Some(
             TcpListener::bind(addr)
@@ -219,9 +280,6 @@ pub async fn serve(
             .await;
     if drained.is_err() {
         tracing::warn!("in-flight requests did not finish in time; stopping anyway");
-    }
-    if let Some(path) = &daemon.config.shm_socket {
-        let _ = std::fs::remove_file(path);
     }
     maintained.store(true, Ordering::Relaxed);
     if let Some(thread) = maintenance {
