@@ -7,6 +7,7 @@ import gc
 import multiprocessing
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -380,3 +381,60 @@ def test_serve_help_names_the_command_that_ran_it() -> None:
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr.startswith("asyncflow store serve: ") and "--lease-timeout" in bad.stderr
     assert "panicked" not in bad.stderr
+
+
+def _frame(op: int, request_id: int, meta: bytes, payload: bytes = b"") -> bytes:
+    """One protocol frame: magic, version 2, op, flags, id, then both lengths (little-endian)."""
+    head = b"AF" + struct.pack("<BBIQII", 2, op, 0, request_id, len(meta), len(payload))
+    return head + meta + payload
+
+
+def _reply(sock: socket.socket) -> tuple[int, bytes]:
+    """The op and metadata of the next frame the daemon sends."""
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "the daemon closed the connection"
+            data += chunk
+        return data
+
+    head = exactly(24)
+    meta_len, payload_len = struct.unpack("<II", head[16:24])
+    body = exactly(meta_len + payload_len)
+    return head[3], body[:meta_len]
+
+
+def test_a_crafted_put_whose_size_overflows_is_a_schema_error(daemons: Daemons) -> None:
+    """Sizes that wrap around 64 bits — first dimension 2**62 + 1 of f32[*, 1] is 4 bytes, of
+    u8[*, 2**32, 2**32] 0 — are refused by the daemon with a schema failure; NumPy cannot build
+    such arrays, so the put is written by hand."""
+    daemon = daemons()
+    store = af.connect(daemon.url, transport="tcp")
+    host, port = daemon.url.removeprefix("tcp://").rsplit(":", 1)
+
+    def u64s(xs: list[int]) -> bytes:
+        return struct.pack("<I", len(xs)) + b"".join(struct.pack("<Q", x) for x in xs)
+
+    f32, u8 = 6, 1
+    for name, dtype, trailing, first_dim, payload in [
+        (b"wide", f32, [1], 2**62 + 1, b"\0" * 4),
+        (b"square", u8, [2**32, 2**32], 1, b""),
+    ]:
+        column = struct.pack("<I", len(name)) + name + bytes([dtype, 1]) + u64s(trailing)
+        cells = struct.pack("<I", 1) + struct.pack("<QQQ", 0, len(payload), first_dim)
+        partition = struct.pack("<I", 1) + b"p"
+        target = b"\0" + partition + b"\0" + b"\0" + u64s([0]) + struct.pack("<I", 0)
+        put = struct.pack("<I", 1) + column + cells + target + b"\0" + b"\0"
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            raw.sendall(_frame(1, 1, b"\0" + struct.pack("<I", 0)))
+            assert _reply(raw)[0] == 128, "hello answered"
+            raw.sendall(_frame(3, 2, put, payload))
+            op, meta = _reply(raw)
+        assert op == 129, f"{name!r}: the put is refused"
+        assert b"too many bytes" in meta, meta
+    assert store.stats()["live_rows"] == 0, "nothing was stored"
+    # The daemon goes on serving, and reads raise no builtin ValueError.
+    idx = store.put({"x": [np.arange(3, dtype=np.float32)]})
+    assert list(store.read(idx, ["x"])["x"][0]) == [0.0, 1.0, 2.0]
