@@ -140,6 +140,15 @@ impl<'d> Payloads<'d> {
             self.read += chunk.len;
             chunks.push(Chunk::new(Box::new(bytes), Some(guard)));
         }
+        // A record that passed its checksum yet points outside its chunks is damage too.
+        let inside = |loc: &asyncflow_proto::CellLoc| {
+            chunks.get(loc.chunk as usize).is_some_and(|c: &Arc<Chunk>| {
+                loc.offset.checked_add(loc.len).is_some_and(|end| end <= c.as_bytes().len() as u64)
+            })
+        };
+        if stored.cells.iter().flatten().any(|loc| !inside(loc)) {
+            return Ok(None);
+        }
         let cells = stored
             .cells
             .iter()
