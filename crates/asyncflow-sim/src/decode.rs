@@ -9,6 +9,13 @@ use crate::costs::Rollout;
 /// Float slack when crediting whole decode steps at an event's exact time.
 const EPS: f64 = 1e-9;
 
+/// What is left of a debt once paid up to an event's time: a remainder below `EPS` is rounding
+/// (`(t + d) - t` can fall short of `d`), and kept it would schedule the device's next event at
+/// the time it already is, forever.
+fn settle(left: f64) -> f64 {
+    if left < EPS { 0.0 } else { left }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Sequence {
     remaining: u64,
@@ -143,12 +150,12 @@ impl DecodeDevice {
         }
         let paid = self.load_debt.min(now - at);
         self.count(at, at + paid, true);
-        self.load_debt -= paid;
+        self.load_debt = settle(self.load_debt - paid);
         at += paid;
         while at < now && !self.active.is_empty() {
             let prefill = self.prefill_debt.min(now - at);
             self.count(at, at + prefill, false);
-            self.prefill_debt -= prefill;
+            self.prefill_debt = settle(self.prefill_debt - prefill);
             at += prefill;
             let step = self.cost.decode_step(self.active.len());
             let soonest = self.active.iter().map(|s| s.remaining).min().unwrap_or(0);
@@ -215,6 +222,20 @@ mod tests {
         assert!(d.advance(1.05).is_empty());
         assert_eq!(d.advance(1.1), vec![0]);
         assert_eq!(d.version, 3);
+    }
+
+    #[test]
+    fn a_load_paid_at_its_end_leaves_no_event_behind() {
+        // At this time, (t + 1.0) - t is 1.0 less a rounding error: the load must still count
+        // as paid, or the device's next event would fall at the time it already is.
+        let t = 127.530_985;
+        assert!((t + 1.0) - t < 1.0);
+        let mut d = DecodeDevice::new(cost());
+        d.submit(t, &[], 0, 0);
+        d.load(1, 1.0);
+        let end = d.next_event().unwrap();
+        assert!(d.advance(end).is_empty());
+        assert_eq!(d.next_event(), None);
     }
 
     #[test]
