@@ -236,6 +236,12 @@ fn random_damage(base: &Path, rows: &[u64], seed: u64, cases: u32) {
                         let meta = Path::new(name).extension().is_some_and(|e| e == "meta");
                         assert!(name.starts_with("log-") && meta, "{what}");
                         assert!(old.starts_with(&now), "{what}: {name} changed, not cut");
+                        // A torn write is one record cut short: no whole record went with it.
+                        let tail = &old[now.len()..];
+                        let whole = (0..tail.len()).find(|&at| {
+                            matches!(asyncflow_proto::decode_record(&tail[at..]), Ok(Some(_)))
+                        });
+                        assert_eq!(whole, None, "{what}: a whole record was cut off {name}");
                     }
                 }
                 continue;
