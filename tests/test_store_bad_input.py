@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -146,3 +147,9 @@ def test_bad_timeouts(seeded: tuple[af.Store, np.ndarray]) -> None:
     rejected(store, af.BadRequestError, lambda: store.claim("t", "ids", 1, timeout=-1))
     with pytest.raises(af.BadRequestError):
         af.Store(lease_timeout=0)
+    # Values no duration holds are refused, never a panic.
+    for huge in (1e20, 1e300):
+        claim = functools.partial(store.claim, "t", "ids", 1, timeout=huge)
+        rejected(store, af.BadRequestError, claim)
+        with pytest.raises(af.BadRequestError, match="lease_timeout"):
+            af.Store(lease_timeout=huge)

@@ -12,9 +12,12 @@ use crate::errors::{BlockingError, to_py};
 pub fn timeout(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     match timeout {
         None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
+        Some(t) if (0.0..=crate::convert::MAX_SECONDS).contains(&t) => {
+            Ok(Some(Duration::try_from_secs_f64(t).unwrap_or(Duration::ZERO)))
+        }
         Some(t) => Err(to_py(StoreError::bad_request(format!(
-            "timeout must be a non-negative number of seconds or None, not {t}"
+            "timeout must be a number of seconds from 0 to {} or None, not {t}",
+            crate::convert::MAX_SECONDS
         )))),
     }
 }

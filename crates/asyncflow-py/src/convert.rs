@@ -68,13 +68,16 @@ pub type RowsResult<'py> = (
     Vec<Vec<(String, String)>>,
 );
 
+/// The longest duration a setting or wait may ask for: a year (a deadline that far out never
+/// overflows a clock).
+pub const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
 pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
-    if value.is_finite() && value > 0.0 {
-        Ok(Duration::from_secs_f64(value))
-    } else {
-        Err(to_py(StoreError::bad_request(format!(
-            "{what} must be a positive number of seconds, not {value}"
-        ))))
+    match Duration::try_from_secs_f64(value) {
+        Ok(d) if value > 0.0 && value <= MAX_SECONDS && !d.is_zero() => Ok(d),
+        _ => Err(to_py(StoreError::bad_request(format!(
+            "{what} must be a positive number of seconds up to {MAX_SECONDS}, not {value}"
+        )))),
     }
 }
 
