@@ -392,6 +392,18 @@ mod tests {
     }
 
     #[test]
+    fn recover_is_a_flag_and_a_file_key_and_needs_a_data_dir() {
+        assert!(!config(&["--data-dir", "/tmp/x"]).unwrap().persist.unwrap().recover);
+        assert!(config(&["--data-dir", "/tmp/x", "--recover"]).unwrap().persist.unwrap().recover);
+        assert!(config(&["--recover"]).is_err(), "--recover alone means a mistake");
+        let path = std::env::temp_dir().join(format!("af-recover-{}.toml", std::process::id()));
+        std::fs::write(&path, "data-dir = \"/tmp/x\"\nrecover = true\n").unwrap();
+        let c = config(&["--config", path.to_str().unwrap()]);
+        std::fs::remove_file(&path).unwrap();
+        assert!(c.unwrap().persist.unwrap().recover);
+    }
+
+    #[test]
     fn connection_limits_have_defaults_and_sane_bounds() {
         let c = config(&["--max-frame", "1MiB"]).unwrap();
         assert_eq!((c.max_connections, c.max_connection_bytes), (1024, 2 << 20));
