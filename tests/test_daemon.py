@@ -10,6 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -438,3 +439,20 @@ def test_a_crafted_put_whose_size_overflows_is_a_schema_error(daemons: Daemons) 
     # The daemon goes on serving, and reads raise no builtin ValueError.
     idx = store.put({"x": [np.arange(3, dtype=np.float32)]})
     assert list(store.read(idx, ["x"])["x"][0]) == [0.0, 1.0, 2.0]
+
+
+def test_a_killed_daemons_socket_is_removed_when_the_next_one_starts(daemons: Daemons) -> None:
+    first = daemons()
+    pid = first.proc.pid
+    pattern = f"asyncflow-store-{pid}-"
+    temp = tempfile.gettempdir()
+
+    def sockets() -> list[str]:
+        return [n for n in os.listdir(temp) if n.startswith(pattern) and n.endswith(".sock")]
+
+    assert len(sockets()) == 1, "the daemon serves shared memory on a socket in the temp dir"
+    first.kill()
+    assert len(sockets()) == 1, "SIGKILL leaves the socket behind"
+    second = daemons()
+    assert sockets() == [], "the next daemon to start removes it"
+    assert len(af.connect(second.url).put({"x": [1]})) == 1
