@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from asyncflow.bench import run_suite
+from asyncflow.bench import e2e_suite, run_suite
 from asyncflow.bench.emulation.modes import MODES
 
 KEYS = {"suite", "case", "metric", "value", "unit", "baseline", "baseline_value", "ratio"}
@@ -69,16 +69,51 @@ def test_the_sim_suite_reports_scaling_from_the_smallest_cluster(tmp_path: Path)
         assert metric(rows, case, "index_us_per_sample")["value"] > 0
 
 
-def test_the_e2e_suite_times_the_main_job_at_each_staleness(tmp_path: Path) -> None:
+def test_the_e2e_suite_times_the_main_job_at_each_staleness(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What each run wrote, read as the suite reads it (the runs live in a directory it removes).
+    runs: dict[int, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    read_result = e2e_suite.result
+
+    def keep_run(run_dir: Path, seed: int, staleness: int, target: float) -> Any:
+        history = (run_dir / "metrics.jsonl").read_text().splitlines()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        runs[staleness] = (summary, [json.loads(line) for line in history])
+        return read_result(run_dir, seed, staleness, target)
+
+    monkeypatch.setattr(e2e_suite, "result", keep_run)
     rows = records(tmp_path, "e2e")
-    for k in (0, 1, 2):
+    assert sorted(runs) == [0, 1, 2]
+    quick = e2e_suite.QUICK
+    for k, (summary, history) in runs.items():
         case = f"staleness-{k}"
-        for name in ("time_to_target_s", "tokens_per_s", "rl_seconds"):
-            assert metric(rows, case, name, "staleness-0")["value"] > 0
-        assert 0 <= metric(rows, case, "final_accuracy", "staleness-0")["value"] <= 1
-        low, high = (
-            metric(rows, case, "final_accuracy_min"),
-            metric(rows, case, "final_accuracy_max"),
+        # Each case is a run of the main job at its staleness, with the quick settings.
+        assert summary["max_staleness"] == k and summary["steps"] == quick.steps
+        assert {int(age) for age in summary["staleness_histogram"]} <= set(range(k + 1))
+        evaluations = [r for r in history if "eval_accuracy" in r]
+        assert [r["step"] for r in evaluations] == list(range(1, quick.steps + 1))
+        # Its figures are that run's (a quick run has one seed).
+        rl = summary["phase_seconds"]["rl"]
+        assert metric(rows, case, "rl_seconds", "staleness-0")["value"] == rl
+        for name, key in (
+            ("initial_accuracy", "accuracy_before"),
+            ("final_accuracy", "accuracy_after"),
+        ):
+            assert metric(rows, case, name, "staleness-0")["value"] == summary[key]
+            low, high = metric(rows, case, f"{name}_min"), metric(rows, case, f"{name}_max")
+            assert low["value"] == high["value"] == summary[key]
+        evaluating = sum(r["eval_seconds"] for r in evaluations)
+        assert metric(rows, case, "tokens_per_s", "staleness-0")["value"] == pytest.approx(
+            summary["tokens_generated"] / (rl - evaluating)
         )
-        assert 0 <= low["value"] <= high["value"] <= 1
-        assert metric(rows, case, "reached_target")["value"] == 1  # the quick target is 0
+        # The quick target (accuracy 0) is met at the first evaluation, after one step: the clock
+        # stops there, before the run ends.
+        assert metric(rows, case, "reached_target")["value"] == 1
+        time_to_target = metric(rows, case, "time_to_target_s", "staleness-0")["value"]
+        assert time_to_target == pytest.approx(evaluations[0]["time"])
+        assert 0 < time_to_target < rl - evaluating
+    # The three runs start from one warm-started model: only the first run warms one up.
+    first, *later = runs  # in the order they ran
+    assert "warm_start" in runs[first][0]["phase_seconds"]
+    assert not any("warm_start" in runs[k][0]["phase_seconds"] for k in later)
