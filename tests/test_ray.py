@@ -132,9 +132,15 @@ def test_deepspeed_ranks_train_on_a_two_node_cluster_with_the_store_on_both(
     assert [e["step"] for e in ledger(tmp_path)] == [0, 1]
     assert trained_groups(tmp_path) == list(range(2 * GROUPS)), "every group trained once"
     assert summary["samples_generated"] >= 2 * GROUPS * N
+    # Every actor's timeline came back with its work on it, not only its waits.
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    roles = {e["args"]["name"] for e in trace if e["ph"] == "M"}
-    assert {"rollout", "reward", "advantage", "trainer", "feeder"} <= roles
+    roles = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    busy: dict[str, set[str]] = {}
+    for e in trace:
+        if e["ph"] == "X" and e["cat"] == "busy":
+            busy.setdefault(roles[e["tid"]], set()).add(e["name"].split(" v")[0])
+    assert {"rollout", "reward", "advantage", "trainer", "feeder"} <= set(busy), busy
+    assert {"generate", "put samples"} <= busy["rollout"], busy
     assert (tmp_path / "final" / "config.json").is_file()
     assert not ray.is_initialized(), "the job leaves the cluster when it ends"
 
