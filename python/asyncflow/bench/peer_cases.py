@@ -55,14 +55,16 @@ def latencies(
 
 
 def start_ray() -> None:
-    """One local Ray instance of our own for both peers (``address="local"``: never a cluster
-    that something else on this machine started). TransferQueue's controller and two storage
-    units each reserve a CPU, so four logical CPUs are declared whatever the machine has."""
+    """One Ray instance of our own for both peers, on loopback (never a cluster that something
+    else on this machine started). TransferQueue's controller and two storage units each
+    reserve a CPU, so four logical CPUs are declared whatever the machine has."""
     import ray
 
+    from asyncflow.launch.ray_join import join
+
     if not ray.is_initialized():
-        ray.init(
-            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+        join(
+            None, num_cpus=4, include_dashboard=False, log_to_driver=False,
             object_store_memory=2 << 30,
         )  # fmt: skip
 
