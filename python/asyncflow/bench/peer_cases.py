@@ -28,7 +28,12 @@ import numpy as np
 from asyncflow.bench.records import Report
 from asyncflow.bench.workload import CLAIM_BATCH, Rounds, latency_samples, repeats
 
+#: Seconds for a peer to do one case's rounds.
 Timing = Callable[[Rounds], float]
+#: p50 and p99 (µs) of a peer's claim (or hand-off) of rows of a size, over so many samples.
+Latency = Callable[[int, int], tuple[float, float]]
+#: Starts a peer; returns how to time it.
+Setup = Callable[[bool], tuple[Timing, Latency]]
 
 # As asyncflow.launch does, before Ray is imported: Ray's workers run in this environment, not in
 # one that `uv run` builds again in a copy of the working directory (minutes before the first
@@ -69,7 +74,7 @@ def start_ray() -> None:
         )  # fmt: skip
 
 
-def transferqueue_timings(quick: bool) -> tuple[Timing, Callable[[int, int], tuple[float, float]]]:
+def transferqueue_timings(quick: bool) -> tuple[Timing, Latency]:
     import torch
     import transfer_queue as tq
     from tensordict import TensorDict
@@ -107,7 +112,7 @@ def transferqueue_timings(quick: bool) -> tuple[Timing, Callable[[int, int], tup
     return rounds, claim_latency
 
 
-def ray_timings(quick: bool) -> tuple[Timing, Callable[[int, int], tuple[float, float]]]:
+def ray_timings(quick: bool) -> tuple[Timing, Latency]:
     import ray
     from ray.util.queue import Queue
 
@@ -140,7 +145,7 @@ def ray_timings(quick: bool) -> tuple[Timing, Callable[[int, int], tuple[float, 
     return rounds, claim_latency
 
 
-PEERS: dict[str, Callable[[bool], tuple[Timing, Callable[[int, int], tuple[float, float]]]]] = {
+PEERS: dict[str, Setup] = {
     "transferqueue": transferqueue_timings,
     "ray": ray_timings,
 }
