@@ -200,6 +200,18 @@ def soak_lines(results: list[SoakResult]) -> list[str]:
     return lines
 
 
+def soak_errors(results: list[SoakResult], most: int = 5) -> list[str]:
+    """The errors the soak's clients got, the commonest first, each with its count."""
+    lines = []
+    for r in results:
+        if r.errors:
+            common = Counter(r.errors).most_common(most)
+            lines.append(f"Errors of the {r.kind} soak ({len(r.errors)}, the commonest first):")
+            lines += [f"- {n}x `{e[:240]}`" for e, n in common]
+            lines.append("")
+    return lines
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages."""
     try:
@@ -273,6 +285,7 @@ def render(
     replay = kept["corpus_replay"]
     examples, code = random_input["examples"], random_input["code"]
     uncommitted = run_at["uncommitted"]
+    rendered = checkout()["commit"]
     lines = [
         "# Reliability",
         "",
@@ -281,6 +294,11 @@ def render(
         "its output; the fast CI tests in `tests/test_faults.py` run each fault once).",
         "",
         f"Run at commit `{run_at['commit']}`, started {run_at['date']}"
+        + (
+            f" (this text rendered from its kept results at commit `{rendered}`)"
+            if rendered != run_at["commit"]
+            else ""
+        )
         + (
             f"; the shared checkout also held uncommitted changes to {len(uncommitted)} tracked "
             f"files ({', '.join(f'`{u}`' for u in uncommitted)}), which the daemon built from "
@@ -344,10 +362,13 @@ def render(
         "",
         "64 clients at once — 32 threads of one process and 8 processes of 4 threads, each",
         "with its own connection — put 8 rows, claim up to 8, check and ack them, in a loop.",
-        "*calls/s* counts put, claim and ack calls together.",
+        "*calls/s* counts put, claim and ack calls together. *lost*: rows whose put returned",
+        "that no client acked by the end; it also counts rows still leased (lease timeout 30 s)",
+        "by a claim whose reply failed, which one last drain does not wait for.",
         "",
         *soak_lines(soaks),
         "",
+        *soak_errors(soaks),
     ]
     failed = any("FAILED" in r.markdown() for r in rows) or not all(s.clean for s in soaks)
     failed = failed or replay["outcome"] != "passed"
