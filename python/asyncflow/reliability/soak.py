@@ -20,6 +20,8 @@ from asyncflow.reliability.faults import Outcome, drain, rows_of, spawn, whole
 
 OPS = ("put", "claim", "ack")
 BATCH = 8
+#: The daemons' lease timeout in the soak (seconds).
+LEASE_TIMEOUT = 30
 
 
 @dataclass
@@ -108,7 +110,9 @@ def soak(
     """``threads`` clients here and ``processes`` times ``threads_per_process`` in children."""
     clients = threads + processes * threads_per_process
     result = SoakResult(kind, clients, seconds, memory_limit=af.parse_size(memory_limit) or 0)
-    with Deployment(kind, None, "--memory-limit", memory_limit, "--lease-timeout", "30") as d:
+    with Deployment(
+        kind, None, "--memory-limit", memory_limit, "--lease-timeout", str(LEASE_TIMEOUT)
+    ) as d:
         af.connect(d.url).register_task("t")
         pids = d.pids()
         peaks: Counter[str] = Counter()
@@ -163,9 +167,16 @@ def _tally(result: SoakResult, clients: list[ClientResult], elapsed: float, url:
         result.partial += c.partial
         for op in OPS:
             latencies[op].extend(c.latencies[op])
-    # Rows put in the last round may still wait; one more consumer takes them.
+    # Rows put in the last round may still wait, and rows a failed claim leased come again
+    # once the lease expires; one more consumer takes them, waiting out the lease timeout.
     outcome = Outcome()
-    leftovers = drain(af.connect(url), "t", outcome)
+    store = af.connect(url)
+    missing = len(set(put) - set(acked))
+    leftovers = drain(store, "t", outcome)
+    deadline = time.monotonic() + LEASE_TIMEOUT + 5
+    while len(set(leftovers)) < missing and time.monotonic() < deadline:
+        time.sleep(0.5)
+        leftovers.update(drain(store, "t", outcome))
     result.partial += outcome.partial
     acked.update(leftovers)
     result.rows = len(put)
