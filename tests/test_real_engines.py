@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from run_outputs import busy_spans, metrics, trained_groups
+
 #: 1-digit addition, as in test_workflow, with a model vLLM's CPU attention supports.
 SMALL = [
     "data.digits=1",
@@ -38,34 +40,13 @@ def train(run_dir: Path, *overrides: str) -> dict[str, Any]:
     return dict(json.loads((run_dir / "summary.json").read_text()))
 
 
-def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def busy_spans(run_dir: Path) -> dict[str, set[str]]:
-    """The names of each role's busy spans in the run's trace (``generate v3`` -> ``generate``):
-    what each worker did, not only that it ran (a role that only waited has none)."""
-    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
-    roles = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    busy: dict[str, set[str]] = {role: set() for role in roles.values()}
-    for e in events:
-        if e["ph"] == "X" and e["cat"] == "busy":
-            busy[roles[e["tid"]]].add(e["name"].split(" v")[0])
-    return busy
-
-
-def ledger(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-
-
 def test_vllm_and_deepspeed_raise_the_reward_and_agree_on_logprobs(tmp_path: Path) -> None:
     summary = train(tmp_path, "trainer.max_steps=12")
     assert summary["engines"] == {"rollout": "vllm", "trainer": "deepspeed"}
     assert summary["logprob_max_abs_diff"] < 1e-2
     rewards = [r["reward_mean"] for r in metrics(tmp_path)]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards
-    trained = sorted(g for entry in ledger(tmp_path) for g in entry["trained"])
-    assert trained == list(range(12 * 16)), "every prompt group trained exactly once"
+    assert trained_groups(tmp_path) == list(range(12 * 16)), "every group trained exactly once"
 
 
 @pytest.mark.timeout(900)
@@ -81,8 +62,7 @@ def test_two_routed_vllm_engines_feed_two_zero2_ranks_with_checkpoints(tmp_path:
     )
     assert summary["engines"] == {"rollout": "vllm", "trainer": "deepspeed"}
     assert summary["logprob_max_abs_diff"] < 1e-2
-    trained = sorted(g for entry in ledger(tmp_path) for g in entry["trained"])
-    assert trained == list(range(4 * 16)), "every prompt group trained exactly once"
+    assert trained_groups(tmp_path) == list(range(4 * 16)), "every group trained exactly once"
     busy = busy_spans(tmp_path)
     assert "router" in busy
     for engine in ("rollout-0", "rollout-1"):  # each generated samples and put them in

@@ -21,6 +21,7 @@ from asyncflow.progress import Reporter
 from asyncflow.scheduler import Rerouted, Router
 from asyncflow.train import train
 from asyncflow.workers import routing
+from run_outputs import busy_spans, ledger, metrics, trained_groups
 
 STEPS, GROUPS, N = 20, 16, 16
 #: Small but real: 1-digit addition, where a short warm start leaves the model right about two
@@ -64,22 +65,6 @@ def run(tmp: Path, *overrides: str) -> dict[str, Any]:
 def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     directory = tmp_path_factory.mktemp("run")
     return directory, run(directory)
-
-
-def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def busy_spans(run_dir: Path) -> dict[str, set[str]]:
-    """The names of each role's busy spans in the run's trace (``generate v3`` -> ``generate``):
-    what each worker did, not only that it ran (a role that only waited has none)."""
-    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
-    roles = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    busy: dict[str, set[str]] = {role: set() for role in roles.values()}
-    for e in events:
-        if e["ph"] == "X" and e["cat"] == "busy":
-            busy[roles[e["tid"]]].add(e["name"].split(" v")[0])
-    return busy
 
 
 def test_the_run_directory_holds_every_output(finished: tuple[Path, dict[str, Any]]) -> None:
@@ -233,10 +218,9 @@ def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(tmp_path: Pat
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step-00000" in resumed.stderr
-    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-    assert [entry["step"] for entry in ledger] == list(range(8))
-    trained = [g for entry in ledger for g in entry["trained"]]
-    assert sorted(trained) == list(range(8 * GROUPS)), "every prompt group trained exactly once"
+    assert [entry["step"] for entry in ledger(run_dir)] == list(range(8))
+    # Every prompt group trained exactly once.
+    assert trained_groups(run_dir) == list(range(8 * GROUPS))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9)), "one record per step"
 
@@ -247,8 +231,7 @@ def test_two_rollout_engines_share_the_prompt_groups_through_the_router(tmp_path
     assert "router" in busy
     for engine in ("rollout-0", "rollout-1"):  # each generated samples and put them in
         assert {"generate", "put samples"} <= busy[engine], busy
-    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
-    assert sorted(g for entry in ledger for g in entry["trained"]) == list(range(3 * GROUPS))
+    assert trained_groups(tmp_path) == list(range(3 * GROUPS))
     assert summary["samples_generated"] >= 3 * GROUPS * N
 
 
@@ -308,6 +291,5 @@ def test_a_silent_rollout_engine_loses_its_prompt_groups_to_the_other(
     moved = WatchedRouter.moved
     assert moved and all((m.source, m.to) == ("rollout-0", "rollout-1") for m in moved), moved
     assert summary["groups_rerouted"] == len(moved)
-    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
-    assert sorted(g for entry in ledger for g in entry["trained"]) == list(range(2 * GROUPS))
+    assert trained_groups(tmp_path) == list(range(2 * GROUPS))
     assert summary["steps"] == 2
