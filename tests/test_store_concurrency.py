@@ -113,6 +113,9 @@ def test_ctrl_c_interrupts_a_blocked_claim(store: af.Store) -> None:
     def interrupt_the_claim() -> None:
         while not inside(main, "claim"):
             time.sleep(0.001)
+        # The claim is to be found waiting, past its start: entering the call is not enough to
+        # say so, and a claim that has not started yet would raise KeyboardInterrupt as well.
+        time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGINT)
 
     interrupter = threading.Thread(target=interrupt_the_claim)
