@@ -118,11 +118,17 @@ def test_ctrl_c_interrupts_a_blocked_claim(store: af.Store) -> None:
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # A library an earlier test loaded in this process may have put its own C-level SIGINT
+    # handler in place of Python's; Ctrl-C reaches the store only through Python's.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupter = threading.Thread(target=interrupt_the_claim)
-    with pytest.raises(KeyboardInterrupt):
-        interrupter.start()
-        store.claim("t", "x", 1, timeout=60)
-    interrupter.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupter.start()
+            store.claim("t", "x", 1, timeout=60)
+        interrupter.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     # A claim deaf to Ctrl-C would wait out its 60 s and end in TimeoutError instead.
 
 
