@@ -49,6 +49,10 @@ pub struct Hello {
     pub token: Option<String>,
     /// Identifies the client's machine; equal to the daemon's, shared memory is possible.
     pub host: String,
+    /// Leases the client still holds from an earlier connection that broke: the daemon keeps
+    /// them for this connection instead of giving them back once its reconnect grace is over.
+    /// Left out of the frame when empty.
+    pub leases: Vec<u64>,
 }
 
 /// Where one cell's bytes are: `len` bytes at `offset` of the payload (frame or staged region).
@@ -332,6 +336,9 @@ impl Request {
                     w.str(t);
                 })
                 .str(&h.host);
+                if !h.leases.is_empty() {
+                    w.u64s(&h.leases);
+                }
             }
             Request::RegisterTask { name, scope } => {
                 w.str(name).opt(scope.as_deref(), |w, s| {
@@ -425,7 +432,11 @@ impl Request {
     fn decode_body(op: Op, r: &mut Reader<'_>) -> Result<Self, ProtoError> {
         let fields32 = |r: &mut Reader<'_>| r.list(4, Reader::u32);
         Ok(match op {
-            Op::Hello => Request::Hello(Hello { token: r.opt(Reader::string)?, host: r.string()? }),
+            Op::Hello => Request::Hello(Hello {
+                token: r.opt(Reader::string)?,
+                host: r.string()?,
+                leases: if r.remaining() > 0 { r.u64s()? } else { Vec::new() },
+            }),
             Op::RegisterTask => {
                 Request::RegisterTask { name: r.string()?, scope: r.opt(Reader::strings)? }
             }

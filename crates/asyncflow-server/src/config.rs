@@ -47,6 +47,10 @@ pub struct Flags {
     /// Seconds a claim's lease lasts [default: 30].
     #[arg(long, allow_hyphen_values = true)]
     pub lease_timeout: Option<f64>,
+    /// Seconds the leases of a connection that closed are kept for its client to reconnect and
+    /// name them; then their rows are delivered again [default: 5].
+    #[arg(long, allow_hyphen_values = true)]
+    pub reconnect_grace: Option<f64>,
     /// Token every client must present.
     #[arg(long, env = "ASYNCFLOW_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -110,6 +114,7 @@ pub struct Config {
     pub shards: usize,
     pub memory_limit: Option<u64>,
     pub lease_timeout: Duration,
+    pub reconnect_grace: Duration,
     pub token: Option<String>,
     pub metrics: Option<SocketAddr>,
     pub log_level: String,
@@ -221,6 +226,7 @@ impl Flags {
             shards: self.shards.or(file.shards),
             memory_limit: self.memory_limit.or(file.memory_limit),
             lease_timeout: self.lease_timeout.or(file.lease_timeout),
+            reconnect_grace: self.reconnect_grace.or(file.reconnect_grace),
             token: self.token.or(file.token),
             metrics: self.metrics.or(file.metrics),
             log_level: self.log_level.or(file.log_level),
@@ -253,6 +259,8 @@ impl Flags {
         }
         let lease_timeout =
             seconds("--lease-timeout", f.lease_timeout.unwrap_or(30.0), MAX_LEASE_SECS)?;
+        let reconnect_grace =
+            seconds("--reconnect-grace", f.reconnect_grace.unwrap_or(5.0), MAX_LEASE_SECS)?;
         let shards = f.shards.unwrap_or(8);
         if !(1..=MAX_SHARDS).contains(&shards) {
             return Err(Error::Config(format!(
@@ -317,6 +325,7 @@ impl Flags {
                 .map(|text| size_flag("--memory-limit", text))
                 .transpose()?,
             lease_timeout,
+            reconnect_grace,
             token,
             metrics: f.metrics.as_deref().map(|m| resolve("--metrics", m)).transpose()?,
             log_level,
@@ -355,6 +364,7 @@ mod tests {
         let c = config(&[]).unwrap();
         assert_eq!(c.listen.to_string(), "127.0.0.1:7379");
         assert_eq!((c.shards, c.lease_timeout), (8, Duration::from_secs(30)));
+        assert_eq!(c.reconnect_grace, Duration::from_secs(5));
         assert!(c.shm_socket.is_some() && c.token.is_none());
     }
 
@@ -416,6 +426,7 @@ mod tests {
         let hostile = ["1e20", "-1", "nan", "NaN", "inf", "-inf", "0", "1e400", "", "x"];
         let numeric = [
             "--lease-timeout",
+            "--reconnect-grace",
             "--shards",
             "--memory-limit",
             "--max-frame",
@@ -453,10 +464,17 @@ mod tests {
         assert!(fsync.to_string().contains("--fsync"), "{fsync}");
         // The file's values are checked the same way.
         let path = std::env::temp_dir().join(format!("af-hostile-{}.toml", std::process::id()));
-        for line in ["lease-timeout = 1e20", "lease-timeout = nan", "lease-timeout = -inf"] {
+        for line in [
+            "lease-timeout = 1e20",
+            "lease-timeout = nan",
+            "lease-timeout = -inf",
+            "reconnect-grace = -1.0",
+            "reconnect-grace = 1e20",
+        ] {
             std::fs::write(&path, line).unwrap();
             let err = config(&["--config", path.to_str().unwrap()]).unwrap_err().to_string();
-            assert!(err.contains("lease-timeout"), "{line}: {err}");
+            let key = line.split(' ').next().unwrap();
+            assert!(err.contains(key), "{line}: {err}");
         }
         std::fs::remove_file(&path).unwrap();
         // And the daemon exits 2, as for a usage error, without starting.

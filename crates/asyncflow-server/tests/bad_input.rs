@@ -26,7 +26,11 @@ fn frame(op: Op, id: u64, meta: &[u8], payload: &[u8]) -> Vec<u8> {
 }
 
 fn hello(token: Option<&str>) -> Vec<u8> {
-    let req = Request::Hello(Hello { token: token.map(str::to_owned), host: String::new() });
+    let req = Request::Hello(Hello {
+        token: token.map(str::to_owned),
+        host: String::new(),
+        leases: Vec::new(),
+    });
     frame(Op::Hello, 1, &req.encode(), &[])
 }
 

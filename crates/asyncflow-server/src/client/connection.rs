@@ -3,11 +3,15 @@
 //! `BACKOFF_FIRST` to `BACKOFF_MAX` with jitter, for up to the policy's reconnect timeout; then
 //! it fails with an error that names the daemon, how long it tried and why it failed.
 //!
+//! Leases this client holds are named in the hello of every new link, so the daemon keeps them
+//! for it instead of giving them back once the old link's `--reconnect-grace` is over.
+//!
 //! A request that was in flight when its link broke is sent again on the new link only if that
 //! cannot change its outcome: reads, and claims (a claim whose reply was lost leaves a lease
 //! that expires, so its rows are delivered again all the same). Puts, acks and the other
 //! changes fail instead, saying that they may or may not have been applied.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +24,8 @@ use crate::error::{Error, Result};
 
 const BACKOFF_FIRST: Duration = Duration::from_millis(25);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// The most leases a hello names (those that run out last): a hello is small.
+const MAX_HELLO_LEASES: usize = 4096;
 
 /// How long a client waits on the daemon before it says so.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -83,6 +89,8 @@ pub struct Connection {
     prefer: Preference,
     policy: Policy,
     link: Mutex<Arc<Link>>,
+    /// Leases this client holds, with when each runs out (`None`: never).
+    leases: Mutex<HashMap<u64, Option<Instant>>>,
 }
 
 impl Connection {
@@ -101,7 +109,37 @@ impl Connection {
             prefer,
             policy,
             link: Mutex::new(link),
+            leases: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Notes a lease this client holds for `left` (`None`: until it is acked or released).
+    pub fn hold(&self, lease: u64, left: Option<Duration>) {
+        let until = left.and_then(|d| Instant::now().checked_add(d));
+        self.leases.lock().insert(lease, until);
+    }
+
+    /// Notes that this client holds `lease` no more.
+    pub fn forget(&self, lease: u64) {
+        self.leases.lock().remove(&lease);
+    }
+
+    /// The leases to name in a new link's hello: those that have not run out, the longest-lived
+    /// first, at most [`MAX_HELLO_LEASES`].
+    fn held(&self) -> Vec<u64> {
+        let now = Instant::now();
+        let mut leases = self.leases.lock();
+        leases.retain(|_, until| until.is_none_or(|u| u > now));
+        let mut held: Vec<(Option<Instant>, u64)> =
+            leases.iter().map(|(&lease, &until)| (until, lease)).collect();
+        // Those that run out last first; one that never runs out before them all.
+        held.sort_unstable_by(|a, b| match (a.0, b.0) {
+            (None, None) => a.1.cmp(&b.1),
+            (None, Some(_)) => std::cmp::Ordering::Less,
+            (Some(_), None) => std::cmp::Ordering::Greater,
+            (Some(x), Some(y)) => y.cmp(&x),
+        });
+        held.into_iter().take(MAX_HELLO_LEASES).map(|(_, lease)| lease).collect()
     }
 
     pub fn hello(&self) -> ServerHello {
@@ -127,11 +165,12 @@ impl Connection {
         let mut tries = 0u32;
         loop {
             tries += 1;
-            let last = match Link::open(
+            let last = match Link::open_holding(
                 &self.address,
                 self.token.as_deref(),
                 self.prefer,
                 self.policy,
+                &self.held(),
             ) {
                 Ok(fresh) => {
                     tracing::info!(address = %self.address, tries, "reconnected to the store daemon");

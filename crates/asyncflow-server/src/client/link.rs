@@ -286,10 +286,15 @@ fn timed_out(what: &str, address: &str, after: Duration) -> Error {
 fn greet(
     stream: &mut Stream,
     token: Option<&str>,
+    leases: &[u64],
     address: &str,
     policy: &Policy,
 ) -> Result<ServerHello> {
-    let hello = Request::Hello(Hello { token: token.map(str::to_owned), host: host_id().into() });
+    let hello = Request::Hello(Hello {
+        token: token.map(str::to_owned),
+        host: host_id().into(),
+        leases: leases.to_vec(),
+    });
     let wait = policy.request_timeout;
     stream.set_timeouts(Some(wait), Some(wait))?;
     let silent = |e: Error| match e {
@@ -341,8 +346,20 @@ impl Link {
         prefer: Preference,
         policy: Policy,
     ) -> Result<Arc<Self>> {
+        Self::open_holding(address, token, prefer, policy, &[])
+    }
+
+    /// [`Link::open`] for a client that still holds `leases` from a link that broke: the daemon
+    /// keeps them for this link (see `--reconnect-grace`).
+    pub fn open_holding(
+        address: &str,
+        token: Option<&str>,
+        prefer: Preference,
+        policy: Policy,
+        leases: &[u64],
+    ) -> Result<Arc<Self>> {
         let mut stream = Stream::Tcp(connect_tcp(address, policy.request_timeout)?);
-        let mut hello = greet(&mut stream, token, address, &policy)?;
+        let mut hello = greet(&mut stream, token, leases, address, &policy)?;
         let same_host = hello.host == host_id() && !hello.host.is_empty();
         let mut shm = false;
         if prefer != Preference::Tcp {
@@ -355,7 +372,7 @@ impl Link {
             match unix {
                 Ok(u) => {
                     let mut local = Stream::Unix(u);
-                    hello = greet(&mut local, token, address, &policy)?;
+                    hello = greet(&mut local, token, leases, address, &policy)?;
                     stream.shutdown();
                     stream = local;
                     shm = true;

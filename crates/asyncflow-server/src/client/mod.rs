@@ -333,6 +333,13 @@ impl Client {
         let read = self.storage.is_empty() && self.primary.is_shm();
         let req = Request::Claim { spec: spec.clone(), allow_partial, timeout, read };
         let answer = self.primary.call(&req, &[], wait)?;
+        let claimed = match &answer.reply {
+            Reply::Claimed(c) | Reply::ClaimedCells { claimed: c, .. } => Some(c),
+            _ => None,
+        };
+        if let Some(lease) = claimed.and_then(|c| c.lease) {
+            self.primary.hold(lease, claimed.and_then(|c| c.expires_in));
+        }
         match answer.reply {
             Reply::Claimed(c) => Ok((c, None)),
             Reply::ClaimedCells { claimed, columns, pin, .. } => {
@@ -344,17 +351,35 @@ impl Client {
     }
 
     pub fn ack(&self, lease: u64, subset: Option<&[u64]>, wait: Wait<'_>) -> Result<()> {
-        self.done(&Request::Ack { lease, subset: subset.map(<[u64]>::to_vec) }, wait)
+        let done = self.done(&Request::Ack { lease, subset: subset.map(<[u64]>::to_vec) }, wait);
+        self.settled(lease, subset.is_none(), &done);
+        done
     }
 
     pub fn release(&self, lease: u64, subset: Option<&[u64]>, wait: Wait<'_>) -> Result<()> {
-        self.done(&Request::Release { lease, subset: subset.map(<[u64]>::to_vec) }, wait)
+        let req = Request::Release { lease, subset: subset.map(<[u64]>::to_vec) };
+        let done = self.done(&req, wait);
+        self.settled(lease, subset.is_none(), &done);
+        done
+    }
+
+    /// After an ack or release of `lease` (`whole`, or a subset of its rows): whether this
+    /// client still holds it.
+    fn settled(&self, lease: u64, whole: bool, done: &Result<()>) {
+        match done {
+            Ok(()) if whole => self.primary.forget(lease),
+            Err(Error::Store(StoreError::Lease { .. })) => self.primary.forget(lease),
+            _ => {}
+        }
     }
 
     /// Extends a lease; returns how long it now has.
     pub fn renew(&self, lease: u64, timeout: Option<Duration>, wait: Wait<'_>) -> Result<Duration> {
         match self.call(&Request::Renew { lease, timeout }, wait)? {
-            Reply::Renewed(d) => Ok(d),
+            Reply::Renewed(d) => {
+                self.primary.hold(lease, Some(d));
+                Ok(d)
+            }
             other => Err(unexpected(&other)),
         }
     }

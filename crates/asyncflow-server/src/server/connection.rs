@@ -290,8 +290,9 @@ async fn write_out(
     Ok(())
 }
 
-/// Reads the hello and checks the token; `None` if the connection must be closed.
-async fn greet<R: AsyncRead + Unpin>(daemon: &Daemon, r: &mut R, tx: &Replies) -> Option<()> {
+/// Reads the hello and checks the token; `None` if the connection must be closed, else the
+/// leases the client says it holds from an earlier connection.
+async fn greet<R: AsyncRead + Unpin>(daemon: &Daemon, r: &mut R, tx: &Replies) -> Option<Vec<u64>> {
     let refuse = |id: u64, f: Failure| {
         daemon.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
         tx.send(Outgoing::failure(id, &f));
@@ -321,7 +322,7 @@ async fn greet<R: AsyncRead + Unpin>(daemon: &Daemon, r: &mut R, tx: &Replies) -
         storage: daemon.config.storage.clone(),
     });
     tx.send(Outgoing::reply(id, &reply, Answer::default()));
-    Some(())
+    Some(hello.leases)
 }
 
 /// Runs one request: on the spot if it cannot wait (its reply is returned, for the reader to
@@ -387,7 +388,7 @@ fn dispatch(
     if !may_wait(&req, session, daemon) {
         let never = || false;
         let wait = Wait { deadline, interrupted: &never };
-        let outcome = daemon.roles.execute(session, req, frame.payload, wait);
+        let outcome = daemon.execute(session, req, frame.payload, wait);
         return answer(outgoing(daemon, session, id, outcome, notice));
     }
     // A claim first looks once without waiting: most find their rows already there.
@@ -396,7 +397,7 @@ fn dispatch(
     {
         let never = || false;
         let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
-        match daemon.roles.execute(session, req.clone(), Vec::new(), now) {
+        match daemon.execute(session, req.clone(), Vec::new(), now) {
             Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
             outcome => return answer(outgoing(daemon, session, id, outcome, notice)),
         }
@@ -412,7 +413,7 @@ fn dispatch(
                 || daemon.stopping.load(Ordering::Relaxed)
         };
         let wait = Wait { deadline, interrupted: &interrupted };
-        let outcome = daemon.roles.execute(&session, req, frame.payload, wait);
+        let outcome = daemon.execute(&session, req, frame.payload, wait);
         session.untrack(id);
         if !notice {
             tx.send(outgoing(&daemon, &session, id, outcome, false));
@@ -590,9 +591,10 @@ async fn serve_here(
     let writer = Arc::new(Mutex::new(writer));
     let writer_task =
         tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx, queued));
-    if greet(&daemon, &mut reader, &tx).await.is_some() {
+    if let Some(leases) = greet(&daemon, &mut reader, &tx).await {
         let session = Arc::new(Session::new(peer.clone(), shm.map(ShmSession::new)));
-        tracing::info!(peer = %peer, transport = session.transport(), "client connected");
+        let kept = daemon.holders.attach(session.id, &leases);
+        tracing::info!(peer = %peer, transport = session.transport(), leases_kept = kept, "client connected");
         let mut tasks = JoinSet::new();
         let mut in_flight = 0u64;
         loop {
@@ -639,6 +641,7 @@ async fn serve_here(
         session.closed.store(true, Ordering::Relaxed);
         while tasks.join_next().await.is_some() {}
         daemon.roles.forget_session(&session);
+        daemon.holders.closed(session.id, Instant::now());
         tracing::info!(peer = %peer, "client disconnected");
     }
     drop(tx);

@@ -19,6 +19,7 @@ pub struct Metrics {
     pub request_errors: AtomicU64,
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
+    pub leases_given_back: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
 }
@@ -52,6 +53,12 @@ impl Metrics {
             "counter",
             "Frames that broke the protocol.",
             load(&self.protocol_errors),
+        );
+        metric(
+            "leases_given_back_total",
+            "counter",
+            "Leases given back once their connection had been closed for --reconnect-grace.",
+            load(&self.leases_given_back),
         );
         metric(
             "auth_failures_total",

@@ -5,6 +5,7 @@ mod cells;
 mod connection;
 mod controller;
 mod durable;
+mod holders;
 mod metadata;
 mod metrics;
 mod outgoing;
@@ -17,10 +18,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use asyncflow_core::{Store, StoreConfig};
-use asyncflow_proto::Role;
+use asyncflow_core::{Store, StoreConfig, Wait};
+use asyncflow_proto::{Request, Role};
 use asyncflow_shm::SegmentPool;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
@@ -31,8 +32,11 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use connection::Link;
 use controller::Controller;
+use holders::{Holders, Touch};
+use metadata::Outcome;
 use metrics::Metrics;
 use roles::Roles;
+use session::Session;
 use storage::Storage;
 
 /// How long in-flight requests get to finish once a stop is asked for.
@@ -49,6 +53,54 @@ pub struct Daemon {
     stopping: AtomicBool,
     /// Connections being served, against `--max-connections`.
     connections: AtomicUsize,
+    /// Which connection holds each lease (see `holders.rs`).
+    holders: Holders,
+}
+
+impl Daemon {
+    /// Runs a request for `session`, noting the leases it takes or ends.
+    fn execute(
+        &self,
+        session: &Session,
+        req: Request,
+        payload: Vec<u8>,
+        wait: Wait<'_>,
+    ) -> Outcome {
+        let touch = Touch::of(&req);
+        let outcome = self.roles.execute(session, req, payload, wait);
+        if let Ok((reply, _)) = &outcome {
+            self.holders.note(session.id, touch, reply, Instant::now());
+        }
+        outcome
+    }
+
+    /// Gives back the leases whose connection closed longer than the grace ago.
+    fn give_back_due(&self) {
+        for lease in self.holders.take_due(Instant::now()) {
+            if self.roles.release_lease(lease) {
+                self.metrics.leases_given_back.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(lease, "gave back a lease whose connection closed");
+            }
+        }
+    }
+}
+
+/// Gives back the leases of closed connections as their grace runs out, until the stop.
+async fn give_back_leases(daemon: Arc<Daemon>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let next = daemon.holders.next_due();
+        let due = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = due => daemon.give_back_due(),
+            () = daemon.holders.wake.notified() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
 }
 
 fn build_roles(config: &Config) -> Result<Roles> {
@@ -234,6 +286,7 @@ pub async fn serve(
         None => None,
     };
 
+    let holders = Holders::new(config.reconnect_grace);
     let daemon = Arc::new(Daemon {
         config,
         roles,
@@ -241,6 +294,7 @@ pub async fn serve(
         metrics: Metrics::default(),
         stopping: AtomicBool::new(false),
         connections: AtomicUsize::new(0),
+        holders,
     });
     let maintained = Arc::new(AtomicBool::new(false));
     let maintenance = persistence.map(|persistence| {
@@ -262,6 +316,7 @@ pub async fn serve(
             Arc::clone(&conns),
         ));
     }
+    tokio::spawn(give_back_leases(Arc::clone(&daemon), stop_rx.clone()));
     if let Some(listener) = metrics {
         tracing::info!(address = %listener.local_addr()?, "serving metrics");
         tokio::spawn(metrics::serve(Arc::clone(&daemon), listener));

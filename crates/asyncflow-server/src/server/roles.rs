@@ -75,6 +75,16 @@ impl Roles {
         ))
     }
 
+    /// Returns a lease's rows to be delivered again; whether it was still held.
+    pub fn release_lease(&self, lease: u64) -> bool {
+        let store = match self {
+            Roles::Standalone(store) => store,
+            Roles::Controller(c) => &c.store,
+            Roles::Storage(_) => return false,
+        };
+        store.release(lease, None).is_ok()
+    }
+
     /// Whatever a connection left unfinished when it closed.
     pub fn forget_session(&self, session: &Session) {
         if let Roles::Controller(c) = self {

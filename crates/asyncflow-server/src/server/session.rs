@@ -182,6 +182,8 @@ impl ShmSession {
 
 /// One client connection.
 pub struct Session {
+    /// Tells this connection from every other of the daemon's run.
+    pub id: u64,
     pub peer: String,
     /// `Some` on the shared-memory path.
     pub shm: Option<ShmSession>,
@@ -194,7 +196,9 @@ pub struct Session {
 
 impl Session {
     pub fn new(peer: String, shm: Option<ShmSession>) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
         Self {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
             peer,
             shm,
             cancels: Mutex::new(HashMap::new()),
