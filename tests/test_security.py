@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -133,6 +134,23 @@ def test_connections_beyond_the_cap_are_refused_with_a_reason(daemons: Daemons) 
             time.sleep(0.05)
     idx = third.put({"x": [2]})
     assert [int(v) for v in third.read(idx, "x")["x"]] == [2]
+
+
+def test_sockets_that_never_say_hello_cannot_take_the_places_of_clients(
+    daemons: Daemons,
+) -> None:
+    daemon = daemons("--max-connections", "2")
+    idle = [socket.create_connection(("127.0.0.1", daemon.port)) for _ in range(10)]
+    try:
+        first, second = (
+            af.connect(daemon.url, transport="tcp"),
+            af.connect(daemon.url, transport="tcp"),
+        )
+        idx = first.put({"x": [3]})
+        assert [int(v) for v in second.read(idx, "x")["x"]] == [3]
+    finally:
+        for s in idle:
+            s.close()
 
 
 def imported_modules(path: Path) -> set[str]:

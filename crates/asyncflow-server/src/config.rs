@@ -98,9 +98,22 @@ pub struct Flags {
     /// damaged data directory is refused.
     #[arg(long)]
     pub recover: bool,
-    /// Connections served at once; more are refused [default: 1024].
+    /// Connections served at once (once they said hello). With all taken, a new one is served
+    /// in place of the connection idle longest, if it has been idle for --evict-idle-after;
+    /// else it is refused [default: 1024].
     #[arg(long, allow_hyphen_values = true)]
     pub max_connections: Option<usize>,
+    /// Seconds a served connection must have been idle (no request read or running) before a
+    /// new one may take its place at --max-connections [default: 60].
+    #[arg(long, allow_hyphen_values = true)]
+    pub evict_idle_after: Option<f64>,
+    /// Connections that have not said hello yet, kept apart from --max-connections; more are
+    /// refused [default: 64].
+    #[arg(long, allow_hyphen_values = true)]
+    pub max_unauthenticated: Option<usize>,
+    /// Seconds a new connection has to say hello before it is closed [default: 5].
+    #[arg(long, allow_hyphen_values = true)]
+    pub hello_timeout: Option<f64>,
     /// Request bytes one connection may have in flight (read, not yet answered); its reading
     /// pauses beyond that [default: twice --max-frame].
     #[arg(long, allow_hyphen_values = true)]
@@ -127,6 +140,9 @@ pub struct Config {
     /// `None`: the store is forgotten when the daemon stops.
     pub persist: Option<PersistConfig>,
     pub max_connections: usize,
+    pub evict_idle_after: Duration,
+    pub max_unauthenticated: usize,
+    pub hello_timeout: Duration,
     pub max_connection_bytes: u64,
 }
 
@@ -205,6 +221,37 @@ fn default_shm_socket(listen: SocketAddr) -> PathBuf {
     std::env::temp_dir().join(name)
 }
 
+/// How many connections are served, and how long one may take to say hello or stay idle.
+struct Places {
+    max_connections: usize,
+    max_unauthenticated: usize,
+    evict_idle_after: Duration,
+    hello_timeout: Duration,
+}
+
+impl Places {
+    fn of(f: &Flags) -> Result<Self> {
+        let max_connections = f.max_connections.unwrap_or(1024);
+        if max_connections == 0 {
+            return Err(Error::Config("--max-connections must be at least 1".into()));
+        }
+        let max_unauthenticated = f.max_unauthenticated.unwrap_or(64);
+        if max_unauthenticated == 0 {
+            return Err(Error::Config("--max-unauthenticated must be at least 1".into()));
+        }
+        Ok(Self {
+            max_connections,
+            max_unauthenticated,
+            evict_idle_after: seconds(
+                "--evict-idle-after",
+                f.evict_idle_after.unwrap_or(60.0),
+                MAX_LEASE_SECS,
+            )?,
+            hello_timeout: seconds("--hello-timeout", f.hello_timeout.unwrap_or(5.0), 3600.0)?,
+        })
+    }
+}
+
 impl Flags {
     /// Parses `args` (without the program name).
     pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Self> {
@@ -242,6 +289,9 @@ impl Flags {
             compact_after: self.compact_after.or(file.compact_after),
             recover: self.recover || file.recover,
             max_connections: self.max_connections.or(file.max_connections),
+            evict_idle_after: self.evict_idle_after.or(file.evict_idle_after),
+            max_unauthenticated: self.max_unauthenticated.or(file.max_unauthenticated),
+            hello_timeout: self.hello_timeout.or(file.hello_timeout),
             max_connection_bytes: self.max_connection_bytes.or(file.max_connection_bytes),
         })
     }
@@ -249,6 +299,8 @@ impl Flags {
     /// Merges the configuration file and checks every value.
     pub fn resolve(self) -> Result<Config> {
         let f = self.with_file()?;
+        let Places { max_connections, max_unauthenticated, evict_idle_after, hello_timeout } =
+            Places::of(&f)?;
         let listen = resolve("--listen", f.listen.as_deref().unwrap_or("127.0.0.1:7379"))?;
         let token = f.token.filter(|t| !t.is_empty());
         if !listen.ip().is_loopback() && token.is_none() && !f.insecure {
@@ -303,10 +355,6 @@ impl Flags {
                 recover: f.recover,
             }),
         };
-        let max_connections = f.max_connections.unwrap_or(1024);
-        if max_connections == 0 {
-            return Err(Error::Config("--max-connections must be at least 1".into()));
-        }
         let max_connection_bytes = match f.max_connection_bytes.as_deref() {
             Some(text) => size_flag("--max-connection-bytes", text)?,
             None => 2 * u64::from(max_payload),
@@ -337,6 +385,9 @@ impl Flags {
             limits: Limits { max_payload, ..Limits::DEFAULT },
             persist,
             max_connections,
+            evict_idle_after,
+            max_unauthenticated,
+            hello_timeout,
             max_connection_bytes,
         })
     }
@@ -418,6 +469,8 @@ mod tests {
         let c = config(&["--max-frame", "1MiB"]).unwrap();
         assert_eq!((c.max_connections, c.max_connection_bytes), (1024, 2 << 20));
         assert!(config(&["--max-connections", "0"]).is_err());
+        assert_eq!((c.max_unauthenticated, c.hello_timeout), (64, Duration::from_secs(5)));
+        assert_eq!(c.evict_idle_after, Duration::from_secs(60));
         assert!(config(&["--max-frame", "1MiB", "--max-connection-bytes", "1KiB"]).is_err());
     }
 
@@ -432,6 +485,9 @@ mod tests {
             "--max-frame",
             "--compact-after",
             "--max-connections",
+            "--evict-idle-after",
+            "--max-unauthenticated",
+            "--hello-timeout",
             "--max-connection-bytes",
             "--fsync",
         ];

@@ -12,7 +12,7 @@
 use std::os::fd::{AsFd, BorrowedFd};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -37,8 +37,6 @@ use crate::auth::token_matches;
 use crate::host::host_id;
 
 const BUFFER: usize = 256 << 10;
-/// How long a new connection may take to say hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// A hello is small; a client that sends more before authenticating is cut off early.
 const HELLO_LIMITS: Limits = Limits { max_meta: 64 << 10, max_payload: 0 };
 static ZEROS: [u8; 4096] = [0; 4096];
@@ -290,30 +288,53 @@ async fn write_out(
     Ok(())
 }
 
-/// Reads the hello and checks the token; `None` if the connection must be closed, else the
-/// leases the client says it holds from an earlier connection.
-async fn greet<R: AsyncRead + Unpin>(daemon: &Daemon, r: &mut R, tx: &Replies) -> Option<Vec<u64>> {
-    let refuse = |id: u64, f: Failure| {
+/// A hello that passed: its request id and the leases the client says it still holds.
+struct Greeted {
+    id: u64,
+    leases: Vec<u64>,
+}
+
+/// Reads the hello within `--hello-timeout` and checks the token, reading no byte past the
+/// hello (the connection may move to another thread after it). `None` if the connection must
+/// be closed; a refusal has been sent then.
+async fn greet(daemon: &Daemon, link: &mut Link) -> Option<Greeted> {
+    let refused = async |link: &mut Link, id: u64, f: Failure| {
         daemon.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
-        tx.send(Outgoing::failure(id, &f));
+        let _ = write_raw(link, &Outgoing::failure(id, &f)).await;
         None
     };
-    let frame = match tokio::time::timeout(HELLO_TIMEOUT, read_frame(r, HELLO_LIMITS)).await {
+    let read = async {
+        match link {
+            Link::Tcp(s) => read_frame(s, HELLO_LIMITS).await,
+            Link::Unix(s) => read_frame(s, HELLO_LIMITS).await,
+        }
+    };
+    let frame = match tokio::time::timeout(daemon.config.hello_timeout, read).await {
         Ok(Ok(frame)) => frame,
-        Ok(Err(ReadError::Proto(e))) => return refuse(0, Failure::Protocol(e.to_string())),
+        Ok(Err(ReadError::Proto(e))) => {
+            return refused(link, 0, Failure::Protocol(e.to_string())).await;
+        }
         Ok(Err(ReadError::Closed)) | Err(_) => return None,
     };
     let id = frame.header.request_id;
     let hello = match Request::decode(frame.header.op, &frame.meta, 0) {
         Ok(Request::Hello(h)) => h,
-        Ok(_) => return refuse(id, Failure::Auth("the first frame must be a hello".into())),
-        Err(e) => return refuse(id, Failure::Protocol(e.to_string())),
+        Ok(_) => {
+            let f = Failure::Auth("the first frame must be a hello".into());
+            return refused(link, id, f).await;
+        }
+        Err(e) => return refused(link, id, Failure::Protocol(e.to_string())).await,
     };
     if let Some(token) = &daemon.config.token
         && !token_matches(token, hello.token.as_deref())
     {
-        return refuse(id, Failure::Auth("wrong or missing token".into()));
+        return refused(link, id, Failure::Auth("wrong or missing token".into())).await;
     }
+    Some(Greeted { id, leases: hello.leases })
+}
+
+/// The answer to a hello that passed.
+fn hello_reply(daemon: &Daemon, id: u64) -> Outgoing {
     let reply = Reply::Hello(ServerHello {
         version: env!("CARGO_PKG_VERSION").into(),
         role: daemon.config.role,
@@ -321,8 +342,17 @@ async fn greet<R: AsyncRead + Unpin>(daemon: &Daemon, r: &mut R, tx: &Replies) -
         shm_socket: daemon.config.shm_socket.as_ref().map(|p| p.display().to_string()),
         storage: daemon.config.storage.clone(),
     });
-    tx.send(Outgoing::reply(id, &reply, Answer::default()));
-    Some(hello.leases)
+    Outgoing::reply(id, &reply, Answer::default())
+}
+
+/// Writes a frame with no payload and no descriptors straight to the socket.
+async fn write_raw(link: &mut Link, out: &Outgoing) -> std::io::Result<()> {
+    let mut bytes = out.header.encode().to_vec();
+    bytes.extend_from_slice(&out.meta);
+    match link {
+        Link::Tcp(s) => s.write_all(&bytes).await,
+        Link::Unix(s) => s.write_all(&bytes).await,
+    }
 }
 
 /// Runs one request: on the spot if it cannot wait (its reply is returned, for the reader to
@@ -333,6 +363,7 @@ fn dispatch(
     tx: &Replies,
     tasks: &mut JoinSet<u64>,
     in_flight: &mut u64,
+    activity: &Arc<Activity>,
     frame: Frame,
 ) -> Option<Outgoing> {
     let id = frame.header.request_id;
@@ -406,6 +437,8 @@ fn dispatch(
     let cancelled = session.track(id);
     let bytes = (frame.meta.len() + frame.payload.len()) as u64;
     *in_flight += bytes;
+    let activity = Arc::clone(activity);
+    activity.busy.fetch_add(1, Ordering::AcqRel);
     tasks.spawn_blocking(move || {
         let interrupted = || {
             cancelled.load(Ordering::Relaxed)
@@ -418,6 +451,8 @@ fn dispatch(
         if !notice {
             tx.send(outgoing(&daemon, &session, id, outcome, false));
         }
+        activity.last.store(daemon.uptime(), Ordering::Release);
+        activity.busy.fetch_sub(1, Ordering::AcqRel);
         bytes
     });
     None
@@ -480,15 +515,13 @@ fn outgoing(
     }
 }
 
-/// Tells a client over `--max-connections` why, and hangs up. Its hello is not awaited: the
-/// answer goes out at once (request id 0) and the client reads it where it expects the hello's.
-/// What the client sent is read before the socket closes: closing with unread bytes resets the
-/// connection, and the reset can reach the client before it has read the answer.
-pub async fn refuse(link: Link, max: usize) {
-    let failure = Outgoing::failure(
-        0,
-        &Failure::Unavailable(format!("the daemon serves at most {max} connections")),
-    );
+/// Tells a client why it is not served (too many connections, or too many that have not said
+/// hello), and hangs up. Its hello is not awaited: the answer goes out at once (request id 0)
+/// and the client reads it where it expects the hello's. What the client sent is read before
+/// the socket closes: closing with unread bytes resets the connection, and the reset can reach
+/// the client before it has read the answer.
+pub async fn refuse(link: Link, why: String) {
+    let failure = Outgoing::failure(0, &Failure::Unavailable(why));
     let mut bytes = failure.header.encode().to_vec();
     bytes.extend_from_slice(&failure.meta);
     let write = async {
@@ -511,25 +544,114 @@ async fn answer_and_drain<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(())
 }
 
+/// Frees a connection's place among those that have not said hello yet, however it ends.
+pub struct Ungreeted(pub Arc<Daemon>);
+
+impl Drop for Ungreeted {
+    fn drop(&mut self) {
+        self.0.unauthenticated.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Frees the connection's place under `--max-connections` when it ends, however it ends.
-struct Counted(Arc<Daemon>);
+struct Counted(Arc<Daemon>, Arc<Activity>);
 
 impl Drop for Counted {
     fn drop(&mut self) {
         self.0.connections.fetch_sub(1, Ordering::AcqRel);
+        self.0.active.lock().remove(&self.1.slot);
+    }
+}
+
+/// Takes a place under `--max-connections` for a connection that said hello. With every place
+/// taken, the connection idle longest is told to close, if it has been idle (no request read or
+/// running) for `--evict-idle-after`: then the new one is served at once, and the count may run
+/// over the limit for as long as the idle one takes to close. `None`: every place is busy.
+fn admit(daemon: &Arc<Daemon>) -> Option<Counted> {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let activity = Arc::new(Activity::new(NEXT.fetch_add(1, Ordering::Relaxed), daemon.uptime()));
+    let mut active = daemon.active.lock();
+    if daemon.connections.fetch_add(1, Ordering::AcqRel) >= daemon.config.max_connections {
+        let now = daemon.uptime();
+        let min_idle = daemon.config.evict_idle_after.as_nanos() as u64;
+        let victim = active
+            .values()
+            .filter(|a| !a.evicted.load(Ordering::Relaxed) && a.busy.load(Ordering::Acquire) == 0)
+            .map(|a| (now.saturating_sub(a.last.load(Ordering::Acquire)), a))
+            .filter(|(idle, _)| *idle >= min_idle)
+            .max_by_key(|(idle, _)| *idle)
+            .map(|(_, a)| Arc::clone(a));
+        let Some(victim) = victim else {
+            daemon.connections.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        };
+        victim.evicted.store(true, Ordering::Release);
+        victim.evict.notify_one();
+        daemon.metrics.evicted_connections.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            slot = victim.slot,
+            "closing the connection idle longest to serve a new one"
+        );
+    }
+    active.insert(activity.slot, Arc::clone(&activity));
+    Some(Counted(Arc::clone(daemon), activity))
+}
+
+/// What is known of a served connection's use, to pick one to close when all places are taken.
+pub struct Activity {
+    slot: u64,
+    /// When it last read a request or finished one (nanoseconds of the daemon's uptime).
+    last: AtomicU64,
+    /// Requests running (a claim waiting for rows included).
+    busy: AtomicUsize,
+    evicted: AtomicBool,
+    evict: tokio::sync::Notify,
+}
+
+impl Activity {
+    fn new(slot: u64, now: u64) -> Self {
+        Self {
+            slot,
+            last: AtomicU64::new(now),
+            busy: AtomicUsize::new(0),
+            evicted: AtomicBool::new(false),
+            evict: tokio::sync::Notify::new(),
+        }
     }
 }
 
 /// Requests one connection may have running at once; its reading pauses beyond that.
 const MAX_IN_FLIGHT: usize = 4096;
 
-/// Serves one connection until the client leaves, breaks the protocol, or the daemon stops: a
-/// local client's on a thread of its own (see the module documentation), any other here.
-/// However it ends, even before it is served, its place under `--max-connections` is freed.
-pub async fn serve(daemon: Arc<Daemon>, link: Link, peer: String, stopping: watch::Receiver<bool>) {
-    let counted = Counted(Arc::clone(&daemon));
+/// Serves one connection until the client leaves, breaks the protocol, or the daemon stops. It
+/// says hello here, on the runtime that accepted it, holding only a place among those that have
+/// not said hello yet (`unauthenticated`); then takes a place under `--max-connections` and is
+/// served: a local client's on a thread of its own (see the module documentation), any other
+/// here. However it ends, the places it took are freed.
+pub async fn serve(
+    daemon: Arc<Daemon>,
+    mut link: Link,
+    peer: String,
+    stopping: watch::Receiver<bool>,
+    unauthenticated: Ungreeted,
+) {
+    let Some(greeted) = greet(&daemon, &mut link).await else { return };
+    drop(unauthenticated);
+    let Some(counted) = admit(&daemon) else {
+        daemon.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
+        let max = daemon.config.max_connections;
+        tracing::warn!(peer = %peer, max, "refusing a connection: too many, none idle");
+        let why = format!("the daemon serves at most {max} connections");
+        let _ =
+            write_raw(&mut link, &Outgoing::failure(greeted.id, &Failure::Unavailable(why))).await;
+        return;
+    };
+    if write_raw(&mut link, &hello_reply(&daemon, greeted.id)).await.is_err() {
+        return;
+    }
+    let leases = greeted.leases;
     if !link.is_local() {
-        return serve_here(daemon, counted, link, peer, stopping, false).await;
+        return serve_here(daemon, counted, link, peer, stopping, false, leases).await;
     }
     let moved = match StdLink::of(link) {
         Ok(moved) => moved,
@@ -546,7 +668,7 @@ pub async fn serve(daemon: Arc<Daemon>, link: Link, peer: String, stopping: watc
         let served = runtime.map(|rt| {
             rt.block_on(async move {
                 match moved.into_link() {
-                    Ok(link) => serve_here(daemon, counted, link, p, s, true).await,
+                    Ok(link) => serve_here(daemon, counted, link, p, s, true, leases).await,
                     Err(e) => tracing::warn!(peer = %p, error = %e, "cannot serve a connection"),
                 }
             });
@@ -565,11 +687,12 @@ pub async fn serve(daemon: Arc<Daemon>, link: Link, peer: String, stopping: watc
 
 async fn serve_here(
     daemon: Arc<Daemon>,
-    _counted: Counted,
+    counted: Counted,
     link: Link,
     peer: String,
     mut stopping: watch::Receiver<bool>,
     local: bool,
+    leases: Vec<u64>,
 ) {
     let shm = matches!(link, Link::Unix(_)).then(|| daemon.pool.clone()).flatten();
     let (half, writer) = match link {
@@ -591,7 +714,8 @@ async fn serve_here(
     let writer = Arc::new(Mutex::new(writer));
     let writer_task =
         tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx, queued));
-    if let Some(leases) = greet(&daemon, &mut reader, &tx).await {
+    let activity = Arc::clone(&counted.1);
+    {
         let session = Arc::new(Session::new(peer.clone(), shm.map(ShmSession::new)));
         let kept = daemon.holders.attach(session.id, &leases);
         tracing::info!(peer = %peer, transport = session.transport(), leases_kept = kept, "client connected");
@@ -612,16 +736,27 @@ async fn serve_here(
             let frame = tokio::select! {
                 f = read_frame(&mut reader, daemon.config.limits) => f,
                 _ = stopping.wait_for(|s| *s) => break,
+                () = activity.evict.notified() => {
+                    tracing::info!(peer = %peer, "closing an idle connection to serve a new one");
+                    break;
+                }
             };
             match frame {
                 Ok(frame) => {
+                    activity.last.store(daemon.uptime(), Ordering::Release);
                     daemon.metrics.bytes_in.fetch_add(
                         (HEADER_LEN + frame.header.body_len()) as u64,
                         Ordering::Relaxed,
                     );
-                    if let Some(out) =
-                        dispatch(&daemon, &session, &tx, &mut tasks, &mut in_flight, frame)
-                    {
+                    if let Some(out) = dispatch(
+                        &daemon,
+                        &session,
+                        &tx,
+                        &mut tasks,
+                        &mut in_flight,
+                        &activity,
+                        frame,
+                    ) {
                         let mut w = writer.lock().await;
                         if write_out(&daemon, &mut w, &out, true).await.is_err() {
                             break;
@@ -641,7 +776,11 @@ async fn serve_here(
         session.closed.store(true, Ordering::Relaxed);
         while tasks.join_next().await.is_some() {}
         daemon.roles.forget_session(&session);
-        daemon.holders.closed(session.id, Instant::now());
+        // A connection closed for being idle keeps its leases until they run out: its client
+        // may be busy with their rows, and names them when it connects again.
+        if !activity.evicted.load(Ordering::Acquire) {
+            daemon.holders.closed(session.id, Instant::now());
+        }
         tracing::info!(peer = %peer, "client disconnected");
     }
     drop(tx);

@@ -15,6 +15,7 @@ use super::Daemon;
 pub struct Metrics {
     pub connections: AtomicU64,
     pub refused_connections: AtomicU64,
+    pub evicted_connections: AtomicU64,
     pub requests: AtomicU64,
     pub request_errors: AtomicU64,
     pub protocol_errors: AtomicU64,
@@ -38,8 +39,14 @@ impl Metrics {
         metric(
             "refused_connections_total",
             "counter",
-            "Connections refused at --max-connections.",
+            "Connections refused at --max-connections or --max-unauthenticated.",
             load(&self.refused_connections),
+        );
+        metric(
+            "evicted_connections_total",
+            "counter",
+            "Idle connections closed to serve a new one at --max-connections.",
+            load(&self.evicted_connections),
         );
         metric("requests_total", "counter", "Requests served.", load(&self.requests));
         metric(

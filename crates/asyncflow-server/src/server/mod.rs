@@ -30,7 +30,7 @@ use tokio::task::JoinSet;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use connection::Link;
+use connection::{Activity, Link, Ungreeted};
 use controller::Controller;
 use holders::{Holders, Touch};
 use metadata::Outcome;
@@ -53,11 +53,21 @@ pub struct Daemon {
     stopping: AtomicBool,
     /// Connections being served, against `--max-connections`.
     connections: AtomicUsize,
+    /// Connections that have not said hello yet, against `--max-unauthenticated`.
+    unauthenticated: AtomicUsize,
+    /// The connections being served, by their place.
+    active: parking_lot::Mutex<std::collections::HashMap<u64, Arc<Activity>>>,
+    started: Instant,
     /// Which connection holds each lease (see `holders.rs`).
     holders: Holders,
 }
 
 impl Daemon {
+    /// Nanoseconds since the daemon started.
+    fn uptime(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
     /// Runs a request for `session`, noting the leases it takes or ends.
     fn execute(
         &self,
@@ -216,16 +226,20 @@ async fn accept_loop(
         match accepted {
             Ok((link, peer)) => {
                 daemon.metrics.connections.fetch_add(1, Ordering::Relaxed);
-                if daemon.connections.fetch_add(1, Ordering::AcqRel)
-                    >= daemon.config.max_connections
-                {
-                    daemon.connections.fetch_sub(1, Ordering::AcqRel);
+                // Until it says hello a connection holds a place of its own kind only, for
+                // --hello-timeout at most; it takes one under --max-connections after.
+                let max = daemon.config.max_unauthenticated;
+                if daemon.unauthenticated.fetch_add(1, Ordering::AcqRel) >= max {
+                    daemon.unauthenticated.fetch_sub(1, Ordering::AcqRel);
                     daemon.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(peer = %peer, max = daemon.config.max_connections, "refusing a connection: too many");
-                    conns.lock().spawn(connection::refuse(link, daemon.config.max_connections));
+                    tracing::warn!(peer = %peer, max, "refusing a connection: too many have not said hello");
+                    let why = format!("{max} connections to the daemon have not said hello yet");
+                    conns.lock().spawn(connection::refuse(link, why));
                     continue;
                 }
-                let task = connection::serve(Arc::clone(&daemon), link, peer, stop.clone());
+                let ungreeted = Ungreeted(Arc::clone(&daemon));
+                let task =
+                    connection::serve(Arc::clone(&daemon), link, peer, stop.clone(), ungreeted);
                 conns.lock().spawn(task);
             }
             Err(e) => tracing::warn!(error = %e, "accept failed"),
@@ -294,6 +308,9 @@ pub async fn serve(
         metrics: Metrics::default(),
         stopping: AtomicBool::new(false),
         connections: AtomicUsize::new(0),
+        unauthenticated: AtomicUsize::new(0),
+        active: parking_lot::Mutex::new(std::collections::HashMap::new()),
+        started: Instant::now(),
         holders,
     });
     let maintained = Arc::new(AtomicBool::new(false));
