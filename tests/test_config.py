@@ -79,7 +79,7 @@ def test_the_parquet_example_is_valid_once_its_paths_exist(tmp_path: Path) -> No
         f"data.train_file={tmp_path / 'train.parquet'}",
         f"data.eval_file={tmp_path / 'test.parquet'}",
     ]
-    assert cfg.load(EXAMPLES / "parquet.yaml", overrides).data.task == "parquet"
+    assert cfg.load(EXAMPLES / "parquet.yaml", overrides).data.task == "dataset"
 
 
 def test_the_two_node_ray_example_is_valid_once_its_paths_exist(tmp_path: Path) -> None:

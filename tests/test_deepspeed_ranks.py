@@ -21,8 +21,8 @@ from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.errors import EngineDiedError
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.engines.ranks import RankGroup
+from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
-from asyncflow.models.tokenizer import CharTokenizer
 from asyncflow.workers.steps import StepLoss
 
 GROUPS, N = 4, 4
@@ -46,7 +46,7 @@ CONFIG = cfg.load(
 def samples(seed: int) -> dict[str, list[np.ndarray]]:
     """A step's worth of rollout samples with advantages, of varied lengths."""
     rng = np.random.default_rng(seed)
-    tok = CharTokenizer()
+    tok = chatml_tokenizer()
     rows = GROUPS * N
     prompts = [np.array(tok.encode(f"{rng.integers(10, 99)}+7="), np.int64) for _ in range(rows)]
     responses = [
@@ -91,7 +91,7 @@ def test_a_two_rank_zero3_step_equals_one_step_on_the_whole_batch(
     data = samples(0)
     store.put(data, partition="step-0", groups=np.repeat(np.arange(GROUPS), N), group_size=N)
 
-    loss = StepLoss(CONFIG, CharTokenizer().pad_id)
+    loss = StepLoss(CONFIG, chatml_tokenizer().pad_id)
     whole = loss.batch(data)
     reference = HFTrainEngine(model_dir, CONFIG)
     assert (group.logprobs(whole) - reference.logprobs(whole)).abs().max() < 1e-5

@@ -22,7 +22,7 @@ from asyncflow import config as cfg
 from asyncflow.launch.ray_cluster import RayCluster
 from asyncflow.launch.ray_join import LOOPBACK, join
 from asyncflow.launch.ray_workers import Report, Supervisor
-from asyncflow.models.tokenizer import CharTokenizer
+from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.progress import Reporter
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import train
@@ -222,7 +222,7 @@ def test_a_restart_is_counted_when_the_run_ends_before_the_new_life_answers(
     try:
         actor = slow_to_restart().options(max_restarts=1, max_concurrency=2).remote()
         ray.get(actor.report.remote(), timeout=180)
-        ctx = Context(af.Store(), cfg.load(None, []), CharTokenizer(), Tracer(), RunState())
+        ctx = Context(af.Store(), cfg.load(None, []), chatml_tokenizer(), Tracer(), RunState())
         supervisor = Supervisor(ctx, {"slow": actor})
         ray.kill(actor, no_restart=False)
         wait_until_it_answers_no_more(actor)

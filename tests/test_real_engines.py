@@ -11,9 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from asyncflow.config import ModelConfig
+from asyncflow.models.tiny import create_tiny_model
 from run_outputs import busy_spans, metrics, trained_groups
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 #: 1-digit addition, as in test_workflow, with a model vLLM's CPU attention supports.
 SMALL = [
@@ -69,3 +75,66 @@ def test_two_routed_vllm_engines_feed_two_zero2_ranks_with_checkpoints(tmp_path:
         assert {"generate", "put samples"} <= busy[engine], busy
     assert (tmp_path / "checkpoints" / "step-000002" / "trainer").is_dir()
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def chat_parquet(path: Path, rows: range, system: bool) -> None:
+    """Chat-form addition problems with verl's columns; a few far too long to keep."""
+    records = []
+    for i in rows:
+        a, b = i % 10, (i * 7) % 10
+        chat = [{"role": "user", "content": f"{a}+{b}="}]
+        if system and i % 2:
+            chat.insert(0, {"role": "system", "content": "Answer with the number."})
+        records.append(
+            {
+                "prompt": chat,
+                "reward_model": {"ground_truth": str(a + b)},
+                "extra_info": {"index": i},
+            }
+        )
+    if system:  # longer than data.max_prompt_length: left out and counted
+        long = [{"role": "user", "content": "1+" * 40 + "1="}]
+        records += [{**records[0], "prompt": long}] * 3
+    pq.write_table(pa.Table.from_pylist(records), path)
+
+
+def test_the_dataset_example_runs_on_a_local_chat_model_and_chat_parquet(tmp_path: Path) -> None:
+    model = create_tiny_model(
+        ModelConfig(intermediate_size=256, max_positions=128),  # head size 32: vLLM CPU has kernels
+        tmp_path / "chat-model",
+        seed=0,
+    )
+    chat_parquet(tmp_path / "train.parquet", range(40), system=True)
+    chat_parquet(tmp_path / "test.parquet", range(40, 48), system=False)
+    budget = 160
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "asyncflow.cli", "train", "--config"]
+    overrides = [
+        f"model.path={model}",
+        f"data.train_file={tmp_path / 'train.parquet'}",
+        f"data.eval_file={tmp_path / 'test.parquet'}",
+        "data.max_prompt_length=48",
+        "data.extra_keys=[extra_info.index]",
+        "rollout.max_tokens=4",
+        "rollout.n=4",
+        "trainer.groups_per_step=4",
+        "trainer.max_steps=2",
+        f"trainer.micro_batch_tokens={budget}",
+        "run.progress=false",
+    ]
+    done = subprocess.run(
+        [*command, str(EXAMPLES / "parquet.yaml"), "--run-dir", str(run_dir), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["engines"] == {"rollout": "vllm", "trainer": "deepspeed"}
+    assert summary["prompts_too_long"] == {"train": 3, "eval": 0}
+    assert summary["samples_generated"] == 2 * 4 * 4
+    # Responses of at most 4 tokens from an untrained model: most run into the cap.
+    assert 0 < summary["responses_truncated"] <= summary["samples_generated"]
+    steps = metrics(run_dir)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(0 < r["micro_batch_tokens_max"] <= budget for r in steps)

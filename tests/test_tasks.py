@@ -1,7 +1,8 @@
-"""The built-in task and parquet datasets."""
+"""The built-in task, its tokenizer, prompt rendering, and datasets read from local files."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -10,11 +11,21 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncflow.config import ConfigError, DataConfig
-from asyncflow.models.tokenizer import CharTokenizer
+from asyncflow.models.chatml import save_chatml_tokenizer
+from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.tasks import load_task
 from asyncflow.tasks.arithmetic import ArithmeticTask, add_dropping_carries, has_carry
 from asyncflow.tasks.base import Problem
-from asyncflow.workers.reward import exact_match, numeric_match, resolve_reward
+from asyncflow.tasks.dataset import read_problems
+from asyncflow.tasks.prompts import PromptEncoder, PromptError
+from asyncflow.tasks.records import DatasetError
+from asyncflow.workers.reward import (
+    exact_match,
+    numeric_match,
+    pack_answer,
+    resolve_reward,
+    unpack_answer,
+)
 
 
 def test_dropping_carries_reproduces_the_classic_mistake() -> None:
@@ -60,42 +71,126 @@ def test_demonstrations_drop_carries_at_the_requested_rate() -> None:
     assert 0.5 < wrong / 2000 < 0.7
 
 
-def test_char_tokenizer_round_trips_and_stops_at_eos(tmp_path: Path) -> None:
-    tok = CharTokenizer()
+def test_the_built_in_tokenizer_loads_through_auto_tokenizer_with_a_chatml_template(
+    tmp_path: Path,
+) -> None:
+    save_chatml_tokenizer(tmp_path)
+    assert not (tmp_path / "asyncflow_tiny.json").exists()
+    tok = load_tokenizer(tmp_path)  # AutoTokenizer, like any model's
     ids = tok.encode("37+48=")
     assert tok.decode([*ids, tok.eos_id, *tok.encode("99")]) == "37+48="
-    tok.save(tmp_path)
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(str(tmp_path))
-    assert hf.encode("37+48=", add_special_tokens=False) == ids
-    with pytest.raises(ValueError, match="not in the vocabulary"):
-        tok.encode("x")
+    assert tok.has_chat_template
+    chat = tok.encode_chat([{"role": "user", "content": "37+48="}])
+    text = tok._tok.decode(chat)
+    assert text == "<|im_start|>user\n37+48=<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_id == tok._tok.convert_tokens_to_ids("<|im_end|>")
 
 
-def test_parquet_datasets_with_verl_columns(tmp_path: Path) -> None:
-    table = pa.table(
-        {
-            "prompt": [[{"role": "user", "content": f"{i}+1="}] for i in range(30)],
-            "reward_model": [{"ground_truth": str(i + 1)} for i in range(30)],
-        }
+def encoder(tmp_path: Path, **data: object) -> PromptEncoder:
+    if not (tmp_path / "tokenizer.json").exists():
+        save_chatml_tokenizer(tmp_path)
+    config = DataConfig(**data)  # type: ignore[arg-type]
+    return PromptEncoder.for_data(load_tokenizer(tmp_path), config, config.max_prompt_length)
+
+
+def test_chats_keep_every_message_and_get_the_system_prompt_only_where_none(
+    tmp_path: Path,
+) -> None:
+    prompts = encoder(tmp_path, system_prompt="Add.")
+    render = prompts.tokenizer._tok.decode  # type: ignore[attr-defined]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2="},
+    ]
+    assert render(prompts.encode(chat)) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1=<|im_end|>\n"
+        "<|im_start|>assistant\n2<|im_end|>\n<|im_start|>user\n2+2=<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
-    path = tmp_path / "train.parquet"
-    pq.write_table(table, path)
-    task = load_task(DataConfig(task="parquet", train_file=str(path), eval_size=10))
+    assert render(prompts.encode("3+3=")) == (
+        "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n3+3=<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_plain_text_is_encoded_as_it_is_when_the_template_is_off(tmp_path: Path) -> None:
+    off = encoder(tmp_path, chat_template=False)
+    assert off.encode("3+3=") == off.tokenizer.encode("3+3=")
+    with pytest.raises(PromptError, match="is a chat"):
+        off.encode([{"role": "user", "content": "3+3="}])
+
+
+def test_long_prompts_are_cut_from_the_left_on_request(tmp_path: Path) -> None:
+    cut = encoder(tmp_path, chat_template=False, max_prompt_length=4, truncation="truncate_left")
+    assert cut.encode("12345678") == cut.tokenizer.encode("5678")
+
+
+def write_rows(path: Path, rows: list[dict[str, object]]) -> Path:
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        path.write_text(json.dumps(rows))
+    return path
+
+
+def sums(count: int) -> list[dict[str, object]]:
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"{i}+1="}],
+            "reward_model": {"ground_truth": str(i + 1)},
+            "extra_info": {"index": i},
+        }
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("name", ["train.parquet", "train.jsonl", "train.json"])
+def test_datasets_with_verl_columns_from_parquet_and_json(tmp_path: Path, name: str) -> None:
+    path = write_rows(tmp_path / name, sums(30))
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=10)
+    task = load_task(data, encoder(tmp_path / "tok"))
     assert len(task.eval_set()) == 10
     first = next(task.train_stream(seed=0))
-    assert first.prompt.endswith("+1=") and int(first.answer) == int(first.prompt[:-3]) + 1
+    assert isinstance(first.prompt, list)
+    assert int(first.answer) == int(first.prompt[0]["content"][:-3]) + 1
 
 
-def test_parquet_held_out_rows_are_not_trained_on_even_when_repeated(tmp_path: Path) -> None:
-    prompts = [f"{i % 12}+1=" for i in range(40)]  # every prompt appears 3 or 4 times
-    table = pa.table(
-        {"prompt": prompts, "reward_model": [{"ground_truth": p[:-1]} for p in prompts]}
+def test_a_directory_saved_by_hugging_face_datasets_is_read(tmp_path: Path) -> None:
+    # Written by datasets 5.2 (Dataset.from_list(...).save_to_disk): three rows asking 1+1=.
+    saved = Path(__file__).parent / "data" / "hf_save_to_disk"
+    data = DataConfig(
+        task="dataset", train_file=str(saved), eval_size=1, extra_keys=["extra_info.index"]
     )
-    path = tmp_path / "train.parquet"
-    pq.write_table(table, path)
-    task = load_task(DataConfig(task="parquet", train_file=str(path), eval_size=5))
+    rows, too_long = read_problems(saved, data, encoder(tmp_path))
+    assert [(r.answer, dict(r.extra)) for r in rows] == [
+        ("2", {"extra_info.index": i}) for i in range(3)
+    ]
+    assert too_long == 0
+    assert rows[0].prompt == [{"role": "user", "content": "1+1="}]
+
+
+def test_prompts_over_the_limit_are_left_out_and_counted(tmp_path: Path) -> None:
+    rows = sums(12) + [
+        {"prompt": "9" * 80 + "+1=", "reward_model": {"ground_truth": "1"}} for _ in range(3)
+    ]
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=2, max_prompt_length=40)
+    task = load_task(data, encoder(tmp_path / "tok", max_prompt_length=40))
+    assert getattr(task, "too_long", None) == {"train": 3}
+    assert all(len(str(p.prompt)) < 80 for p in task.eval_set())
+
+
+def test_held_out_rows_are_not_trained_on_even_when_repeated(tmp_path: Path) -> None:
+    prompts = [f"{i % 12}+1=" for i in range(40)]  # every prompt appears 3 or 4 times
+    rows = [{"prompt": p, "reward_model": {"ground_truth": p[:-1]}} for p in prompts]
+    path = write_rows(tmp_path / "train.parquet", rows)
+    task = load_task(
+        DataConfig(task="parquet", train_file=str(path), eval_size=5), encoder(tmp_path / "t")
+    )
     held_out = [p.prompt for p in task.eval_set()]
     stream = task.train_stream(seed=0)
     trained = {next(stream).prompt for _ in range(200)}
@@ -103,12 +198,78 @@ def test_parquet_held_out_rows_are_not_trained_on_even_when_repeated(tmp_path: P
     assert trained == {f"{i}+1=" for i in range(5, 12)}
 
 
-def test_parquet_without_training_rows_left_is_refused(tmp_path: Path) -> None:
-    table = pa.table({"prompt": ["1+1=", "1+1="], "reward_model": [{"ground_truth": "2"}] * 2})
-    path = tmp_path / "train.parquet"
-    pq.write_table(table, path)
+def test_a_dataset_without_training_rows_left_is_refused(tmp_path: Path) -> None:
+    rows = [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}] * 2
+    path = write_rows(tmp_path / "train.parquet", rows)
     with pytest.raises(ConfigError, match="no training rows left"):
-        load_task(DataConfig(task="parquet", train_file=str(path), eval_size=1))
+        load_task(
+            DataConfig(task="parquet", train_file=str(path), eval_size=1), encoder(tmp_path / "t")
+        )
+
+
+BAD_ROWS = {
+    "no user message": (
+        {"prompt": [{"role": "system", "content": "Be brief."}]},
+        r"train.jsonl row 3 key 'prompt': the chat has no user message",
+    ),
+    "prompt of the wrong type": (
+        {"prompt": 42},
+        r"train.jsonl row 3 key 'prompt': a prompt is text or a list .* not int",
+    ),
+    "message without content": (
+        {"prompt": [{"role": "user"}]},
+        r"train.jsonl row 3 key 'prompt': message 0 needs a string 'role' and 'content'",
+    ),
+    "answer missing": (
+        {"prompt": "1+1=", "reward_model": {}},
+        r"train.jsonl row 3 has no 'reward_model.ground_truth'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_bad_rows_are_refused_naming_file_row_and_key(tmp_path: Path, case: str) -> None:
+    bad, message = BAD_ROWS[case]
+    rows: list[dict[str, object]] = sums(6)
+    rows[3] = {"reward_model": {"ground_truth": "2"}, **bad}
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=1)
+    with pytest.raises(DatasetError, match=message):
+        load_task(data, encoder(tmp_path / "tok"))
+
+
+def test_a_template_that_fails_to_render_is_refused_naming_the_row(tmp_path: Path) -> None:
+    save_chatml_tokenizer(tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tok" / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('tool messages are not supported') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    rows = sums(4)
+    rows[2]["prompt"] = [{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]
+    path = write_rows(tmp_path / "train.parquet", rows)
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=1)
+    with pytest.raises(
+        DatasetError,
+        match=r"train.parquet row 2 key 'prompt': the chat template failed.*tool messages",
+    ):
+        load_task(data, encoder(tmp_path / "tok"))
+
+
+def test_a_file_left_empty_by_the_length_filter_is_refused(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "train.jsonl", sums(5))
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=1, max_prompt_length=3)
+    with pytest.raises(DatasetError, match=r"train.jsonl: no row is left once the 5 prompts"):
+        load_task(data, encoder(tmp_path / "tok", max_prompt_length=3))
+
+
+def test_the_reward_function_gets_the_extra_keys() -> None:
+    problem = Problem("1+1=", "2", {"extra_info.index": 7})
+    assert unpack_answer(pack_answer(problem, True), True) == ("2", {"extra_info.index": 7})
+    assert unpack_answer(pack_answer(problem, False), False) == ("2", {})
 
 
 def test_rewards_by_name_or_import_path() -> None:

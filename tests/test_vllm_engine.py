@@ -20,8 +20,8 @@ from asyncflow.engines.base import Sampling
 from asyncflow.engines.errors import EngineStartError
 from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
 from asyncflow.engines.vllm import VLLMRolloutEngine
+from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
-from asyncflow.models.tokenizer import CharTokenizer
 from asyncflow.train import logprob_agreement
 
 # vLLM CPU attention needs a head size of at least 32 (hidden 128 over 4 heads).
@@ -63,7 +63,7 @@ def state_of(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 
 def ids(texts: list[str]) -> list[list[int]]:
-    tok = CharTokenizer()
+    tok = chatml_tokenizer()
     return [tok.encode(t) for t in texts]
 
 
@@ -112,7 +112,7 @@ def test_logprobs_agree_with_the_trainers_for_the_same_tokens(
     engine: VLLMRolloutEngine, models: tuple[Path, Path]
 ) -> None:
     trainer = HFTrainEngine(models[0], CONFIG)
-    diff = logprob_agreement(engine, trainer, ids(PROMPTS), CONFIG, CharTokenizer().pad_id)
+    diff = logprob_agreement(engine, trainer, ids(PROMPTS), CONFIG, chatml_tokenizer().pad_id)
     assert diff < 1e-3
 
 

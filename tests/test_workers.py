@@ -7,13 +7,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow import weights
-from asyncflow.engines.base import Completion, RolloutEngine, Sampling
-from asyncflow.models.tokenizer import CharTokenizer
+from asyncflow.engines.base import Completion, LossFn, RolloutEngine, Sampling, TrainBatch
+from asyncflow.engines.hf import HFTrainEngine
+from asyncflow.models.chatml import chatml_tokenizer
+from asyncflow.models.tiny import create_tiny_model
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
@@ -26,7 +29,7 @@ def context(*overrides: str) -> Context:
     config = cfg.load(None, ["rollout.n=2", "trainer.groups_per_step=2", *overrides])
     store = af.Store()
     register_tasks(store, reference=False)
-    return Context(store, config, CharTokenizer(), Tracer(), RunState())
+    return Context(store, config, chatml_tokenizer(), Tracer(), RunState())
 
 
 def put_samples(store: af.Store, group: int) -> None:
@@ -113,3 +116,66 @@ def test_waiting_workers_see_new_weights_once_they_are_published() -> None:
     assert watcher.latest() == 3
     assert not watcher.wait_for(4, timeout=0.1)
     publisher.join()
+
+
+class RecordingTrainEngine(HFTrainEngine):
+    """The hf engine, noting the size of every micro-batch it is handed."""
+
+    def __init__(self, model_dir: Path, config: cfg.Config) -> None:
+        super().__init__(model_dir, config)
+        self.seen: list[tuple[int, int]] = []  # (tensor tokens, sequence tokens)
+
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        self.seen.append((batch.input_ids.numel(), batch.tokens))
+        return super().forward_backward(batch, loss_fn)
+
+
+def put_long_samples(store: af.Store, groups: int, n: int, rng: np.random.Generator) -> int:
+    """Samples of step 0 with prompts of 20 to 200 tokens; returns their total tokens."""
+    total = 0
+    for g in range(groups):
+        prompt = rng.integers(4, 90, int(rng.integers(20, 200)))
+        responses = [rng.integers(4, 90, int(rng.integers(1, 9))) for _ in range(n)]
+        total += sum(len(prompt) + len(r) for r in responses)
+        store.put(
+            {
+                "prompt_ids": [prompt] * n,
+                "response_ids": responses,
+                "behaviour_logprobs": [np.full(len(r), -1.0, np.float32) for r in responses],
+                "advantage": rng.normal(size=n).astype(np.float32),
+                "reward": np.zeros(n, np.float32),
+            },
+            partition=step_partition(0),
+            groups=[g] * n,
+        )
+    return total
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_trainer_keeps_every_micro_batch_within_the_token_budget_on_long_prompts(
+    tmp_path: Path, packing: bool
+) -> None:
+    budget, groups, n = 400, 6, 2
+    ctx = context(
+        f"trainer.micro_batch_tokens={budget}",
+        f"trainer.groups_per_step={groups}",
+        f"rollout.n={n}",
+        f"trainer.packing={str(packing).lower()}",
+        "model.hidden_size=32",
+        "model.heads=2",
+        "model.kv_heads=1",
+        "model.intermediate_size=64",
+        "model.max_positions=256",
+    )
+    model = create_tiny_model(ctx.config.model, tmp_path / "model", seed=0)
+    engine = RecordingTrainEngine(model, ctx.config)
+    total = put_long_samples(ctx.store, groups, n, np.random.default_rng(1))
+    trainer = Trainer(ctx, engine, MetricsLog(tmp_path), Ledger(tmp_path / "ledger"))
+    outcome = trainer._accumulate(0)
+    assert outcome is not None
+    assert engine.seen and max(tensor for tensor, _ in engine.seen) <= budget
+    assert sum(tokens for _, tokens in engine.seen) == total, "every sample trained once"
+    padding = outcome[1].padding()
+    if packing:
+        assert padding["padding_fraction"] == 0.0
+    assert padding["micro_batch_tokens_max"] <= budget

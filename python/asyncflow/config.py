@@ -41,13 +41,29 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    #: ``arithmetic`` (built in) or ``parquet`` (``train_file``/``eval_file``, verl-style columns).
-    task: Literal["arithmetic", "parquet"] = "arithmetic"
+    #: ``arithmetic`` (built in) or ``dataset``: local files (``train_file``/``eval_file``) with
+    #: verl-style columns. ``parquet`` is the older name of ``dataset``.
+    task: Literal["arithmetic", "dataset", "parquet"] = "arithmetic"
     train_file: str | None = None
     eval_file: str | None = None
-    #: Column of the prompt text, and (dotted path into struct columns) of the ground truth.
+    #: ``auto`` (by the file's name: ``.parquet``, ``.json``/``.jsonl``, ``.arrow`` or a directory
+    #: written by ``datasets``' ``save_to_disk``), or one of them by name.
+    format: Literal["auto", "parquet", "json", "hf"] = "auto"
+    #: Column of the prompt (text, or a chat: a list of ``{role, content}``), and dotted path
+    #: (into struct columns) of the ground truth.
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"
+    #: Further dotted paths handed to the reward function (as ``extra_info``, by path).
+    extra_keys: list[str] = field(default_factory=list)
+    #: Render prompts with the tokenizer's chat template: ``auto`` when it has one (plain-text
+    #: prompts become one user message), ``true`` (required), ``false`` (plain text, as is).
+    chat_template: bool | Literal["auto"] = "auto"
+    #: A system message put first in every chat that has none.
+    system_prompt: str | None = None
+    #: Longest rendered prompt in tokens (None: the model's positions less rollout.max_tokens);
+    #: longer ones are left out (``filter``, counted in the summary) or cut from the left.
+    max_prompt_length: int | None = None
+    truncation: Literal["filter", "truncate_left"] = "filter"
     #: Built-in task: operand digits, and held-out problems for evaluation.
     digits: int = 2
     eval_size: int = 500
@@ -97,8 +113,13 @@ class TrainerConfig:
     lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    #: Token budget of one micro-batch (gradient accumulation splits a step into these).
+    #: Token budget of one micro-batch (gradient accumulation splits a step into these),
+    #: counted as its tensors hold them: with packing the samples' tokens, without it rows times
+    #: the longest row.
     micro_batch_tokens: int = 4096
+    #: Lay a micro-batch's samples end to end in one row (attention kept within each sample)
+    #: instead of padding each to the longest: no compute is spent on padding.
+    packing: bool = True
     #: Train each micro-batch as soon as its samples are ready (true), or first wait until the
     #: whole step's samples are, as synchronous frameworks do (false: a baseline to compare with).
     streaming: bool = True
@@ -311,6 +332,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} must be a string, not {value!r}")
         return str(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, not {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     raise ConfigError(f"{key}: unsupported setting type {hint}")
 
 
@@ -357,10 +383,10 @@ def validate(c: Config) -> None:
     _require(c.data.digits <= 9, "data.digits must be at most 9")
     _require(c.rollout.temperature > 0, "rollout.temperature must be positive")
     _require(c.rollout.n >= 2, "rollout.n must be at least 2: group advantages need two samples")
-    if c.model.path is None and c.data.task == "arithmetic":
+    if c.model.path is None:
         _require(
-            c.model.max_positions >= 2 * c.data.digits + 3 + c.rollout.max_tokens,
-            "model.max_positions is too small for a prompt plus rollout.max_tokens",
+            c.model.max_positions > c.rollout.max_tokens,
+            "model.max_positions leaves no room for a prompt before rollout.max_tokens",
         )
     for key, rate in [("trainer.lr", c.trainer.lr), ("warm_start.lr", c.warm_start.lr)]:
         _require(rate > 0, f"{key} must be positive")
@@ -409,12 +435,24 @@ def validate(c: Config) -> None:
     _require(c.ray.start_timeout > 0, "ray.start_timeout must be positive")
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
-    if c.data.task == "parquet":
-        _require(c.data.train_file is not None, "data.task: parquet needs data.train_file")
+    if c.data.max_prompt_length is not None:
+        _require(
+            c.data.max_prompt_length >= 1,
+            f"data.max_prompt_length must be at least 1, not {c.data.max_prompt_length}",
+        )
+        longest = c.data.max_prompt_length + c.rollout.max_tokens
+        _require(
+            longest <= c.trainer.micro_batch_tokens,
+            f"trainer.micro_batch_tokens ({c.trainer.micro_batch_tokens}) must hold one sample: "
+            f"data.max_prompt_length + rollout.max_tokens = {longest}",
+        )
+    if c.data.task != "arithmetic":
+        task = c.data.task
+        _require(c.data.train_file is not None, f"data.task: {task} needs data.train_file")
         for key, file in [
             ("data.train_file", c.data.train_file),
             ("data.eval_file", c.data.eval_file),
         ]:
             if file is not None:
-                _require(Path(file).is_file(), f"{key} {file!r} does not exist")
-        _require(c.model.path is not None, "data.task: parquet needs model.path (a tokenizer)")
+                _require(Path(file).exists(), f"{key} {file!r} does not exist")
+        _require(c.model.path is not None, f"data.task: {task} needs model.path (a tokenizer)")

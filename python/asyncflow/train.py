@@ -1,11 +1,12 @@
 """The main job: ``asyncflow train``.
 
-Order of a run: resolve the run directory and write the resolved config; build the task and the
-model (the built-in one is created locally); warm-start it with a short supervised pass; open the
-store; start the engines; measure held-out accuracy; then run the asynchronous RL pipeline
-(feeder -> rollout -> reward -> [reference] -> advantage -> trainer, all through the store) until
-``trainer.max_steps``; measure again; write the final model, ``summary.json``, ``metrics.jsonl``,
-the timeline trace and the summary figure.
+Order of a run: resolve the run directory and write the resolved config; find the model (the
+built-in one is created locally) and read its tokenizer; build the task, every prompt checked and
+rendered (bad rows are refused here, before anything starts); warm-start the model with a short
+supervised pass; open the store; start the engines; measure held-out accuracy; then run the
+asynchronous RL pipeline (feeder -> rollout -> reward -> [reference] -> advantage -> trainer, all
+through the store) until ``trainer.max_steps``; measure again; write the final model,
+``summary.json``, ``metrics.jsonl``, the timeline trace and the summary figure.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from asyncflow.engines.registry import (
 from asyncflow.evaluation import accuracy, pass_at_k
 from asyncflow.launch.local import run_threads
 from asyncflow.models.tiny import create_tiny_model, parameter_count
-from asyncflow.models.tokenizer import Tokenizer, load_tokenizer
+from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.progress import Reporter
 from asyncflow.store import Store
 from asyncflow.tasks import Task, load_task
+from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.figure import write_summary_png
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
@@ -139,6 +141,17 @@ def logprob_agreement(
     return worst
 
 
+def prompt_budget(config: Config, model_dir: Path) -> int | None:
+    """``data.max_prompt_length``, or what the model's positions leave once a response of
+    ``rollout.max_tokens`` is added (None when the model does not say)."""
+    if config.data.max_prompt_length is not None:
+        return config.data.max_prompt_length
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    positions = [hf_config.get("max_position_embeddings"), config.rollout.max_model_len]
+    known = [int(p) for p in positions if p is not None]
+    return min(known) - config.rollout.max_tokens if known else None
+
+
 def register_tasks(store: Store, reference: bool) -> None:
     """Declares the pipeline's consumers, so that rows are kept until each has acked them."""
     store.register_task("rollout", partitions=[PROMPTS])
@@ -160,28 +173,46 @@ class Run:
         self.started = time.monotonic()
         #: Where the run's parts ran, for the summary (launcher ray).
         self.placement: dict[str, Any] = {}
+        #: Prompts left out for being too long, by split.
+        self.too_long: dict[str, int] = {}
 
     # -- preparation --------------------------------------------------------------------------
 
-    def prepare_model(self, task: Task) -> Path:
+    def base_model(self) -> Path:
         c = self.config
         if c.model.path is not None:
-            base = Path(c.model.path)
-        else:
-            base = self.run_dir / "model-init"
-            if not (base / "config.json").exists():
-                self.reporter.line(f"creating the built-in tiny Qwen2 model in {base}")
-                create_tiny_model(c.model, base, c.run.seed)
+            return Path(c.model.path)
+        base = self.run_dir / "model-init"
+        if not (base / "config.json").exists():
+            self.reporter.line(f"creating the built-in tiny Qwen2 model in {base}")
+            create_tiny_model(c.model, base, c.run.seed)
+        return base
+
+    def load_task(self, base: Path) -> tuple[Task, PromptEncoder]:
+        """The task, every prompt checked against the model's tokenizer."""
+        c = self.config
+        resolve_reward(c.reward.fn, bool(c.data.extra_keys))  # refused now, not mid-run
+        prompts = PromptEncoder.for_data(load_tokenizer(base), c.data, prompt_budget(c, base))
+        task = load_task(c.data, prompts)
+        self.too_long = dict(getattr(task, "too_long", {}))
+        if any(self.too_long.values()):
+            self.reporter.line(
+                f"left out prompts longer than {prompts.max_length} tokens: "
+                + ", ".join(f"{split} {n}" for split, n in self.too_long.items())
+            )
+        return task, prompts
+
+    def prepare_model(self, task: Task, prompts: PromptEncoder, base: Path) -> Path:
+        c = self.config
         warm = self.run_dir / "warm_start"
         if not c.warm_start.enabled:
             return base
         if (warm / "config.json").exists():
             return warm
         since = time.monotonic()
-        tokenizer = load_tokenizer(base)
         with self.reporter.task("warm start", c.warm_start.steps) as advance:
             warm_start(
-                c, task, tokenizer, base, warm, lambda step, loss: advance(step, f"loss {loss:.3f}")
+                c, task, prompts, base, warm, lambda step, loss: advance(step, f"loss {loss:.3f}")
             )
         self.phases.timed("warm_start", since)
         return warm
@@ -193,12 +224,12 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(c.to_yaml())
         torch.manual_seed(c.run.seed)
-        task = load_task(c.data)
-        model_dir = self.prepare_model(task)
-        tokenizer = load_tokenizer(model_dir)
+        base = self.base_model()
+        task, prompts = self.load_task(base)
+        model_dir = self.prepare_model(task, prompts, base)
         with contextlib.ExitStack() as cleanup:
             if c.launcher == "ray":
-                return self._execute_on_ray(cleanup, task, model_dir, tokenizer)
+                return self._execute_on_ray(cleanup, task, model_dir, prompts)
             daemon = start_daemon(c)
             if daemon is not None:
                 cleanup.enter_context(daemon)
@@ -228,7 +259,7 @@ class Run:
             return self._run(
                 task,
                 model_dir,
-                tokenizer,
+                prompts,
                 store,
                 rollouts,
                 trainer_engine,
@@ -238,7 +269,7 @@ class Run:
             )
 
     def _execute_on_ray(
-        self, cleanup: contextlib.ExitStack, task: Task, model_dir: Path, tokenizer: Tokenizer
+        self, cleanup: contextlib.ExitStack, task: Task, model_dir: Path, prompts: PromptEncoder
     ) -> dict[str, Any]:
         """As :meth:`execute`, with the store, engines and workers as actors of a Ray cluster."""
         from asyncflow.launch.ray_cluster import RayCluster, rollout_labels
@@ -264,7 +295,7 @@ class Run:
         return self._run(
             task,
             model_dir,
-            tokenizer,
+            prompts,
             store,
             [evaluate_with],
             trainer_engine,
@@ -288,7 +319,7 @@ class Run:
         self,
         task: Task,
         model_dir: Path,
-        tokenizer: Tokenizer,
+        prompts: PromptEncoder,
         store: Store,
         rollouts: list[RolloutEngine],
         trainer_engine: TrainEngine,
@@ -298,6 +329,7 @@ class Run:
         actors: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         c = self.config
+        tokenizer = prompts.tokenizer
         eval_set = task.eval_set()
         max_tokens = c.rollout.max_tokens
         ckpt = checkpoint.latest(self.run_dir) if self.resume else None
@@ -306,9 +338,9 @@ class Run:
             before, pass_before = saved["accuracy_before"], saved["pass_at_k_before"]
         else:
             since = time.monotonic()
-            before = accuracy(rollouts[0], eval_set, tokenizer, max_tokens)
+            before = accuracy(rollouts[0], eval_set, prompts, max_tokens)
             pass_before = pass_at_k(
-                rollouts[0], eval_set, tokenizer, PASS_K, c.rollout.temperature, max_tokens
+                rollouts[0], eval_set, prompts, PASS_K, c.rollout.temperature, max_tokens
             )
             self.phases.timed("eval_before", since)
         self.reporter.line(
@@ -318,7 +350,7 @@ class Run:
         since = time.monotonic()
         tracer = Tracer()
         state = RunState()
-        ctx = Context(store, c, tokenizer, tracer, state)
+        ctx = Context(store, c, tokenizer, tracer, state, prompt_encoder=prompts)
         ledger = Ledger(self.run_dir / "ledger.jsonl")
         start_group = 0
         if ckpt is not None:
@@ -343,7 +375,7 @@ class Run:
             if step % c.run.eval_every == 0 or step == c.trainer.max_steps:
                 since = time.monotonic()
                 evaluator.load_weights(step, trainer_engine.export_weights())
-                acc = accuracy(evaluator, eval_set, tokenizer, max_tokens)
+                acc = accuracy(evaluator, eval_set, prompts, max_tokens)
                 evals.append((step, acc))
                 # The trainer waits for evaluation: time-to-accuracy figures subtract it.
                 extra |= {"eval_accuracy": acc, "eval_seconds": time.monotonic() - since}
@@ -382,11 +414,11 @@ class Run:
         since = time.monotonic()
         version, final = weights.fetch(store, trainer_engine.version)
         rollouts[0].load_weights(version, final)
-        after = accuracy(rollouts[0], eval_set, tokenizer, max_tokens)
+        after = accuracy(rollouts[0], eval_set, prompts, max_tokens)
         pass_after = pass_at_k(
-            rollouts[0], eval_set, tokenizer, PASS_K, c.rollout.temperature, max_tokens
+            rollouts[0], eval_set, prompts, PASS_K, c.rollout.temperature, max_tokens
         )
-        probe = [tokenizer.encode(p.prompt) for p in eval_set[:64]]
+        probe = [prompts.encode(p.prompt) for p in eval_set[:64]]
         diff = logprob_agreement(rollouts[0], trainer_engine, probe, c, tokenizer.pad_id)
         trainer_engine.save_pretrained(self.run_dir / "final")
         self.phases.timed("eval_after", since)
@@ -423,7 +455,11 @@ class Run:
             dispatcher = Dispatcher(ctx, {engine.label: Inbox() for engine in rollouts})
             workers.append(dispatcher)
             workers += [Rollout(ctx, engine, engine.label, dispatcher) for engine in rollouts]
-        workers.append(RewardWorker(ctx, resolve_reward(self.config.reward.fn)))
+        workers.append(
+            RewardWorker(
+                ctx, resolve_reward(self.config.reward.fn, bool(self.config.data.extra_keys))
+            )
+        )
         if self.config.algorithm.reference:
             workers.append(ReferenceWorker(ctx, HFTrainEngine(model_dir, self.config)))
         workers.append(AdvantageWorker(ctx))
@@ -458,6 +494,8 @@ class Run:
             "staleness_histogram": {str(k): v for k, v in sorted(state.staleness.items())},
             "samples_generated": state.generated_samples,
             "samples_dropped": state.dropped_samples,
+            "responses_truncated": state.truncated_responses,
+            "prompts_too_long": self.too_long,
             "groups_rerouted": state.rerouted_groups,
             "tokens_generated": state.generated_tokens,
             "busy_fraction": busy,

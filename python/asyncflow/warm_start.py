@@ -12,8 +12,8 @@ import torch
 
 from asyncflow.config import Config
 from asyncflow.engines.hf import copy_tokenizer, load_model
-from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.tasks.base import Problem, Task
+from asyncflow.tasks.prompts import PromptEncoder
 
 Progress = Callable[[int, float], None]
 
@@ -26,7 +26,7 @@ def _demonstration(task: Task, problem: Problem, rng: random.Random, mistake_rat
 def warm_start(
     config: Config,
     task: Task,
-    tokenizer: Tokenizer,
+    prompts: PromptEncoder,
     model_dir: Path,
     out_dir: Path,
     progress: Progress | None = None,
@@ -50,15 +50,16 @@ def warm_start(
     problems = task.train_stream(seed=config.run.seed + 7919)
     for step in range(ws.steps):
         batch = [next(problems) for _ in range(ws.batch_size)]
-        prompts = [tokenizer.encode(p.prompt) for p in batch]
+        tokenizer = prompts.tokenizer
+        inputs = [prompts.encode(p.prompt) for p in batch]
         answers = [
             [*tokenizer.encode(_demonstration(task, p, rng, ws.mistake_rate)), tokenizer.eos_id]
             for p in batch
         ]
-        width = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
+        width = max(len(p) + len(a) for p, a in zip(inputs, answers, strict=True))
         ids = torch.full((len(batch), width), tokenizer.pad_id)
         labels = torch.full((len(batch), width), -100)
-        for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
+        for i, (p, a) in enumerate(zip(inputs, answers, strict=True)):
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
         loss = model(input_ids=ids, labels=labels).loss

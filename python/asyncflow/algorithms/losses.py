@@ -28,14 +28,23 @@ class LossSettings:
     aggregation: Literal["token", "sequence"] = "token"
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, how: str, sequence_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean of ``values`` over the masked tokens: over all tokens, or per sequence then over
-    sequences."""
+    sequences (a row each, or as ``sequence_ids`` tell for packed rows)."""
     mask = mask.to(values.dtype)
     if how == "token":
         return (values * mask).sum() / mask.sum().clamp(min=1)
-    per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_seq.mean()
+    if sequence_ids is None:
+        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.mean()
+    ids = sequence_ids.flatten()
+    count = int(ids.max()) + 1 if ids.numel() else 1
+    zeros = torch.zeros(count, dtype=values.dtype, device=values.device)
+    sums = zeros.index_add(0, ids, (values * mask).flatten())
+    sizes = zeros.index_add(0, ids, mask.flatten())
+    return (sums / sizes.clamp(min=1)).mean()
 
 
 def policy_loss(
@@ -46,10 +55,12 @@ def policy_loss(
     settings: LossSettings,
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss to minimise, and diagnostics. Token tensors are ``[batch, tokens]``; ``advantages`` is
-    ``[batch]``; ``mask`` marks response tokens."""
-    adv = advantages.unsqueeze(-1)
+    ``[batch]``, or per token for packed rows (with their ``sequence_ids``); ``mask`` marks
+    response tokens."""
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     if settings.correction == "none":
         anchor = behaviour_logp
         weight = torch.ones_like(logp)
@@ -63,7 +74,7 @@ def policy_loss(
     ratio = torch.exp(logp - anchor)
     clipped = ratio.clamp(1 - settings.clip_eps, 1 + settings.clip_eps)
     surrogate = -torch.minimum(ratio * adv, clipped * adv) * weight
-    loss = aggregate(surrogate, mask, settings.aggregation)
+    loss = aggregate(surrogate, mask, settings.aggregation, sequence_ids)
     stats = {
         "pg_loss": float(loss.detach()),
         "clip_fraction": float(aggregate(((ratio - clipped).abs() > 0).float(), mask, "token")),
@@ -75,7 +86,7 @@ def policy_loss(
             raise ValueError("kl_coef > 0 needs reference log-probs")
         delta = ref_logp - logp
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative
-        kl_term = aggregate(kl, mask, settings.aggregation)
+        kl_term = aggregate(kl, mask, settings.aggregation, sequence_ids)
         loss = loss + settings.kl_coef * kl_term
         stats["kl"] = float(kl_term.detach())
     return loss, stats

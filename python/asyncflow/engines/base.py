@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,7 +75,9 @@ class RolloutEngine(ABC):
 
 @dataclass
 class TrainBatch:
-    """One micro-batch of prompt+response sequences, right-padded to a common length."""
+    """One micro-batch of prompt+response sequences: right-padded to a common length, one per
+    row, or packed (several end to end in a row, ``position_ids`` restarting at each, and
+    ``sequence_ids`` telling which sequence each token belongs to)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -83,10 +85,45 @@ class TrainBatch:
     response_mask: torch.Tensor
     #: Extra per-row or per-token tensors the loss needs (advantages, behaviour log-probs, ...).
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    position_ids: torch.Tensor | None = None
+    sequence_ids: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
 
     @property
     def tokens(self) -> int:
+        """Tokens of the sequences (padding excluded)."""
         return int(self.attention_mask.sum())
+
+    @property
+    def sequences(self) -> int:
+        if self.sequence_ids is None:
+            return int(self.input_ids.shape[0])
+        return int(self.sequence_ids.max()) + 1 if self.sequence_ids.numel() else 0
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of a transformers forward pass. Packed, there is no attention mask:
+        the positions mark where each sequence starts, and attention stays within it."""
+        common = {"input_ids": self.input_ids, "use_cache": False}
+        if self.position_ids is None:
+            return {**common, "attention_mask": self.attention_mask}
+        # Without a cache and a mask, transformers reads sequence boundaries from the positions.
+        return {**common, "position_ids": self.position_ids}
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return TrainBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.response_mask.to(device),
+            {k: v.to(device) for k, v in self.extras.items()},
+            move(self.position_ids),
+            move(self.sequence_ids),
+        )
 
 
 #: Maps the engine's per-token log-probs ``[batch, length]`` and the batch to (loss, stats).

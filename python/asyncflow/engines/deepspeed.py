@@ -101,15 +101,10 @@ class DeepSpeedTrainEngine(TrainEngine):
         device = self.engine.device
         if batch.input_ids.device == device:
             return batch
-        return TrainBatch(
-            batch.input_ids.to(device),
-            batch.attention_mask.to(device),
-            batch.response_mask.to(device),
-            {k: v.to(device) for k, v in batch.extras.items()},
-        )
+        return batch.to(device)
 
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        out = self.engine(**batch.model_inputs())
         return token_logprobs(out.logits, batch.input_ids, self.temperature)
 
     @torch.no_grad()

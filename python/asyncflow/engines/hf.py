@@ -29,9 +29,12 @@ TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "vocab.json",
     "merges.txt",
-    "asyncflow_tiny.json",
+    "tokenizer.model",
 )
 
 
@@ -155,7 +158,7 @@ class HFTrainEngine(TrainEngine):
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.trainer))
 
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = self.model(**batch.model_inputs()).logits
         return token_logprobs(logits, batch.input_ids, self.temperature)
 
     @torch.no_grad()

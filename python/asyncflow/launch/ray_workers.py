@@ -73,7 +73,7 @@ class WorkerActor:
             self.engine.label = label
             return Rollout(ctx, self.engine, label)
         if role == "reward":
-            return RewardWorker(ctx, resolve_reward(c.reward.fn))
+            return RewardWorker(ctx, resolve_reward(c.reward.fn, bool(c.data.extra_keys)))
         if role == "reference":
             return ReferenceWorker(ctx, HFTrainEngine(model_dir, c))
         if role == "advantage":

@@ -1,23 +1,23 @@
 """The built-in model: a tiny Qwen2-architecture causal LM created locally, saved as a Hugging
-Face directory (config, safetensors weights, tokenizer) that every engine can load offline."""
+Face directory (config, safetensors weights, and its ChatML tokenizer) that every engine loads
+offline, as it loads any other model's."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from asyncflow.config import ModelConfig
-from asyncflow.models.tokenizer import CharTokenizer
+from asyncflow.models.chatml import chatml_tokenizer, save_chatml_tokenizer
 
 
 def create_tiny_model(config: ModelConfig, directory: Path, seed: int) -> Path:
     """Creates and saves the model; returns its directory."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tok = CharTokenizer()
+    tok = chatml_tokenizer()
     hf_config = Qwen2Config(
         vocab_size=len(tok),
         hidden_size=config.hidden_size,
@@ -30,15 +30,14 @@ def create_tiny_model(config: ModelConfig, directory: Path, seed: int) -> Path:
         tie_word_embeddings=True,
         pad_token_id=tok.pad_id,
         eos_token_id=tok.eos_id,
-        bos_token_id=tok.eos_id,
+        bos_token_id=None,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(hf_config)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
-    tok.save(directory)
-    (directory / "asyncflow_tiny.json").write_text(json.dumps({"tokenizer": "char"}) + "\n")
+    save_chatml_tokenizer(directory)
     return directory
 
 

@@ -1,13 +1,15 @@
-"""Tokenizers behind one small interface: a character-level tokenizer for the built-in task
-(saved in Hugging Face format so every engine loads it offline), or a model directory's own."""
+"""The one tokenizer every model is read through: the Hugging Face tokenizer saved in the model's
+own directory (``AutoTokenizer``, offline), with its chat template when it has one. The built-in
+model's tokenizer is made by :mod:`asyncflow.models.chatml` and is loaded the same way."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-PAD, EOS = "<pad>", "<eos>"
-CHARS = "0123456789+-*= "
+#: A chat: messages with a ``role`` and a ``content``.
+Messages = Sequence[Mapping[str, Any]]
 
 
 class Tokenizer(Protocol):
@@ -18,73 +20,58 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    @property
+    def has_chat_template(self) -> bool: ...
 
-class CharTokenizer:
-    """One token per character, plus ``<pad>`` (0) and ``<eos>`` (1)."""
-
-    def __init__(self) -> None:
-        self.vocab = [PAD, EOS, *CHARS]
-        self._ids = {t: i for i, t in enumerate(self.vocab)}
-        self.pad_id, self.eos_id = 0, 1
-
-    def __len__(self) -> int:
-        return len(self.vocab)
-
-    def encode(self, text: str) -> list[int]:
-        try:
-            return [self._ids[c] for c in text]
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the vocabulary") from None
-
-    def decode(self, ids: list[int]) -> str:
-        """Text up to the first ``<eos>``, without padding."""
-        out = []
-        for i in ids:
-            if i == self.eos_id:
-                break
-            if i != self.pad_id and 0 <= i < len(self.vocab):
-                out.append(self.vocab[i])
-        return "".join(out)
-
-    def save(self, directory: Path) -> None:
-        """Writes ``tokenizer.json`` and friends so ``AutoTokenizer`` (and vLLM) load it offline."""
-        from tokenizers import Tokenizer as RawTokenizer
-        from tokenizers import decoders, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
-
-        raw = RawTokenizer(models.WordLevel(vocab=dict(self._ids), unk_token=PAD))
-        raw.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-        raw.decoder = decoders.Fuse()
-        raw.add_special_tokens([PAD, EOS])
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=raw, pad_token=PAD, eos_token=EOS, bos_token=EOS, unk_token=PAD
-        )
-        fast.save_pretrained(str(directory))
+    def encode_chat(self, messages: Messages) -> list[int]: ...
 
 
 class HFTokenizer:
-    """A model directory's own tokenizer."""
+    """A Hugging Face tokenizer behind the interface the workers use."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, tokenizer: Any, source: str = "tokenizer") -> None:
+        self._tok = tokenizer
+        self.source = source
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {source} has no eos token")
+        self.eos_id = int(tokenizer.eos_token_id)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_id
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> HFTokenizer:
         from transformers import AutoTokenizer
 
-        self._tok: Any = AutoTokenizer.from_pretrained(str(directory))
-        if self._tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {directory} has no eos token")
-        self.eos_id = int(self._tok.eos_token_id)
-        pad = self._tok.pad_token_id
-        self.pad_id = int(pad) if pad is not None else self.eos_id
+        try:
+            tok = AutoTokenizer.from_pretrained(str(directory))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{directory} holds no Hugging Face tokenizer: {e}") from e
+        return cls(tok, str(directory))
+
+    def __len__(self) -> int:
+        return len(self._tok)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
+        """Text up to the first eos token, without special tokens."""
         if self.eos_id in ids:
             ids = ids[: ids.index(self.eos_id)]
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """The char tokenizer for models made by :mod:`asyncflow.models.tiny`, else the HF one."""
-    marker = Path(model_dir) / "asyncflow_tiny.json"
-    return CharTokenizer() if marker.exists() else HFTokenizer(model_dir)
+    def encode_chat(self, messages: Messages) -> list[int]:
+        """The chat rendered by the tokenizer's template, with the assistant's turn opened."""
+        text = self._tok.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        return self.encode(str(text))
+
+
+def load_tokenizer(model_dir: str | Path) -> HFTokenizer:
+    """The tokenizer saved in ``model_dir`` (every model, the built-in one included)."""
+    return HFTokenizer.from_directory(model_dir)

@@ -1,4 +1,4 @@
-"""Prompt datasets with their verifiers: the built-in arithmetic task, or local parquet files."""
+"""Prompt datasets with their verifiers: the built-in arithmetic task, or local dataset files."""
 
 from asyncflow.tasks.base import Problem, Task
 from asyncflow.tasks.loader import load_task

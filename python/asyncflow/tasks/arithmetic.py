@@ -72,6 +72,7 @@ class ArithmeticTask:
     def demonstration(self, problem: Problem, rng: random.Random, mistake_rate: float) -> str:
         """The answer text a demonstrator writes: correct, except that each carry is dropped with
         probability ``mistake_rate``."""
+        assert isinstance(problem.prompt, str)  # this task's prompts are text
         a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
         drop = [rng.random() < mistake_rate for _ in range(self.digits)]
         return str(add_dropping_carries(a, b, self.digits, drop))

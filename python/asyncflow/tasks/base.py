@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+#: Plain text, or a chat: a list of ``{"role", "content"}`` messages.
+Prompt = str | list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    prompt: Prompt
     answer: str
+    #: Further columns handed to the reward function (``data.extra_keys``), by dotted path.
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """The prompt as text, for telling prompts apart (held-out splits, caches)."""
+        return self.prompt if isinstance(self.prompt, str) else json.dumps(self.prompt)
 
 
 class Task(Protocol):

@@ -1,20 +1,24 @@
-"""Builds the configured task."""
+"""Builds the configured task, its prompts checked against the model's tokenizer."""
 
 from __future__ import annotations
 
 from asyncflow.config import ConfigError, DataConfig
 from asyncflow.tasks.arithmetic import ArithmeticTask
 from asyncflow.tasks.base import Problem, Task
-from asyncflow.tasks.parquet import ParquetTask, read_problems
+from asyncflow.tasks.dataset import DatasetTask, read_problems
+from asyncflow.tasks.prompts import PromptEncoder, PromptError
 
 
-def load_task(data: DataConfig) -> Task:
+def load_task(data: DataConfig, prompts: PromptEncoder) -> Task:
     if data.task == "arithmetic":
-        return ArithmeticTask(digits=data.digits, eval_size=data.eval_size)
+        task = ArithmeticTask(digits=data.digits, eval_size=data.eval_size)
+        _check_generated(task, prompts)
+        return task
     assert data.train_file is not None  # validated with the config
-    train = read_problems(data.train_file, data.prompt_key, data.answer_key)
+    train, too_long = read_problems(data.train_file, data, prompts)
+    counts = {"train": too_long}
     if data.eval_file is not None:
-        held_out = read_problems(data.eval_file, data.prompt_key, data.answer_key)
+        held_out, counts["eval"] = read_problems(data.eval_file, data, prompts)
     else:
         held_out, train = split_held_out(train, data.eval_size)
     if not train:
@@ -22,7 +26,22 @@ def load_task(data: DataConfig) -> Task:
             f"{data.train_file} has no training rows left once data.eval_size="
             f"{data.eval_size} prompts are held out"
         )
-    return ParquetTask(train, held_out)
+    return DatasetTask(train, held_out, counts)
+
+
+def _check_generated(task: ArithmeticTask, prompts: PromptEncoder) -> None:
+    """A generated task's prompts all have one shape: the first tells whether they fit."""
+    problem = task.eval_set()[0]
+    try:
+        ids = prompts.render(problem.prompt)
+    except PromptError as e:
+        raise ConfigError(f"the built-in task's prompt {problem.prompt!r}: {e}") from None
+    if not prompts.fits(ids):
+        raise ConfigError(
+            f"the built-in task's prompts take {len(ids)} tokens, more than the "
+            f"{prompts.max_length} left for a prompt (raise model.max_positions, or "
+            "lower rollout.max_tokens)"
+        )
 
 
 def split_held_out(rows: list[Problem], size: int) -> tuple[list[Problem], list[Problem]]:
@@ -32,6 +51,6 @@ def split_held_out(rows: list[Problem], size: int) -> tuple[list[Problem], list[
     for row in rows:
         if len(held_out) == size:
             break
-        held_out.setdefault(row.prompt, row)
-    train = [row for row in rows if row.prompt not in held_out]
+        held_out.setdefault(row.key, row)
+    train = [row for row in rows if row.key not in held_out]
     return list(held_out.values()), train

@@ -12,13 +12,14 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from asyncflow.batch import Batch
 from asyncflow.config import Config
 from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.store import Store
+from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.weights import Watcher
 
@@ -43,6 +44,8 @@ class RunState:
     trained_steps: int = 0
     generated_tokens: int = 0
     generated_samples: int = 0
+    #: Responses cut at ``rollout.max_tokens`` before they ended.
+    truncated_responses: int = 0
     dropped_samples: int = 0
     #: Prompt groups taken off a rollout engine that fell silent, to be generated elsewhere.
     rerouted_groups: int = 0
@@ -67,10 +70,18 @@ class Context:
     tracer: Tracer
     state: RunState
     stop: threading.Event = field(default_factory=threading.Event)
+    #: Prompts -> token ids (chat template, system prompt, length limit); by default from
+    #: ``config.data`` with no limit but ``data.max_prompt_length``.
+    prompt_encoder: InitVar[PromptEncoder | None] = None
+    prompts: PromptEncoder = field(init=False)
     #: The newest published policy version, shared by the process's workers.
     weights: Watcher = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, prompt_encoder: PromptEncoder | None) -> None:
+        data = self.config.data
+        self.prompts = prompt_encoder or PromptEncoder.for_data(
+            self.tokenizer, data, data.max_prompt_length
+        )
         # A tenth of the claim wait: new weights are seen promptly, for one store read.
         self.weights = Watcher(self.store, self.config.run.poll_interval / 10)
 

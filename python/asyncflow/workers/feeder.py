@@ -9,6 +9,7 @@ import numpy as np
 
 from asyncflow.tasks.base import Problem, Task
 from asyncflow.workers.base import PROMPTS, Context, Worker
+from asyncflow.workers.reward import pack_answer
 
 
 class Feeder(Worker):
@@ -35,11 +36,12 @@ class Feeder(Worker):
         with self.ctx.state.snapshot_lock, self.busy("feed"):
             count = min(per_step - self.next_group % per_step, self.total_groups - self.next_group)
             problems = [next(self._problems) for _ in range(count)]
-            encode = self.ctx.tokenizer.encode
+            encode = self.ctx.prompts.encode
+            extra = bool(self.config.data.extra_keys)
             self.store.put(
                 {
                     "prompt_ids": [np.array(encode(p.prompt), np.int64) for p in problems],
-                    "answer": [p.answer for p in problems],
+                    "answer": [pack_answer(p, extra) for p in problems],
                     "target_step": np.full(count, target, np.int64),
                 },
                 partition=PROMPTS,

@@ -22,10 +22,9 @@ from asyncflow.batch import Batch
 from asyncflow.config import Config
 from asyncflow.engines.base import TrainBatch, TrainEngine
 from asyncflow.errors import StoreTimeoutError
-from asyncflow.scheduler import micro_batches
 from asyncflow.store import Store
 from asyncflow.workers.base import StallError, step_partition
-from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, update
+from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, sample_lengths, update
 
 
 def agree_on_most(count: int) -> int:
@@ -99,7 +98,7 @@ class RankStep:
         keep = np.flatnonzero(~stale)
         data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
         result.note(batch.groups, age, stale, data["reward"])
-        micro = self._micro_batches(data)
+        micro = self._micro_batches(data, result)
         for tb in micro:
             stats = self.engine.forward_backward(tb, self.loss)
             if tb.response_mask.any():  # padding micro-batches train nothing
@@ -110,20 +109,14 @@ class RankStep:
         self.publish()
         return result
 
-    def _micro_batches(self, data: dict[str, list[Any]]) -> list[TrainBatch]:
-        lengths = [
-            len(p) + len(r) for p, r in zip(data["prompt_ids"], data["response_ids"], strict=True)
-        ]
-        budget = self.config.trainer.micro_batch_tokens
-        count = agree_on_most(len(micro_batches(lengths, budget)) if lengths else 0)
-        parts = micro_batches(lengths, budget, min_count=count) if lengths else [[]] * count
-        batches = []
-        for part in parts:
+    def _micro_batches(self, data: dict[str, list[Any]], result: StepResult) -> list[TrainBatch]:
+        lengths = sample_lengths(data)
+        count = agree_on_most(len(self.loss.parts(data)) if lengths else 0)
+        parts = self.loss.parts(data, min_count=count)
+        batches = self.loss.micro_batches(data, parts, self.config.algorithm.reference)
+        for part, tb in zip(parts, batches, strict=True):
             if part:
-                batches.append(self.loss.batch({k: [v[i] for i in part] for k, v in data.items()}))
-            else:
-                batches.append(self.loss.empty_batch(self.config.algorithm.reference))
-        for tb in batches:
+                result.count_batch(tb, [lengths[i] for i in part])
             if self.config.trainer.ppo_epochs > 1:
                 tb.extras["prox_logp"] = self.engine.logprobs(tb)
         return batches

@@ -1,5 +1,5 @@
 """Reference log-probs: responses -> per-token log-probs under the frozen initial policy, for the
-KL penalty."""
+KL penalty, in micro-batches within the trainer's token budget."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from asyncflow.engines.base import TrainEngine
 from asyncflow.workers.base import Context, Worker
-from asyncflow.workers.batches import to_train_batch
+from asyncflow.workers.batches import split_micro_batches, to_train_batch
 
 
 class ReferenceWorker(Worker):
@@ -17,6 +17,7 @@ class ReferenceWorker(Worker):
     def __init__(self, ctx: Context, engine: TrainEngine) -> None:
         super().__init__(ctx)
         self.engine = engine
+        self.pad_id = ctx.tokenizer.pad_id
 
     def step(self) -> bool:
         batch = self.claim("reference", ["prompt_ids", "response_ids"], 64)
@@ -24,13 +25,18 @@ class ReferenceWorker(Worker):
             return True
         with self.busy("reference logprobs"):
             data = batch.read()
-            tb = to_train_batch(data["prompt_ids"], data["response_ids"], self.ctx.tokenizer.pad_id)
-            logp = self.engine.logprobs(tb)
-            out = []
-            for i, (p, r) in enumerate(zip(data["prompt_ids"], data["response_ids"], strict=True)):
-                out.append(
-                    logp[i, len(p) : len(p) + len(r)].to(torch.float32).numpy().astype(np.float32)
+            prompts, responses = data["prompt_ids"], data["response_ids"]
+            lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+            out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(lengths)
+            budget = self.config.trainer.micro_batch_tokens
+            for part in split_micro_batches(lengths, budget, packed=False):
+                tb = to_train_batch(
+                    [prompts[i] for i in part], [responses[i] for i in part], self.pad_id
                 )
+                logp = self.engine.logprobs(tb).to(torch.float32)
+                for row, i in enumerate(part):
+                    p, r = len(prompts[i]), len(responses[i])
+                    out[i] = logp[row, p : p + r].numpy().astype(np.float32)
             self.store.put({"ref_logprobs": out}, indexes=batch.indexes)
         batch.ack()
         return True

@@ -210,7 +210,7 @@ class Rollout(Worker):
     ) -> None:
         n = self.sampling.n
         rows_prompt, rows_resp, rows_lp, rows_ans, rows_group = [], [], [], [], []
-        tokens = 0
+        tokens = truncated = 0
         for prompt, answer, group, completions in zip(
             prompts, answers, groups, outputs, strict=True
         ):
@@ -221,6 +221,7 @@ class Rollout(Worker):
                 rows_ans.append(answer)
                 rows_group.append(int(group))
                 tokens += len(c.token_ids)
+                truncated += c.finish_reason == "length"
         with self.busy("put samples"):
             self.store.put(
                 {
@@ -234,4 +235,8 @@ class Rollout(Worker):
                 group_size=n,
                 version=version,
             )
-        self.ctx.state.add(generated_tokens=tokens, generated_samples=len(rows_resp))
+        self.ctx.state.add(
+            generated_tokens=tokens,
+            generated_samples=len(rows_resp),
+            truncated_responses=truncated,
+        )

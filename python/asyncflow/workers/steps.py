@@ -19,7 +19,7 @@ import torch
 from asyncflow.algorithms.losses import LossSettings, policy_loss
 from asyncflow.config import Config
 from asyncflow.engines.base import TrainBatch, TrainEngine
-from asyncflow.workers.batches import to_train_batch
+from asyncflow.workers.batches import padded_tokens, split_micro_batches, to_train_batch
 
 #: Fields a training step reads from each sample row.
 SAMPLE_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage", "reward"]
@@ -43,8 +43,10 @@ class StepLoss:
             aggregation=a.loss_aggregation,
         )
         self.rows_per_step = t.groups_per_step * config.rollout.n
+        self.budget = t.micro_batch_tokens
         self.max_tokens = config.rollout.max_tokens
         self.pad_id = pad_id
+        self.packed = t.packing
 
     def __call__(
         self, logp: torch.Tensor, batch: TrainBatch
@@ -58,11 +60,12 @@ class StepLoss:
             self.settings,
             prox_logp=extras.get("prox_logp", logp.detach()),
             ref_logp=extras.get("ref_logp"),
+            sequence_ids=batch.sequence_ids,
         )
         if self.settings.aggregation == "token":
             share = float(batch.response_mask.sum()) / (self.rows_per_step * self.max_tokens)
         else:
-            share = batch.input_ids.shape[0] / self.rows_per_step
+            share = batch.sequences / self.rows_per_step
         return loss * share, stats
 
     def batch(self, data: Mapping[str, Sequence[Any]]) -> TrainBatch:
@@ -75,7 +78,26 @@ class StepLoss:
             self.pad_id,
             per_token=per_token,
             per_row={"advantage": np.array([float(a) for a in data["advantage"]])},
+            packed=self.packed,
         )
+
+    def parts(self, data: Mapping[str, Sequence[Any]], min_count: int = 1) -> list[list[int]]:
+        """The rows of ``data`` in micro-batches within the token budget, by their real token
+        counts; at least ``min_count`` (the extra ones empty)."""
+        return split_micro_batches(
+            sample_lengths(data), self.budget, self.packed, min_count=min_count
+        )
+
+    def micro_batches(
+        self, data: Mapping[str, Sequence[Any]], parts: list[list[int]], with_reference: bool
+    ) -> list[TrainBatch]:
+        """One micro-batch per part (an empty part gives an :meth:`empty_batch`)."""
+        return [
+            self.batch({k: [v[i] for i in part] for k, v in data.items()})
+            if part
+            else self.empty_batch(with_reference)
+            for part in parts
+        ]
 
     def empty_batch(self, with_reference: bool) -> TrainBatch:
         """A micro-batch that trains nothing (no response token): a data-parallel rank with
@@ -89,6 +111,10 @@ class StepLoss:
         if with_reference:
             data["ref_logprobs"] = [np.zeros(0, np.float32)]
         return self.batch(data)
+
+
+def sample_lengths(data: Mapping[str, Sequence[Any]]) -> list[int]:
+    return [len(p) + len(r) for p, r in zip(data["prompt_ids"], data["response_ids"], strict=True)]
 
 
 def update(
@@ -115,6 +141,29 @@ class StepResult:
     rewards: list[float] = field(default_factory=list)
     loss_stats: list[dict[str, float]] = field(default_factory=list)
     optimizer: dict[str, float] = field(default_factory=dict)
+    #: Tokens of the trained samples; tokens the micro-batches' tensors held (padding too); and
+    #: what the same micro-batches would hold padded (rows times the longest).
+    tokens: int = 0
+    tensor_tokens: int = 0
+    padded_tokens: int = 0
+    #: The most tokens one micro-batch's tensors held.
+    largest: int = 0
+
+    def count_batch(self, batch: TrainBatch, lengths: Sequence[int]) -> None:
+        self.tokens += batch.tokens
+        self.tensor_tokens += int(batch.input_ids.numel())
+        self.largest = max(self.largest, int(batch.input_ids.numel()))
+        self.padded_tokens += padded_tokens(lengths)
+
+    def padding(self) -> dict[str, float]:
+        """Padding's share of the tensors trained on, and its share had they been padded."""
+        if not self.tensor_tokens:
+            return {}
+        return {
+            "padding_fraction": 1 - self.tokens / self.tensor_tokens,
+            "padding_fraction_unpacked": 1 - self.tokens / max(self.padded_tokens, 1),
+            "micro_batch_tokens_max": float(self.largest),
+        }
 
     def note(
         self, groups: np.ndarray, ages: np.ndarray, stale: np.ndarray, rewards: Sequence[Any]
@@ -136,6 +185,10 @@ class StepResult:
             merged.staleness += p.staleness
             merged.rewards += p.rewards
             merged.loss_stats += p.loss_stats
+            merged.tokens += p.tokens
+            merged.tensor_tokens += p.tensor_tokens
+            merged.padded_tokens += p.padded_tokens
+            merged.largest = max(merged.largest, p.largest)
         merged.trained_groups.sort()
         merged.dropped_groups.sort()
         return merged

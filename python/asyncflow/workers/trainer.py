@@ -1,6 +1,7 @@
-"""Trainer: streams the samples of step ``s`` (partition ``step-s``) in whole-group micro-batches
-as soon as their advantages are ready, accumulates gradients on each as it arrives, steps the
-optimiser once the step's groups are in, and publishes the new weights as version ``s + 1``.
+"""Trainer: streams the samples of step ``s`` (partition ``step-s``) in whole-group claims as soon
+as their advantages are ready, cuts each claim into micro-batches within the token budget by the
+samples' real token counts, accumulates gradients on each as it arrives, steps the optimiser once
+the step's groups are in, and publishes the new weights as version ``s + 1``.
 Each micro-batch's loss is its fixed share of the step's (see :mod:`asyncflow.workers.steps`), so
 it can be applied while later ones are still being generated.
 With ``trainer.streaming: false`` it first waits for the whole step, as synchronous frameworks do.
@@ -23,7 +24,7 @@ from asyncflow.engines.base import StepTrainEngine, TrainBatch, TrainEngine
 from asyncflow.errors import StoreTimeoutError
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.workers.base import Context, Worker, step_partition
-from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, update
+from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, sample_lengths, update
 
 #: Runs in the trainer's thread after each step (evaluation, checkpoints); returns extra metrics.
 StepHook = Callable[[int], dict[str, Any]]
@@ -73,12 +74,16 @@ class Trainer(Worker):
         self.rows_per_step = self.loss.rows_per_step
         self._last_step_end = ctx.tracer.now()
         self._last_tokens = 0
+        #: The longest a sample can be (a guess without a prompt limit), for claim sizes.
+        prompt = ctx.prompts.max_length or self.config.rollout.max_tokens
+        self._longest = prompt + self.config.rollout.max_tokens
 
-    def _micro_batch_rows(self) -> int:
-        """Rows per micro-batch: whole groups fitting the token budget (at least one group)."""
+    def _claim_rows(self) -> int:
+        """Rows to claim at once: whole groups that would fill about one micro-batch (at least
+        one group). Only the claim's size rests on this estimate: the micro-batches are cut
+        from the claimed samples' real lengths."""
         n = self.config.rollout.n
-        longest = 2 * self.config.data.digits + 2 + self.config.rollout.max_tokens
-        groups = max(1, self.config.trainer.micro_batch_tokens // (longest * n))
+        groups = max(1, self.config.trainer.micro_batch_tokens // (self._longest * n))
         return groups * n
 
     def step(self) -> bool:
@@ -141,7 +146,7 @@ class Trainer(Worker):
         while got < self.rows_per_step:
             if self.ctx.stop.is_set():
                 return None
-            want = min(self._micro_batch_rows(), self.rows_per_step - got)
+            want = min(self._claim_rows(), self.rows_per_step - got)
             batch = self.claim(
                 "train", self.fields, want, partition=step_partition(s), whole_groups=True
             )
@@ -154,16 +159,24 @@ class Trainer(Worker):
             if stale.any():  # only under the "drop" policy can samples arrive too old
                 batch.ack(batch.indexes[stale])  # (which frees them: read before)
             if keep.size:
-                tb = self.loss.batch(data)
-                with self.busy("forward/backward"):
-                    if self.config.trainer.ppo_epochs > 1:
-                        tb.extras["prox_logp"] = self.engine.logprobs(tb)
-                    result.loss_stats.append(self.engine.forward_backward(tb, self.loss))
-                kept_batches.append(tb)
+                kept_batches += self._train_on(data, result)
                 batch.ack(batch.indexes[keep])
             result.note(batch.groups, age, stale, data["reward"])
             got += len(batch)
         return kept_batches, result
+
+    def _train_on(self, data: dict[str, list[Any]], result: StepResult) -> list[TrainBatch]:
+        """Accumulates the gradients of claimed samples, micro-batch by micro-batch."""
+        lengths = sample_lengths(data)
+        parts = self.loss.parts(data)
+        batches = self.loss.micro_batches(data, parts, self.config.algorithm.reference)
+        for part, tb in zip(parts, batches, strict=True):
+            with self.busy("forward/backward"):
+                if self.config.trainer.ppo_epochs > 1:
+                    tb.extras["prox_logp"] = self.engine.logprobs(tb)
+                result.loss_stats.append(self.engine.forward_backward(tb, self.loss))
+            result.count_batch(tb, [lengths[i] for i in part])
+        return batches
 
     def _record(self, s: int, result: StepResult) -> None:
         self.ledger.write(s, result.trained_groups, result.dropped_groups)
@@ -185,6 +198,7 @@ class Trainer(Worker):
             "tokens_per_s": (tokens - self._last_tokens) / max(now - self._last_step_end, 1e-9),
             "busy": self.ctx.tracer.busy_fraction(self._last_step_end, now),
             **result.optimizer,
+            **result.padding(),
             **_mean_stats(result.loss_stats),
         }
         self._last_step_end, self._last_tokens = now, tokens

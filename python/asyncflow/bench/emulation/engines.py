@@ -32,7 +32,7 @@ from asyncflow.engines.base import (
     TrainBatch,
     TrainEngine,
 )
-from asyncflow.models.tokenizer import CharTokenizer
+from asyncflow.models.tokenizer import Messages
 from asyncflow.scheduler import partition
 from asyncflow.tasks.base import Problem
 
@@ -194,11 +194,21 @@ class EmulatedTask:
         return []
 
 
-class EmulatedTokenizer(CharTokenizer):
-    """Emulated responses carry no text (the emulated verifier reads none), so decoding is free."""
+class EmulatedTokenizer:
+    """Prompts are digit strings (one token per digit) with no chat template; emulated responses
+    carry no text (the emulated verifier reads none), so decoding is free."""
+
+    pad_id, eos_id = 0, 1
+    has_chat_template = False
+
+    def encode(self, text: str) -> list[int]:
+        return [FILLER_TOKEN + int(c) for c in text]
 
     def decode(self, ids: list[int]) -> str:
         return ""
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        raise NotImplementedError("emulated prompts are plain text")
 
 
 class ModelledVerifier:

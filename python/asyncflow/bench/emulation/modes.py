@@ -83,13 +83,17 @@ def job_config(mode: Mode, costs: CostModel, store_url: str, run_dir: Path) -> c
     config = cfg.Config()
     config.rollout.n = w.group_size
     config.rollout.max_tokens = max_tokens
-    longest = 2 * config.data.digits + 2 + max_tokens
+    prompt = stored_tokens(w.prompt_tokens, e.compression)  # the emulated task's prompt width
+    config.data.max_prompt_length = prompt
+    longest = prompt + max_tokens
     config.model.max_positions = longest + 1  # no model is built; this only passes validation
     config.trainer.max_steps = e.warmup_steps + e.steps
     config.trainer.groups_per_step = w.prompts_per_step
     config.trainer.max_staleness = mode.staleness
     config.trainer.streaming = mode.streaming
     config.trainer.micro_batch_tokens = e.micro_batch_groups * longest * w.group_size
+    # One row per sample: the emulated trainer spreads a micro-batch's rows over its devices.
+    config.trainer.packing = False
     config.algorithm.reference = True
     config.store.address = store_url
     config.run.output_dir = str(run_dir)

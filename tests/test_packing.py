@@ -1,0 +1,80 @@
+"""Packed micro-batches: samples end to end in one row train exactly as padded rows do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from asyncflow import config as cfg
+from asyncflow.engines.hf import HFTrainEngine
+from asyncflow.models.tiny import create_tiny_model
+from asyncflow.workers.batches import split_micro_batches, to_train_batch
+from asyncflow.workers.steps import StepLoss
+
+TINY = [
+    "model.hidden_size=32",
+    "model.heads=2",
+    "model.kv_heads=1",
+    "model.intermediate_size=64",
+    "rollout.n=2",
+    "trainer.groups_per_step=3",
+]
+
+
+def samples(rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
+    rows = 6
+    responses = [rng.integers(4, 90, int(rng.integers(1, 7))) for _ in range(rows)]
+    return {
+        "prompt_ids": [rng.integers(4, 90, int(rng.integers(2, 15))) for _ in range(rows)],
+        "response_ids": responses,
+        "behaviour_logprobs": [rng.normal(-2, 0.3, len(r)).astype(np.float32) for r in responses],
+        "advantage": list(rng.normal(size=rows)),
+    }
+
+
+def gradients(engine: HFTrainEngine, loss: StepLoss, data: dict[str, list[np.ndarray]]) -> dict:
+    engine.model.zero_grad(set_to_none=True)
+    engine.forward_backward(loss.batch(data), loss)
+    return {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_a_packed_micro_batch_has_the_gradient_of_the_padded_one(
+    tmp_path: Path, aggregation: str
+) -> None:
+    config = cfg.load(None, [*TINY, f"algorithm.loss_aggregation={aggregation}"])
+    engine = HFTrainEngine(create_tiny_model(config.model, tmp_path, seed=0), config)
+    data = samples(np.random.default_rng(0))
+    padded = StepLoss(config, pad_id=0)
+    padded.packed = False
+    packed = StepLoss(config, pad_id=0)
+    assert packed.packed, "packing is the default"
+    want, got = gradients(engine, padded, data), gradients(engine, packed, data)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_positions_restart_at_each_sample() -> None:
+    prompts = [np.array([5, 6, 7]), np.array([8])]
+    responses = [np.array([9]), np.array([10, 11])]
+    batch = to_train_batch(
+        prompts, responses, 0, per_row={"advantage": np.array([1.0, -1.0])}, packed=True
+    )
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 8, 10, 11]]
+    assert batch.position_ids is not None and batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 0, 1, 1]]
+    assert batch.extras["advantage"].tolist() == [[1, 1, 1, 1, -1, -1, -1]]
+    assert batch.sequences == 2 and batch.tokens == 7
+
+
+def test_padded_micro_batches_count_the_padding_against_the_budget() -> None:
+    lengths = [10, 9, 3, 3, 3, 2]
+    parts = split_micro_batches(lengths, budget=20, packed=False)
+    assert all(len(p) * max(lengths[i] for i in p) <= 20 for p in parts)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    # Packed, only the tokens count: two micro-batches hold the 30 tokens.
+    assert len(split_micro_batches(lengths, budget=20, packed=True)) == 2
