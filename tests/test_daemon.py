@@ -27,14 +27,6 @@ from asyncflow import _native
 Daemons = Callable[..., Any]
 
 
-def public_methods(cls: type) -> set[str]:
-    return {n for n in dir(cls) if not n.startswith("_")}
-
-
-def test_a_daemon_backend_has_exactly_the_embedded_methods() -> None:
-    assert public_methods(_native.RemoteStore) == public_methods(_native.Store)
-
-
 def test_tcp_can_be_asked_for_and_carries_the_same_data(daemons: Daemons) -> None:
     store = af.connect(daemons().url, transport="tcp")
     assert store.stats()["transport"] == "tcp"

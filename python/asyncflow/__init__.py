@@ -24,6 +24,7 @@ from asyncflow.errors import (
     UnknownIndexError,
     UnknownTaskError,
 )
+from asyncflow.options import ClaimOptions, PutOptions
 from asyncflow.store import Rows, Store
 from asyncflow.units import parse_size
 
@@ -31,10 +32,12 @@ __all__ = [
     "AuthError",
     "BadRequestError",
     "Batch",
+    "ClaimOptions",
     "ConnectionError",
     "LeaseError",
     "MemoryLimitError",
     "PersistenceError",
+    "PutOptions",
     "Rows",
     "SchemaError",
     "Store",

@@ -5,15 +5,18 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+from asyncflow.options import ClaimOptions, PutOptions
+
 __all__ = [
     "DEFAULT_LINEAR_WEIGHT",
+    "DEFAULT_TIMEOUT",
     "ChunkOwner",
     "ClaimedCells",
     "EchoClient",
-    "RemoteStore",
     "Router",
     "Store",
     "__version__",
+    "claim_defaults",
     "costs",
     "echo_serve",
     "micro_batches",
@@ -24,6 +27,7 @@ __all__ = [
 
 __version__: str
 DEFAULT_LINEAR_WEIGHT: float
+DEFAULT_TIMEOUT: float
 
 @final
 class ChunkOwner:
@@ -33,43 +37,26 @@ class ChunkOwner:
 class ClaimedCells:
     def read(self, fields: list[str]) -> dict[str, list[Any]] | None: ...
 
-# Stub-only: both backends have exactly these methods (the Python ``Store`` wraps either), but
-# share no base class at run time.
-class _Backend:
+@final
+class Store:
+    def __new__(
+        cls, shards: int = 8, memory_limit: int | None = None, lease_timeout: float = 30.0
+    ) -> Store: ...
+    @staticmethod
+    def connect(
+        url: str,
+        *,
+        token: str | None = None,
+        transport: str = "auto",
+        request_timeout: float = 60.0,
+        reconnect_timeout: float = 30.0,
+    ) -> Store: ...
     def register_task(self, name: str, partitions: list[str] | None = None) -> None: ...
     def put(
-        self,
-        fields: list[tuple[str, Any, str | None]],
-        *,
-        partition: str | None = None,
-        indexes: npt.NDArray[np.uint64] | None = None,
-        groups: npt.NDArray[np.int64] | None = None,
-        group_size: int | None = None,
-        versions: npt.NDArray[np.uint64] | None = None,
-        tags: list[list[tuple[str, str]]] | None = None,
-        timeout: float | None = None,
+        self, fields: list[tuple[str, Any, str | None]], options: PutOptions | None = None
     ) -> npt.NDArray[np.uint64]: ...
     def claim(
-        self,
-        task: str,
-        fields: list[str],
-        batch_size: int,
-        *,
-        timeout: float | None = None,
-        partition: str | None = None,
-        min_version: int | None = None,
-        whole_groups: bool = False,
-        allow_partial: bool = False,
-        step: int | None = None,
-        replica: int = 0,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        replica_rank: int = 0,
-        replica_size: int = 1,
-        balance_field: str | None = None,
-        cost: str = "tokens",
-        linear_weight: float | None = None,
-        equal_count: bool = False,
+        self, task: str, fields: list[str], batch_size: int, options: ClaimOptions | None = None
     ) -> tuple[
         int | None,
         npt.NDArray[np.uint64],
@@ -97,6 +84,7 @@ class _Backend:
     def schema(self, field: str) -> tuple[str, list[int] | None]: ...
     def stats(self) -> dict[str, Any]: ...
 
+def claim_defaults() -> dict[str, Any]: ...
 def costs(
     lengths: npt.NDArray[np.uint64], cost: str = "tokens", linear_weight: float | None = None
 ) -> npt.NDArray[np.float64]: ...
@@ -135,24 +123,6 @@ class Router:
     def expire(self, now: float) -> list[tuple[int, str, str | None]]: ...
     def engines(self) -> list[tuple[str, int, int, bool, int]]: ...
     def assigned_to(self, work: int) -> str | None: ...
-
-@final
-class Store(_Backend):
-    def __new__(
-        cls, shards: int = 8, memory_limit: int | None = None, lease_timeout: float = 30.0
-    ) -> Store: ...
-
-@final
-class RemoteStore(_Backend):
-    def __new__(
-        cls,
-        url: str,
-        *,
-        token: str | None = None,
-        transport: str = "auto",
-        request_timeout: float = 60.0,
-        reconnect_timeout: float = 30.0,
-    ) -> RemoteStore: ...
 
 def serve(args: list[str], program: str = ...) -> int: ...
 def echo_serve(on_listening: Callable[[int], object]) -> None: ...

@@ -56,7 +56,7 @@ def connect(
     """
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
-    native = _native.RemoteStore(
+    native = _native.Store.connect(
         url,
         token=token,
         transport=transport,

@@ -9,6 +9,7 @@ subclass and leaves the store unchanged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,17 +21,23 @@ from asyncflow import _native
 from asyncflow.batch import Batch
 from asyncflow.columns import to_native, uint64_array
 from asyncflow.errors import BadRequestError
-from asyncflow.scheduler import DEFAULT_LINEAR_WEIGHT, Cost
+from asyncflow.options import DEFAULT_TIMEOUT, ClaimOptions, Indexes, PutOptions
 from asyncflow.units import parse_size
 
-Indexes = Sequence[int] | np.ndarray
-
-#: Default seconds a claim or put waits before raising ``TimeoutError`` / ``MemoryLimitError``.
-DEFAULT_TIMEOUT = 60.0
+__all__ = ["DEFAULT_TIMEOUT", "ClaimOptions", "Indexes", "PutOptions", "Rows", "Store"]
 
 
 P = ParamSpec("P")
 R = TypeVar("R")
+Opts = TypeVar("Opts", ClaimOptions, PutOptions)
+
+
+def _options(cls: type[Opts], options: Opts | None, kwargs: dict[str, Any]) -> Opts:
+    """``options`` with ``kwargs`` replacing its fields, or the options ``kwargs`` make. An
+    unknown keyword raises ``TypeError`` (a ``BadRequestError`` by ``_arguments``)."""
+    if options is None:
+        return cls(**kwargs)
+    return dataclasses.replace(options, **kwargs) if kwargs else options
 
 
 def _arguments(method: Callable[P, R]) -> Callable[P, R]:
@@ -66,26 +73,6 @@ def _index_array(indexes: Indexes) -> np.ndarray:
     return uint64_array(indexes, "row indexes")
 
 
-def _per_row(value: int | Indexes | None, dtype: type) -> np.ndarray | None:
-    if value is None:
-        return None
-    arr = np.atleast_1d(np.asarray(value))
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
-        raise BadRequestError(f"expected an integer or a 1-D sequence of integers, got {value!r}")
-    if arr.size and arr.min() < 0:
-        raise BadRequestError(f"expected non-negative integers, got {value!r}")
-    return np.ascontiguousarray(arr, dtype=dtype)
-
-
-def _tags(
-    tags: Mapping[str, str] | Sequence[Mapping[str, str]] | None,
-) -> list[list[tuple[str, str]]] | None:
-    if tags is None:
-        return None
-    rows = [tags] if isinstance(tags, Mapping) else list(tags)
-    return [[(str(k), str(v)) for k, v in row.items()] for row in rows]
-
-
 class Store:
     """A sample store: embedded in this process (``Store(...)``) or a daemon (``connect(...)``).
 
@@ -102,15 +89,15 @@ class Store:
         memory_limit: int | str | None = None,
         lease_timeout: float = 30.0,
     ) -> None:
-        self._native: Any = _native.Store(
+        self._native = _native.Store(
             shards=shards, memory_limit=parse_size(memory_limit), lease_timeout=lease_timeout
         )
 
     @classmethod
-    def _over(cls, backend: Any) -> Store:
-        """A store speaking through another native backend with the same methods."""
+    def _over(cls, native: _native.Store) -> Store:
+        """A store speaking through a native store made otherwise (``_native.Store.connect``)."""
         store = cls.__new__(cls)
-        store._native = backend
+        store._native = native
         return store
 
     def __repr__(self) -> str:
@@ -129,36 +116,16 @@ class Store:
 
     @_arguments
     def put(
-        self,
-        data: Mapping[str, Any],
-        *,
-        partition: str | None = None,
-        indexes: Indexes | None = None,
-        groups: int | Indexes | None = None,
-        group_size: int | None = None,
-        version: int | Indexes | None = None,
-        tags: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT,
+        self, data: Mapping[str, Any], *, options: PutOptions | None = None, **kwargs: Any
     ) -> np.ndarray:
-        """Writes rows; returns their indexes (uint64).
-
-        Without ``indexes`` it creates new rows in ``partition`` (default ``"default"``), with
-        optional GRPO ``groups`` (one id per row; ``group_size`` declares a group's full size
-        when it is written over several puts), policy ``version`` (one, or one per row) and
-        ``tags``. With ``indexes`` it fills (or replaces) fields of existing rows. The new
-        fields become ready, and claimable, only once the whole put is in place.
+        """Writes rows; returns their indexes (uint64). ``options`` (a :class:`PutOptions`, or
+        its fields as keyword arguments: ``partition``, ``indexes``, ``groups``, ``group_size``,
+        ``version``, ``tags``, ``timeout``) say which rows: new ones by default, or fields of
+        existing ``indexes``. The new fields become ready, and claimable, only once the whole put
+        is in place.
         """
         fields = to_native(data)
-        return self._native.put(  # type: ignore[no-any-return]
-            fields,
-            partition=partition,
-            indexes=None if indexes is None else _index_array(indexes),
-            groups=_per_row(groups, np.int64),
-            group_size=group_size,
-            versions=_per_row(version, np.uint64),
-            tags=_tags(tags),
-            timeout=timeout,
-        )
+        return self._native.put(fields, _options(PutOptions, options, kwargs).native())
 
     @_arguments
     def claim(
@@ -167,63 +134,21 @@ class Store:
         fields: str | Sequence[str],
         batch_size: int,
         *,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        partition: str | None = None,
-        min_version: int | None = None,
-        whole_groups: bool = False,
-        allow_partial: bool = False,
-        step: int | None = None,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        replica: int = 0,
-        replica_rank: int = 0,
-        replica_size: int = 1,
-        balance_field: str | None = None,
-        cost: Cost = "tokens",
-        linear_weight: float = DEFAULT_LINEAR_WEIGHT,
-        equal_count: bool = False,
+        options: ClaimOptions | None = None,
+        **kwargs: Any,
     ) -> Batch:
         """Leases up to ``batch_size`` rows ready for all ``fields`` and not yet taken by ``task``,
-        oldest first.
+        oldest first. A field no put has written yet simply has no ready rows.
 
-        Waits up to ``timeout`` seconds (None: for ever) for a full batch; then returns what is
-        ready if ``allow_partial`` (possibly nothing), else raises ``TimeoutError``. ``partition``
-        and ``min_version`` filter rows; ``whole_groups`` delivers a GRPO group all together or not
-        at all. A field no put has written yet simply has no ready rows.
-
-        With ``step``, the claim is shared by the consumers of one training step: the first to ask
-        claims the step's whole batch (``batch_size`` rows) and splits it into ``dp_size`` parts
-        balanced by the token length (first dimension) of ``balance_field`` (default: the first of
-        ``fields``) under ``cost``; data-parallel rank ``dp_rank`` gets part ``dp_rank``. The
-        ``replica_size`` peers of a replica group (tensor/pipeline ranks, ``replica_rank`` each)
-        get the same part, and its rows are committed once every peer has acked them. Every
-        caller of a step repeats the same options; ``replica`` names independent groups that
-        each claim their own batch per step. With ``whole_groups`` a GRPO group stays on one
-        rank; ``equal_count`` gives ranks equally many rows (±1). Each part has its own lease:
-        ranks commit independently; a release by any peer, or expiry, hands the part back for
-        all its peers; a caller whose part has ended gets ``LeaseError``, and an ended step is
-        never claimed afresh.
+        ``options`` (a :class:`ClaimOptions`, or its fields as keyword arguments: ``timeout``,
+        ``partition``, ``min_version``, ``whole_groups``, ``allow_partial``, and for a claim
+        shared by the ranks of a training step ``step``, ``dp_rank``, ``dp_size``, ...) say how
+        long to wait, which rows qualify, and how the batch is shared.
         """
         names = (fields,) if isinstance(fields, str) else tuple(fields)
+        claim = _options(ClaimOptions, options, kwargs)
         lease, idx, versions, groups, left, cells = self._native.claim(
-            task,
-            list(names),
-            batch_size,
-            timeout=timeout,
-            partition=partition,
-            min_version=min_version,
-            whole_groups=whole_groups,
-            allow_partial=allow_partial,
-            step=step,
-            replica=replica,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            replica_rank=replica_rank,
-            replica_size=replica_size,
-            balance_field=balance_field,
-            cost=cost,
-            linear_weight=linear_weight,
-            equal_count=equal_count,
+            task, list(names), batch_size, claim
         )
         return Batch(self, task, names, lease, idx, versions, groups, left, cells)
 
@@ -235,28 +160,24 @@ class Store:
     def ack(self, batch: Batch | int, indexes: Indexes | None = None) -> None:
         """Commits a claimed batch (or only ``indexes`` of it) for its task. Raises
         ``LeaseError`` if the lease expired or was already acked; then nothing changes."""
-        lease = self._lease(batch)
-        if lease is None:
-            return
-        subset = None if indexes is None else _index_array(indexes)
-        if isinstance(batch, Batch):
-            batch._drop_cells()
-        self._native.ack(lease, subset)
-        if isinstance(batch, Batch):
-            batch._note_acked(subset)
-            batch._settle(None if subset is None else len(subset))
+        self._settle(batch, indexes, acked=True)
 
     @_arguments
     def release(self, batch: Batch | int, indexes: Indexes | None = None) -> None:
         """Hands a batch's rows (or ``indexes`` of them) back for immediate redelivery."""
+        self._settle(batch, indexes, acked=False)
+
+    def _settle(self, batch: Batch | int, indexes: Indexes | None, acked: bool) -> None:
         lease = self._lease(batch)
         if lease is None:
             return
         subset = None if indexes is None else _index_array(indexes)
         if isinstance(batch, Batch):
             batch._drop_cells()
-        self._native.release(lease, subset)
+        (self._native.ack if acked else self._native.release)(lease, subset)
         if isinstance(batch, Batch):
+            if acked:
+                batch._note_acked(subset)
             batch._settle(None if subset is None else len(subset))
 
     @_arguments
@@ -272,7 +193,7 @@ class Store:
         """``{field: [value per row]}`` of any live rows: read-only NumPy views (no copy), or
         ``bytes`` for bytes fields."""
         names = [fields] if isinstance(fields, str) else list(fields)
-        return self._native.read(_index_array(indexes), names)  # type: ignore[no-any-return]
+        return self._native.read(_index_array(indexes), names)
 
     @_arguments
     def rows(self, indexes: Indexes | None = None, *, partition: str | None = None) -> Rows:
@@ -284,7 +205,7 @@ class Store:
     @_arguments
     def ready_fields(self, indexes: Indexes) -> list[list[str]]:
         """The names of the fields ready on each row."""
-        return self._native.ready_fields(_index_array(indexes))  # type: ignore[no-any-return]
+        return self._native.ready_fields(_index_array(indexes))
 
     @_arguments
     def clear(self, partition: str) -> int:

@@ -1,5 +1,8 @@
 //! Every call that can wait goes through here: it releases the GIL so other Python threads run,
-//! and wakes regularly to check for signals so Ctrl-C interrupts a blocked claim or put.
+//! and wakes regularly to check for signals so Ctrl-C interrupts a blocked claim or put. This is
+//! the one module allowed to release or take the GIL (`clippy.toml` forbids it elsewhere): any
+//! call that takes a store lock or does I/O runs through `detached`, long computations through
+//! `without_gil`.
 
 use std::time::{Duration, Instant};
 
@@ -22,13 +25,14 @@ pub fn timeout(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     }
 }
 
-/// Turns a Python timeout in seconds (`None`: for ever) into a deadline.
-pub fn deadline(seconds: Option<f64>) -> PyResult<Option<Instant>> {
-    Ok(timeout(seconds)?.map(|t| Instant::now() + t))
+/// The deadline `timeout` from now (`None`: for ever).
+pub fn deadline(timeout: Option<Duration>) -> Option<Instant> {
+    timeout.map(|t| Instant::now() + t)
 }
 
 /// Runs `f` without the GIL, giving it a `Wait` that ends at `deadline` or when a signal handler
 /// raises; the handler's exception (e.g. `KeyboardInterrupt`) is what the caller sees then.
+#[allow(clippy::disallowed_methods)]
 pub fn detached<T: Send, E: BlockingError>(
     py: Python<'_>,
     deadline: Option<Instant>,
@@ -52,4 +56,11 @@ pub fn detached<T: Send, E: BlockingError>(
         }
         Err(e) => Err(e.into_py()),
     }
+}
+
+/// Runs `f`, which neither waits on a lock nor can be interrupted (a computation, or a server
+/// that handles its own signals), without the GIL.
+#[allow(clippy::disallowed_methods)]
+pub fn without_gil<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
+    py.detach(f)
 }

@@ -1,19 +1,15 @@
 //! Conversions shared by every backend's Python class, so the embedded store and a daemon
 //! connection take the same arguments and return the same shapes.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use asyncflow_core::{
-    Cell, ClaimSpec, FieldSchema, NewRows, PutTarget, RowInfo, Share, StoreError, StoreStats,
-};
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use asyncflow_core::{Cell, FieldSchema, RowInfo, StoreError, StoreStats};
+use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::arrays::{CellViews, PendingColumn};
 use crate::errors::to_py;
-use crate::scheduler::cost_model;
 
 /// What one claim leased: the lease id (`None` when nothing was ready), the rows, their policy
 /// versions and groups (-1: no group), seconds until the lease expires, and the claimed fields'
@@ -81,64 +77,6 @@ pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
     }
 }
 
-/// A claim's options, checked.
-/// The options that share one step's batch between data-parallel ranks and replicas.
-pub struct ShareArgs<'a> {
-    pub step: Option<u64>,
-    pub replica: u64,
-    pub dp_rank: u32,
-    pub dp_size: u32,
-    pub replica_rank: u32,
-    pub replica_size: u32,
-    pub balance_field: Option<String>,
-    pub cost: &'a str,
-    pub linear_weight: Option<f64>,
-    pub equal_count: bool,
-}
-
-impl ShareArgs<'_> {
-    fn into_share(self) -> PyResult<Option<Share>> {
-        let Some(step) = self.step else {
-            let defaults =
-                (self.replica, self.dp_rank, self.dp_size, self.replica_rank, self.replica_size);
-            if defaults != (0, 0, 1, 0, 1) || self.balance_field.is_some() || self.equal_count {
-                return Err(to_py(StoreError::bad_request(
-                    "replica, dp_*, replica_*, balance_field and equal_count share a step's \
-                     batch; they need step",
-                )));
-            }
-            return Ok(None);
-        };
-        Ok(Some(Share {
-            step,
-            replica: self.replica,
-            dp_rank: self.dp_rank,
-            dp_size: self.dp_size,
-            replica_rank: self.replica_rank,
-            replica_size: self.replica_size,
-            balance_field: self.balance_field,
-            cost: cost_model(self.cost, self.linear_weight)?,
-            equal_count: self.equal_count,
-        }))
-    }
-}
-
-pub fn claim_spec(
-    task: String,
-    fields: Vec<String>,
-    batch_size: i64,
-    partition: Option<String>,
-    min_version: Option<u64>,
-    whole_groups: bool,
-    share: ShareArgs<'_>,
-) -> PyResult<ClaimSpec> {
-    let batch_size = usize::try_from(batch_size).map_err(|_| {
-        to_py(StoreError::bad_request(format!("batch_size must be at least 1, not {batch_size}")))
-    })?;
-    let share = share.into_share()?;
-    Ok(ClaimSpec { task, fields, batch_size, partition, min_version, whole_groups, share })
-}
-
 /// Reads a put's `(name, value, dtype)` fields off their Python values (GIL held).
 pub fn inspect_fields(
     fields: &[(String, Bound<'_, PyAny>, Option<String>)],
@@ -149,45 +87,8 @@ pub fn inspect_fields(
         .collect()
 }
 
-fn groups_to_core(groups: &[i64]) -> PyResult<Vec<u64>> {
-    groups
-        .iter()
-        .map(|&g| {
-            u64::try_from(g).map_err(|_| {
-                to_py(StoreError::bad_request(format!("group ids must be >= 0, got {g}")))
-            })
-        })
-        .collect()
-}
-
 fn group_to_py(group: Option<u64>) -> i64 {
     group.map_or(-1, |g| g as i64)
-}
-
-/// The rows a put writes: existing `indexes`, or new rows described by the rest.
-pub fn put_target(
-    partition: Option<String>,
-    indexes: Option<PyReadonlyArray1<'_, u64>>,
-    groups: Option<PyReadonlyArray1<'_, i64>>,
-    group_size: Option<u32>,
-    versions: Option<PyReadonlyArray1<'_, u64>>,
-    tags: Option<Vec<Vec<(String, String)>>>,
-) -> PyResult<PutTarget> {
-    if let Some(indexes) = indexes {
-        if partition.is_some() || groups.is_some() || versions.is_some() || tags.is_some() {
-            return Err(to_py(StoreError::bad_request(
-                "partition, groups, versions and tags describe new rows; they cannot be given with indexes",
-            )));
-        }
-        return Ok(PutTarget::Existing(indexes.as_slice()?.to_vec()));
-    }
-    Ok(PutTarget::New(NewRows {
-        partition: partition.unwrap_or_else(|| "default".to_owned()),
-        groups: groups.map(|g| groups_to_core(g.as_slice()?)).transpose()?,
-        group_size,
-        versions: versions.map_or_else(|| Ok(vec![0]), |v| v.as_slice().map(<[u64]>::to_vec))?,
-        tags: tags.unwrap_or_default().into_iter().map(Arc::new).collect(),
-    }))
 }
 
 pub fn claim_result<'py>(

@@ -9,6 +9,7 @@ mod blocking;
 mod convert;
 mod echo;
 mod errors;
+mod options;
 mod remote;
 mod scheduler;
 mod sim;
@@ -20,8 +21,8 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_LINEAR_WEIGHT", asyncflow_core::scheduler::CostModel::DEFAULT_LINEAR_WEIGHT)?;
+    m.add("DEFAULT_TIMEOUT", options::DEFAULT_TIMEOUT)?;
     m.add_class::<store::Store>()?;
-    m.add_class::<remote::RemoteStore>()?;
     m.add_class::<arrays::ChunkOwner>()?;
     m.add_class::<convert::ClaimedCells>()?;
     m.add_class::<scheduler::Router>()?;
@@ -29,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scheduler::costs, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::partition, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::micro_batches, m)?)?;
+    m.add_function(wrap_pyfunction!(options::claim_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(remote::serve, m)?)?;
     m.add_function(wrap_pyfunction!(echo::echo_serve, m)?)?;
     m.add_function(wrap_pyfunction!(sim::simulate, m)?)?;

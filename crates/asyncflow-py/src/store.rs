@@ -1,29 +1,88 @@
-//! The embedded store as a Python class. Conversions only: every rule lives in the core.
+//! The store as one Python class over either backend: the store embedded in this process, or a
+//! connection to a daemon. Each method converts its arguments once, then runs the backend's call
+//! through the blocking helper (GIL released, Ctrl-C honoured). Conversions only: every rule
+//! lives in the core.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use asyncflow_core::{self as core, Column, StoreConfig, StoreError};
+use asyncflow_server::client::{Client, Policy, PutColumn};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::arrays::PendingColumn;
-use crate::blocking::{deadline, detached};
+use crate::blocking::{deadline, detached, timeout as duration};
 use crate::convert::{
-    ClaimResult, RowsResult, ShareArgs, claim_result, claim_spec, columns_dict, inspect_fields,
-    put_target, rows_result, seconds, stats_dict,
+    ClaimResult, ClaimedCells, RowsResult, claim_result, columns_dict, inspect_fields, rows_result,
+    seconds, stats_dict,
 };
 use crate::errors::IntoPy;
+use crate::options::{ClaimOptions, PutOptions};
+use crate::remote::{Remote, preference};
 
-/// The in-process sample store.
+enum Backend {
+    Embedded(Arc<core::Store>),
+    Remote(Remote),
+}
+
+/// A backend ready for one call: the embedded store, or the daemon's client.
+enum Conn<'a> {
+    Embedded(&'a core::Store),
+    Remote(Arc<Client>),
+}
+
+/// The sample store: embedded (`Store(...)`) or a daemon connection (`Store.connect(...)`).
 #[pyclass(module = "asyncflow._native", frozen)]
 pub struct Store {
-    inner: Arc<core::Store>,
+    backend: Backend,
+}
+
+/// How a lease ends.
+#[derive(Clone, Copy)]
+enum Settle {
+    Ack,
+    Release,
+}
+
+impl Store {
+    fn conn(&self, py: Python<'_>) -> PyResult<Conn<'_>> {
+        Ok(match &self.backend {
+            Backend::Embedded(store) => Conn::Embedded(store),
+            Backend::Remote(remote) => Conn::Remote(remote.client(py)?),
+        })
+    }
+
+    /// Acks or releases a lease, or only `indexes` of it.
+    fn settle(
+        &self,
+        py: Python<'_>,
+        lease: u64,
+        indexes: Option<PyReadonlyArray1<'_, u64>>,
+        how: Settle,
+    ) -> PyResult<()> {
+        let subset = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
+        match (self.conn(py)?, how) {
+            (Conn::Embedded(store), Settle::Ack) => {
+                detached(py, None, |_| store.ack(lease, subset))
+            }
+            (Conn::Embedded(store), Settle::Release) => {
+                detached(py, None, |_| store.release(lease, subset))
+            }
+            (Conn::Remote(client), Settle::Ack) => {
+                detached(py, None, |wait| client.ack(lease, subset, wait))
+            }
+            (Conn::Remote(client), Settle::Release) => {
+                detached(py, None, |wait| client.release(lease, subset, wait))
+            }
+        }
+    }
 }
 
 #[pymethods]
 impl Store {
+    /// An embedded store.
     #[new]
     #[pyo3(signature = (shards = 8, memory_limit = None, lease_timeout = 30.0))]
     fn new(shards: usize, memory_limit: Option<u64>, lease_timeout: f64) -> PyResult<Self> {
@@ -32,94 +91,114 @@ impl Store {
             memory_limit,
             lease_timeout: seconds(lease_timeout, "lease_timeout")?,
         };
-        Ok(Self { inner: Arc::new(core::Store::new(config).py_err()?) })
+        let store = core::Store::new(config).py_err()?;
+        Ok(Self { backend: Backend::Embedded(Arc::new(store)) })
+    }
+
+    /// Connects to a daemon at `url` (`tcp://HOST:PORT`). `transport`: `"auto"` (shared memory
+    /// when the daemon is on this machine, else TCP), `"tcp"` or `"shm"`. `request_timeout`:
+    /// seconds a request waits for its reply beyond its own timeout, and a silent daemon may go
+    /// unanswered before the connection is given up; `reconnect_timeout`: seconds a broken
+    /// connection is tried again before requests fail.
+    #[staticmethod]
+    #[pyo3(signature = (url, *, token = None, transport = "auto", request_timeout = 60.0, reconnect_timeout = 30.0))]
+    fn connect(
+        py: Python<'_>,
+        url: String,
+        token: Option<String>,
+        transport: &str,
+        request_timeout: f64,
+        reconnect_timeout: f64,
+    ) -> PyResult<Self> {
+        let policy = Policy {
+            request_timeout: seconds(request_timeout, "request_timeout")?,
+            reconnect_timeout: seconds(reconnect_timeout, "reconnect_timeout")?,
+        };
+        let remote = Remote::connect(py, url, token, preference(transport)?, policy)?;
+        Ok(Self { backend: Backend::Remote(remote) })
     }
 
     #[pyo3(signature = (name, partitions = None))]
-    fn register_task(&self, name: &str, partitions: Option<Vec<String>>) -> PyResult<()> {
-        self.inner.register_task(name, partitions).py_err()
+    fn register_task(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        partitions: Option<Vec<String>>,
+    ) -> PyResult<()> {
+        match self.conn(py)? {
+            Conn::Embedded(store) => detached(py, None, |_| store.register_task(name, partitions)),
+            Conn::Remote(client) => {
+                detached(py, None, |wait| client.register_task(name, partitions, wait))
+            }
+        }
     }
 
-    /// Writes new rows (`indexes` is None) or fields of existing rows. `fields` holds
+    /// Writes new rows or fields of existing rows (`options.indexes`). `fields` holds
     /// `(name, value, dtype or None)`. Returns the rows' indexes.
-    #[pyo3(signature = (fields, *, partition = None, indexes = None, groups = None, group_size = None, versions = None, tags = None, timeout = None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (fields, options = None))]
     fn put<'py>(
         &self,
         py: Python<'py>,
         fields: Vec<(String, Bound<'py, PyAny>, Option<String>)>,
-        partition: Option<String>,
-        indexes: Option<PyReadonlyArray1<'py, u64>>,
-        groups: Option<PyReadonlyArray1<'py, i64>>,
-        group_size: Option<u32>,
-        versions: Option<PyReadonlyArray1<'py, u64>>,
-        tags: Option<Vec<Vec<(String, String)>>>,
-        timeout: Option<f64>,
+        options: Option<PutOptions<'py>>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let pending = inspect_fields(&fields)?;
-        let target = put_target(partition, indexes, groups, group_size, versions, tags)?;
-        let total: u64 = pending.iter().map(PendingColumn::bytes_needed).sum();
-        let store = &self.inner;
-        let rows = detached(py, deadline(timeout.or(Some(60.0)))?, |wait| {
-            let mut reservation = store.reserve(total, wait)?;
-            let columns: Vec<Column> = pending
-                .into_iter()
-                .map(|p| {
-                    let guard = reservation.split(p.bytes_needed())?;
-                    // SAFETY: `fields` (the inspected Python objects) outlives this closure.
-                    Ok(unsafe { p.into_column(guard) })
-                })
-                .collect::<Result<_, StoreError>>()?;
-            store.put(columns, &target)
-        })?;
+        let (target, timeout) = options.unwrap_or_default().into_target()?;
+        let timeout = duration(timeout)?;
+        let rows = match self.conn(py)? {
+            Conn::Embedded(store) => {
+                let total: u64 = pending.iter().map(PendingColumn::bytes_needed).sum();
+                detached(py, deadline(timeout), |wait| {
+                    let mut reservation = store.reserve(total, wait)?;
+                    let columns: Vec<Column> = pending
+                        .into_iter()
+                        .map(|p| {
+                            let guard = reservation.split(p.bytes_needed())?;
+                            // SAFETY: `fields` (the inspected Python objects) outlives this
+                            // closure.
+                            Ok(unsafe { p.into_column(guard) })
+                        })
+                        .collect::<Result<_, StoreError>>()?;
+                    store.put(columns, &target)
+                })?
+            }
+            Conn::Remote(client) => detached(py, None, |wait| {
+                // SAFETY: `fields` (the inspected Python objects) outlives this closure.
+                let columns: Vec<PutColumn<'_>> =
+                    pending.iter().map(|p| unsafe { p.as_put_column() }).collect();
+                client.put(&columns, target, timeout, wait)
+            })?,
+        };
         Ok(rows.into_pyarray(py))
     }
 
-    /// Leases up to `batch_size` rows ready for all `fields` and free for `task`. With `step`,
-    /// the claim is shared: this caller gets its part (`dp_rank` of `dp_size`) of the step's
-    /// batch, the same part as the other `replica_size` peers of its replica group.
-    #[pyo3(signature = (task, fields, batch_size, *, timeout = None, partition = None, min_version = None, whole_groups = false, allow_partial = false, step = None, replica = 0, dp_rank = 0, dp_size = 1, replica_rank = 0, replica_size = 1, balance_field = None, cost = "tokens", linear_weight = None, equal_count = false))]
-    #[allow(clippy::too_many_arguments)]
+    /// Leases up to `batch_size` rows ready for all `fields` and free for `task`, as `options`
+    /// say (a shared claim with `options.step`).
+    #[pyo3(signature = (task, fields, batch_size, options = None))]
     fn claim<'py>(
         &self,
         py: Python<'py>,
         task: String,
         fields: Vec<String>,
         batch_size: i64,
-        timeout: Option<f64>,
-        partition: Option<String>,
-        min_version: Option<u64>,
-        whole_groups: bool,
-        allow_partial: bool,
-        step: Option<u64>,
-        replica: u64,
-        dp_rank: u32,
-        dp_size: u32,
-        replica_rank: u32,
-        replica_size: u32,
-        balance_field: Option<String>,
-        cost: &str,
-        linear_weight: Option<f64>,
-        equal_count: bool,
+        options: Option<ClaimOptions>,
     ) -> PyResult<ClaimResult<'py>> {
-        let share = ShareArgs {
-            step,
-            replica,
-            dp_rank,
-            dp_size,
-            replica_rank,
-            replica_size,
-            balance_field,
-            cost,
-            linear_weight,
-            equal_count,
-        };
-        let spec =
-            claim_spec(task, fields, batch_size, partition, min_version, whole_groups, share)?;
-        let store = &self.inner;
-        let c = detached(py, deadline(timeout)?, |wait| store.claim(&spec, allow_partial, wait))?;
-        let left = c.deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        Ok(claim_result(py, c.lease, c.rows, c.versions, &c.groups, left, None))
+        let claim = options.unwrap_or_default().into_claim(task, fields, batch_size)?;
+        let (spec, partial) = (&claim.spec, claim.allow_partial);
+        let timeout = duration(claim.timeout)?;
+        match self.conn(py)? {
+            Conn::Embedded(store) => {
+                let c = detached(py, deadline(timeout), |wait| store.claim(spec, partial, wait))?;
+                let left = c.deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                Ok(claim_result(py, c.lease, c.rows, c.versions, &c.groups, left, None))
+            }
+            Conn::Remote(client) => {
+                let (c, cells) =
+                    detached(py, None, |wait| client.claim(spec, partial, timeout, wait))?;
+                let cells = cells.map(ClaimedCells::new);
+                Ok(claim_result(py, c.lease, c.rows, c.versions, &c.groups, c.expires_in, cells))
+            }
+        }
     }
 
     /// Commits a lease, or only `indexes` of it.
@@ -130,39 +209,61 @@ impl Store {
         lease: u64,
         indexes: Option<PyReadonlyArray1<'_, u64>>,
     ) -> PyResult<()> {
-        let subset = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
-        let store = &self.inner;
-        py.detach(|| store.ack(lease, subset)).py_err()
+        self.settle(py, lease, indexes, Settle::Ack)
     }
 
     /// Hands a lease's rows (or `indexes` of them) back for immediate redelivery.
     #[pyo3(signature = (lease, indexes = None))]
-    fn release(&self, lease: u64, indexes: Option<PyReadonlyArray1<'_, u64>>) -> PyResult<()> {
-        let subset = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
-        self.inner.release(lease, subset).py_err()
+    fn release(
+        &self,
+        py: Python<'_>,
+        lease: u64,
+        indexes: Option<PyReadonlyArray1<'_, u64>>,
+    ) -> PyResult<()> {
+        self.settle(py, lease, indexes, Settle::Release)
     }
 
     /// Extends a lease to `timeout` seconds from now (default: the store's lease timeout);
     /// returns the seconds granted.
     #[pyo3(signature = (lease, timeout = None))]
-    fn renew(&self, lease: u64, timeout: Option<f64>) -> PyResult<f64> {
+    fn renew(&self, py: Python<'_>, lease: u64, timeout: Option<f64>) -> PyResult<f64> {
         let timeout = timeout.map(|t| seconds(t, "timeout")).transpose()?;
-        let until = self.inner.renew(lease, timeout).py_err()?;
-        Ok(until.saturating_duration_since(Instant::now()).as_secs_f64())
+        let left = match self.conn(py)? {
+            Conn::Embedded(store) => {
+                let until = detached(py, None, |_| store.renew(lease, timeout))?;
+                until.saturating_duration_since(Instant::now())
+            }
+            Conn::Remote(client) => detached(py, None, |wait| client.renew(lease, timeout, wait))?,
+        };
+        Ok(left.as_secs_f64())
     }
 
-    /// `{field: [one value per row]}`: read-only NumPy views into store memory (no copy), or
-    /// `bytes` for bytes fields. The views keep the payload alive while referenced.
+    /// `{field: [one value per row]}`: read-only NumPy views (no copy), or `bytes` for bytes
+    /// fields. Embedded and over shared memory they view the store's memory (the views keep it
+    /// alive while referenced); over TCP they view the received message.
     fn read<'py>(
         &self,
         py: Python<'py>,
         indexes: PyReadonlyArray1<'py, u64>,
         fields: Vec<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let indexes = indexes.as_slice()?;
-        let store = &self.inner;
-        let columns = py.detach(|| store.read(indexes, &fields)).py_err()?;
-        columns_dict(py, columns.iter().map(|c| (c.name.as_str(), &c.schema, c.cells.as_slice())))
+        let rows = indexes.as_slice()?;
+        match self.conn(py)? {
+            Conn::Embedded(store) => {
+                let columns = detached(py, None, |_| store.read(rows, &fields))?;
+                columns_dict(
+                    py,
+                    columns.iter().map(|c| (c.name.as_str(), &c.schema, c.cells.as_slice())),
+                )
+            }
+            Conn::Remote(client) => {
+                let columns = detached(py, None, |wait| client.read(rows, &fields, wait))?;
+                columns_dict(
+                    py,
+                    columns.iter().map(|(n, s, cells)| (n.as_str(), s, cells.as_slice())),
+                )
+            }
+        }
     }
 
     /// Metadata of rows: `(indexes, partitions, groups, versions, tags)`; all live rows (of one
@@ -174,36 +275,71 @@ impl Store {
         indexes: Option<PyReadonlyArray1<'py, u64>>,
         partition: Option<String>,
     ) -> PyResult<RowsResult<'py>> {
-        let infos = match indexes {
-            Some(indexes) => self.inner.row_info(indexes.as_slice()?).py_err()?,
-            None => self.inner.rows(partition.as_deref()),
+        let rows = indexes.as_ref().map(PyReadonlyArray1::as_slice).transpose()?;
+        let partition = partition.as_deref();
+        let infos = match self.conn(py)? {
+            Conn::Embedded(store) => detached(py, None, |_| match rows {
+                Some(rows) => store.row_info(rows),
+                None => Ok::<_, StoreError>(store.rows(partition)),
+            })?,
+            Conn::Remote(client) => detached(py, None, |wait| client.rows(rows, partition, wait))?,
         };
         Ok(rows_result(py, &infos))
     }
 
     /// Names of the fields ready on each of `indexes`.
-    fn ready_fields(&self, indexes: PyReadonlyArray1<'_, u64>) -> PyResult<Vec<Vec<String>>> {
-        self.inner.ready_fields(indexes.as_slice()?).py_err()
+    fn ready_fields(
+        &self,
+        py: Python<'_>,
+        indexes: PyReadonlyArray1<'_, u64>,
+    ) -> PyResult<Vec<Vec<String>>> {
+        let rows = indexes.as_slice()?;
+        match self.conn(py)? {
+            Conn::Embedded(store) => detached(py, None, |_| store.ready_fields(rows)),
+            Conn::Remote(client) => detached(py, None, |wait| client.ready_fields(rows, wait)),
+        }
     }
 
     /// Frees every row of a partition; returns how many were freed.
-    fn clear(&self, partition: &str) -> PyResult<u64> {
-        self.inner.clear(partition).py_err()
+    fn clear(&self, py: Python<'_>, partition: &str) -> PyResult<u64> {
+        match self.conn(py)? {
+            Conn::Embedded(store) => detached(py, None, |_| store.clear(partition)),
+            Conn::Remote(client) => detached(py, None, |wait| client.clear(partition, wait)),
+        }
     }
 
     /// Frees the given rows (all or none).
-    fn delete(&self, indexes: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
-        self.inner.delete(indexes.as_slice()?).py_err()
+    fn delete(&self, py: Python<'_>, indexes: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
+        let rows = indexes.as_slice()?;
+        match self.conn(py)? {
+            Conn::Embedded(store) => detached(py, None, |_| store.delete(rows)),
+            Conn::Remote(client) => detached(py, None, |wait| client.delete(rows, wait)),
+        }
     }
 
     /// `(dtype name, trailing shape or None for scalars)` of a field.
-    fn schema(&self, field: &str) -> PyResult<(String, Option<Vec<u64>>)> {
-        let s = self.inner.field_schema(field).py_err()?;
+    fn schema(&self, py: Python<'_>, field: &str) -> PyResult<(String, Option<Vec<u64>>)> {
+        let s = match self.conn(py)? {
+            Conn::Embedded(store) => detached(py, None, |_| store.field_schema(field))?,
+            Conn::Remote(client) => detached(py, None, |wait| client.schema(field, wait))?,
+        };
         Ok((s.dtype.name().to_owned(), s.trailing))
     }
 
-    /// Counters and gauges of the store.
+    /// Counters and gauges of the store, with `transport`: `"inproc"`, `"shm"` or `"tcp"`. A
+    /// daemon's are summed over its storage daemons when sharded, with `storage_daemons`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner.stats(), "inproc")
+        match self.conn(py)? {
+            Conn::Embedded(store) => {
+                let s = detached(py, None, |_| Ok::<_, StoreError>(store.stats()))?;
+                stats_dict(py, &s, "inproc")
+            }
+            Conn::Remote(client) => {
+                let s = detached(py, None, |wait| client.stats(wait))?;
+                let d = stats_dict(py, &s, client.transport())?;
+                d.set_item("storage_daemons", client.storage_daemons())?;
+                Ok(d)
+            }
+        }
     }
 }
