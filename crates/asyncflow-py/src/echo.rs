@@ -7,13 +7,15 @@ use numpy::{PyReadonlyArrayDyn, PyReadwriteArrayDyn};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::blocking::without_gil;
+
 /// Listens on a free loopback port, passes the port to `on_listening`, then echoes each
 /// connection in turn until the process ends.
 #[pyfunction]
 pub fn echo_serve(py: Python<'_>, on_listening: Bound<'_, PyAny>) -> PyResult<()> {
     let listener = asyncflow_echo::listen()?;
     on_listening.call1((listener.local_addr()?.port(),))?;
-    py.detach(|| asyncflow_echo::serve(&listener))?;
+    without_gil(py, || asyncflow_echo::serve(&listener))?;
     Ok(())
 }
 
@@ -49,7 +51,7 @@ impl EchoClient {
             )));
         }
         let stream = &self.stream;
-        let elapsed = py.detach(|| asyncflow_echo::round_trips(stream, block, rounds, back))?;
+        let elapsed = without_gil(py, || asyncflow_echo::round_trips(stream, block, rounds, back))?;
         Ok(elapsed.as_secs_f64())
     }
 

@@ -11,6 +11,7 @@ use asyncflow_core::scheduler::{
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
+use crate::blocking::without_gil;
 use crate::errors::{IntoPy, to_py};
 
 /// Group ids from Python are labels: any int64, reinterpreted so that distinct ids stay distinct.
@@ -54,7 +55,7 @@ pub fn partition(
     let method = Method::from_name(method).py_err()?;
     let groups = groups.map(|g| g.as_slice().map(group_labels)).transpose()?;
     let lengths = lengths.as_slice()?;
-    py.detach(|| {
+    without_gil(py, || {
         let options = PartitionOptions { groups: groups.as_deref(), equal_count, method };
         core::partition(&model.costs(lengths), k, &options)
     })
@@ -75,7 +76,7 @@ pub fn micro_batches(
     let cost = cost_model(cost, linear_weight)?;
     let lengths = lengths.as_slice()?;
     let options = MicroBatchOptions { max_tokens, cost, min_count };
-    py.detach(|| core::micro_batches(lengths, &options)).py_err()
+    without_gil(py, || core::micro_batches(lengths, &options)).py_err()
 }
 
 /// An engine as Python sees it: `(name, tokens, requests, in rotation, work assigned)`.

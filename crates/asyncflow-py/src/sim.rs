@@ -7,6 +7,7 @@ use asyncflow_sim::{CostModel, Mode, Scenario};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::blocking::without_gil;
 use crate::errors::sim_to_py;
 
 /// Simulates `steps` measured training steps (after `warmup_steps`) of the pipeline in `mode` on
@@ -25,7 +26,7 @@ pub fn simulate<'py>(
     let costs = devices.map_or_else(|| model.clone(), |n| model.scaled(n));
     let mode = Mode::from_name(mode).map_err(sim_to_py)?;
     let scenario = Scenario { costs, mode, warmup_steps, steps };
-    let outcome = py.detach(|| asyncflow_sim::simulate(&scenario)).map_err(sim_to_py)?;
+    let outcome = without_gil(py, || asyncflow_sim::simulate(&scenario)).map_err(sim_to_py)?;
     let out = PyDict::new(py);
     out.set_item("samples_per_s", outcome.samples_per_s)?;
     out.set_item("ideal_samples_per_s", outcome.ideal_samples_per_s)?;
