@@ -99,3 +99,30 @@ def test_the_two_node_ray_example_is_valid_once_its_paths_exist(tmp_path: Path) 
 def test_a_negative_ray_resource_is_a_config_error() -> None:
     with pytest.raises(cfg.ConfigError, match=r"ray\.rollout_gpus cannot be negative"):
         cfg.load(None, ["ray.rollout_gpus=-1"])
+
+
+def test_chat_template_takes_auto_true_or_false() -> None:
+    assert cfg.load(None, []).data.chat_template == "auto"
+    assert cfg.load(None, ["data.chat_template=false"]).data.chat_template is False
+    assert cfg.load(None, ["data.chat_template=true"]).data.chat_template is True
+    with pytest.raises(cfg.ConfigError, match=r"data\.chat_template"):
+        cfg.load(None, ["data.chat_template=sometimes"])
+
+
+def test_extra_keys_are_a_list_of_paths() -> None:
+    c = cfg.load(None, ["data.extra_keys=[extra_info.index, data_source]"])
+    assert c.data.extra_keys == ["extra_info.index", "data_source"]
+    with pytest.raises(cfg.ConfigError, match=r"data\.extra_keys must be a list"):
+        cfg.load(None, ["data.extra_keys=extra_info.index"])
+
+
+def test_a_micro_batch_must_hold_the_longest_sample() -> None:
+    with pytest.raises(cfg.ConfigError, match=r"trainer\.micro_batch_tokens \(512\) must hold"):
+        cfg.load(
+            None,
+            [
+                "data.max_prompt_length=600",
+                "rollout.max_tokens=8",
+                "trainer.micro_batch_tokens=512",
+            ],
+        )
