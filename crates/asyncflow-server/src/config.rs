@@ -114,6 +114,13 @@ pub struct Flags {
     /// Seconds a new connection has to say hello before it is closed [default: 5].
     #[arg(long, allow_hyphen_values = true)]
     pub hello_timeout: Option<f64>,
+    /// Bytes the daemon may hold in transit, for all connections together: frames being read
+    /// and requests running (their metadata, and a put's bytes until the store has room for
+    /// them) and replies queued for clients that have not read them. A connection that needs
+    /// more stops reading until some is freed. With --memory-limit, the daemon's memory stays
+    /// within the limit plus this plus a fixed overhead [default: 256MiB].
+    #[arg(long, allow_hyphen_values = true)]
+    pub max_transit_bytes: Option<String>,
     /// Request bytes one connection may have in flight (read, not yet answered); its reading
     /// pauses beyond that [default: twice --max-frame].
     #[arg(long, allow_hyphen_values = true)]
@@ -144,6 +151,7 @@ pub struct Config {
     pub max_unauthenticated: usize,
     pub hello_timeout: Duration,
     pub max_connection_bytes: u64,
+    pub max_transit_bytes: u64,
 }
 
 /// Bytes in a size such as `4GiB`, `512MB` or `1048576`.
@@ -293,6 +301,7 @@ impl Flags {
             max_unauthenticated: self.max_unauthenticated.or(file.max_unauthenticated),
             hello_timeout: self.hello_timeout.or(file.hello_timeout),
             max_connection_bytes: self.max_connection_bytes.or(file.max_connection_bytes),
+            max_transit_bytes: self.max_transit_bytes.or(file.max_transit_bytes),
         })
     }
 
@@ -389,6 +398,10 @@ impl Flags {
             max_unauthenticated,
             hello_timeout,
             max_connection_bytes,
+            max_transit_bytes: match f.max_transit_bytes.as_deref() {
+                Some(text) => size_flag("--max-transit-bytes", text)?,
+                None => 256 << 20,
+            },
         })
     }
 }
@@ -489,6 +502,7 @@ mod tests {
             "--max-unauthenticated",
             "--hello-timeout",
             "--max-connection-bytes",
+            "--max-transit-bytes",
             "--fsync",
         ];
         for flag in numeric {

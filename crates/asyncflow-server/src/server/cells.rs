@@ -19,17 +19,28 @@ use super::session::{Session, Stage};
 /// The chunk a put's cells live in: its inline payload (paid for by `guard`) or its staged
 /// region — paid for when it was staged, or, for the connection's spare, now (`extent` bytes, as
 /// far as the put's cells reach).
+/// A frame's payload section, with the store memory granted to it before it was read (under
+/// `--memory-limit`, an inline put's bytes are paid for before they are received).
+#[derive(Default)]
+pub struct Payload {
+    pub bytes: Vec<u8>,
+    pub paid: Option<MemoryGuard>,
+}
+
 pub fn incoming_chunk(
     session: &Session,
     source: PayloadSource,
-    payload: Vec<u8>,
+    payload: Payload,
     extent: u64,
     reserve: impl FnOnce(u64) -> Result<MemoryGuard, StoreError>,
 ) -> Result<Arc<Chunk>, StoreError> {
     match source {
         PayloadSource::Inline => {
-            let guard = reserve(payload.len() as u64)?;
-            Ok(crate::received::into_chunk(payload, Some(guard)))
+            let guard = match payload.paid {
+                Some(paid) => paid,
+                None => reserve(payload.bytes.len() as u64)?,
+            };
+            Ok(crate::received::into_chunk(payload.bytes, Some(guard)))
         }
         PayloadSource::Staged(id) => {
             let missing =

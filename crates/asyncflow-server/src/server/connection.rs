@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use asyncflow_core::{StoreError, Wait};
+use asyncflow_core::{MemoryGuard, StoreError, Wait};
 use asyncflow_proto::{
     Failure, FrameHeader, HEADER_LEN, Limits, PayloadSource, ProtoError, Reply, Request,
     ServerHello,
@@ -30,9 +30,11 @@ use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinSet;
 
 use super::Daemon;
+use super::cells::Payload;
 use super::metadata::Outcome;
 use super::outgoing::{Answer, Outgoing, Part};
 use super::session::{Session, ShmSession};
+use super::transit::{Transit, TransitGuard};
 use crate::auth::token_matches;
 use crate::host::host_id;
 
@@ -83,20 +85,56 @@ impl StdLink {
     }
 }
 
-/// Replies queued for the writer task (of requests that ran on the blocking pool, and the
-/// greeting), counted so that a spinning read gives way to them at once.
+/// What a queued reply is counted as beyond its metadata: the frame's bookkeeping and the
+/// queue's.
+const REPLY_OVERHEAD: u64 = 256;
+/// Bytes of replies one connection may have queued before it stops reading requests.
+const REPLY_SHARE: u64 = 4 << 20;
+
+/// A reply on its way to the writer task, with the transit bytes it holds until written.
+struct Queued {
+    out: Outgoing,
+    _held: TransitGuard,
+}
+
+/// Replies queued for the writer task (of requests that ran on the blocking pool), counted so
+/// that a spinning read gives way to them at once, and so that a client that does not read its
+/// replies stops being read (see `transit.rs`).
 #[derive(Clone)]
 struct Replies {
-    tx: mpsc::UnboundedSender<Outgoing>,
+    tx: mpsc::UnboundedSender<Queued>,
+    counts: Arc<ReplyCounts>,
+    transit: Arc<Transit>,
+}
+
+/// What the reader and the writer task know of the replies queued between them.
+struct ReplyCounts {
     queued: Arc<AtomicUsize>,
+    /// Bytes queued (as counted in the transit pool).
+    bytes: AtomicU64,
+    /// Told each time the writer task has written a reply, and when it stops.
+    drained: tokio::sync::Notify,
+    /// Set when the writer task stops (the client is gone): nothing queued will be written.
+    gone: AtomicBool,
 }
 
 impl Replies {
     fn send(&self, out: Outgoing) {
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        if self.tx.send(out).is_err() {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
+        let cost = out.meta.len() as u64 + REPLY_OVERHEAD;
+        let held = self.transit.force(cost);
+        self.counts.queued.fetch_add(1, Ordering::AcqRel);
+        self.counts.bytes.fetch_add(cost, Ordering::AcqRel);
+        if self.tx.send(Queued { out, _held: held }).is_err() {
+            self.counts.queued.fetch_sub(1, Ordering::AcqRel);
+            self.counts.bytes.fetch_sub(cost, Ordering::AcqRel);
         }
+    }
+
+    /// Whether the connection must stop reading until its client reads replies: it has more
+    /// than its share queued, or some queued while the transit pool is over its limit.
+    fn backed_up(&self) -> bool {
+        let own = self.counts.bytes.load(Ordering::Acquire);
+        own > REPLY_SHARE || (own > 0 && self.transit.over())
     }
 }
 
@@ -184,7 +222,9 @@ impl From<std::io::Error> for ReadError {
 struct Frame {
     header: FrameHeader,
     meta: Vec<u8>,
-    payload: Vec<u8>,
+    payload: Payload,
+    /// Transit bytes the frame holds until its request is done (see `transit.rs`).
+    held: Vec<TransitGuard>,
 }
 
 async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, limits: Limits) -> Result<Frame, ReadError> {
@@ -195,7 +235,118 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, limits: Limits) -> Result<F
     r.read_exact(&mut meta).await?;
     let mut payload = vec![0u8; header.payload_len as usize];
     r.read_exact(&mut payload).await?;
-    Ok(Frame { header, meta, payload })
+    Ok(Frame { header, meta, payload: Payload { bytes: payload, paid: None }, held: Vec::new() })
+}
+
+/// A request frame as read: whole, or a put refused before its payload was kept (no room for it
+/// under `--memory-limit`), whose payload was read and dropped.
+enum Received {
+    Frame(Frame),
+    Refused(u64, Failure),
+}
+
+/// How a frame's payload is paid for before it is read.
+enum Pay {
+    /// From the store's memory, which it will use once put.
+    Store(MemoryGuard),
+    /// From the transit pool, until its put finds room in the store.
+    Transit(TransitGuard),
+    /// Not at all: the daemon has no `--memory-limit` (or keeps no payloads).
+    Unbudgeted,
+    Refused(Failure),
+}
+
+/// Reads a request frame, each part paid for before it is read: the metadata from the transit
+/// pool, the payload (a put's bytes) from the store's memory if it has room now, else from the
+/// transit pool, waiting for either if neither has (reading nothing meanwhile). A payload that
+/// can never fit, or that finds no room before its put's timeout, is refused.
+async fn read_request<R: AsyncRead + Unpin>(
+    r: &mut R,
+    daemon: &Arc<Daemon>,
+) -> Result<Received, ReadError> {
+    let mut head = [0u8; HEADER_LEN];
+    r.read_exact(&mut head).await?;
+    let header = FrameHeader::decode(&head, daemon.config.limits).map_err(ReadError::Proto)?;
+    let pool = &daemon.transit;
+    let meta_len = u64::from(header.meta_len);
+    if meta_len > pool.limit() {
+        return Err(ReadError::Proto(ProtoError::malformed(format!(
+            "a frame's metadata of {meta_len} bytes exceeds the daemon's --max-transit-bytes"
+        ))));
+    }
+    let mut paid_transit = vec![pool.take(meta_len).await];
+    let mut meta = vec![0u8; header.meta_len as usize];
+    r.read_exact(&mut meta).await?;
+    let len = u64::from(header.payload_len);
+    let mut paid = None;
+    if len > 0 {
+        match pay_for(daemon, &header, &meta, len).await {
+            Pay::Store(guard) => paid = Some(guard),
+            Pay::Transit(guard) => paid_transit.push(guard),
+            Pay::Unbudgeted => {}
+            Pay::Refused(failure) => {
+                drop(paid_transit);
+                discard(r, len).await?;
+                return Ok(Received::Refused(header.request_id, failure));
+            }
+        }
+    }
+    let mut payload = vec![0u8; header.payload_len as usize];
+    r.read_exact(&mut payload).await?;
+    let payload = Payload { bytes: payload, paid };
+    Ok(Received::Frame(Frame { header, meta, payload, held: paid_transit }))
+}
+
+async fn pay_for(daemon: &Arc<Daemon>, header: &FrameHeader, meta: &[u8], len: u64) -> Pay {
+    let Some(limit) = daemon.config.memory_limit.filter(|_| daemon.roles.keeps_payloads()) else {
+        return Pay::Unbudgeted;
+    };
+    if len > limit {
+        return Pay::Refused(Failure::Store(StoreError::MemoryLimit(format!(
+            "a put of {len} bytes can never fit in the daemon's {limit}-byte --memory-limit"
+        ))));
+    }
+    let never = || false;
+    if let Ok(guard) =
+        daemon.roles.reserve(len, Wait { deadline: Some(Instant::now()), interrupted: &never })
+    {
+        return Pay::Store(guard);
+    }
+    if len <= daemon.transit.limit() {
+        return Pay::Transit(daemon.transit.take(len).await);
+    }
+    // Too large for the transit pool: wait for the store's room, as the put itself would.
+    let timeout = match Request::decode(header.op, meta, len) {
+        Ok(Request::Put(p)) => p.timeout,
+        Ok(Request::StoreCells(s)) => s.timeout,
+        Ok(_) => None,
+        Err(e) => return Pay::Refused(Failure::Protocol(e.to_string())),
+    };
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let d = Arc::clone(daemon);
+    let reserved = tokio::task::spawn_blocking(move || {
+        let interrupted = || d.stopping.load(Ordering::Relaxed);
+        d.roles.reserve(len, Wait { deadline, interrupted: &interrupted })
+    })
+    .await;
+    match reserved {
+        Ok(Ok(guard)) => Pay::Store(guard),
+        Ok(Err(StoreError::Interrupted)) | Err(_) => {
+            Pay::Refused(Failure::Unavailable("the daemon is shutting down".into()))
+        }
+        Ok(Err(e)) => Pay::Refused(Failure::Store(e)),
+    }
+}
+
+/// Reads and drops `len` bytes.
+async fn discard<R: AsyncRead + Unpin>(r: &mut R, mut len: u64) -> Result<(), ReadError> {
+    let mut sink = vec![0u8; 64 << 10];
+    while len > 0 {
+        let n = sink.len().min(usize::try_from(len).unwrap_or(usize::MAX));
+        r.read_exact(&mut sink[..n]).await?;
+        len -= n as u64;
+    }
+    Ok(())
 }
 
 impl FrameWriter {
@@ -261,13 +412,20 @@ impl FrameWriter {
 async fn write_loop(
     daemon: Arc<Daemon>,
     writer: Arc<Mutex<FrameWriter>>,
-    mut rx: mpsc::UnboundedReceiver<Outgoing>,
-    queued: Arc<AtomicUsize>,
+    mut rx: mpsc::UnboundedReceiver<Queued>,
+    replies: Arc<ReplyCounts>,
 ) {
-    while let Some(out) = rx.recv().await {
-        queued.fetch_sub(1, Ordering::AcqRel);
+    while let Some(queued) = rx.recv().await {
+        replies.queued.fetch_sub(1, Ordering::AcqRel);
         let mut w = writer.lock().await;
-        if write_out(&daemon, &mut w, &out, rx.is_empty()).await.is_err() {
+        let written = write_out(&daemon, &mut w, &queued.out, rx.is_empty()).await;
+        let cost = queued.out.meta.len() as u64 + REPLY_OVERHEAD;
+        drop(queued);
+        replies.bytes.fetch_sub(cost, Ordering::AcqRel);
+        replies.drained.notify_one();
+        if written.is_err() {
+            replies.gone.store(true, Ordering::Release);
+            replies.drained.notify_one();
             return;
         }
     }
@@ -367,7 +525,8 @@ fn dispatch(
     frame: Frame,
 ) -> Option<Outgoing> {
     let id = frame.header.request_id;
-    let req = match Request::decode(frame.header.op, &frame.meta, frame.payload.len() as u64) {
+    let req = match Request::decode(frame.header.op, &frame.meta, frame.payload.bytes.len() as u64)
+    {
         Ok(req) => req,
         Err(e) => {
             daemon.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
@@ -428,14 +587,16 @@ fn dispatch(
     {
         let never = || false;
         let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
-        match daemon.execute(session, req.clone(), Vec::new(), now) {
+        match daemon.execute(session, req.clone(), Payload::default(), now) {
             Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
             outcome => return answer(outgoing(daemon, session, id, outcome, notice)),
         }
     }
     let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
     let cancelled = session.track(id);
-    let bytes = (frame.meta.len() + frame.payload.len()) as u64;
+    let unpaid = if frame.payload.paid.is_some() { 0 } else { frame.payload.bytes.len() };
+    let bytes = (frame.meta.len() + unpaid) as u64;
+    let held = frame.held;
     *in_flight += bytes;
     let activity = Arc::clone(activity);
     activity.busy.fetch_add(1, Ordering::AcqRel);
@@ -447,6 +608,7 @@ fn dispatch(
         };
         let wait = Wait { deadline, interrupted: &interrupted };
         let outcome = daemon.execute(&session, req, frame.payload, wait);
+        drop(held);
         session.untrack(id);
         if !notice {
             tx.send(outgoing(&daemon, &session, id, outcome, false));
@@ -685,6 +847,37 @@ pub async fn serve(
     let _ = finished.await;
 }
 
+/// The connection's reading half and its buffered writer.
+fn split(link: Link) -> (Half, FrameWriter) {
+    match link {
+        Link::Tcp(s) => {
+            let _ = s.set_nodelay(true);
+            let (r, w) = s.into_split();
+            (Half::Tcp(r), FrameWriter::Tcp(BufWriter::with_capacity(BUFFER, w)))
+        }
+        Link::Unix(s) => {
+            let (r, w) = s.into_split();
+            (Half::Unix(r), FrameWriter::Unix(BufWriter::with_capacity(BUFFER, w)))
+        }
+    }
+}
+
+/// Waits while the connection has too many replies queued (see [`Replies::backed_up`]); false if
+/// it is to close instead (the daemon stops, or the client is gone).
+async fn replies_read(tx: &Replies, daemon: &Daemon, stopping: &mut watch::Receiver<bool>) -> bool {
+    while tx.backed_up() {
+        if *stopping.borrow() || tx.counts.gone.load(Ordering::Acquire) {
+            return false;
+        }
+        tokio::select! {
+            () = tx.counts.drained.notified() => {}
+            () = daemon.transit.wait_freed() => {}
+            _ = stopping.changed() => {}
+        }
+    }
+    true
+}
+
 async fn serve_here(
     daemon: Arc<Daemon>,
     counted: Counted,
@@ -695,25 +888,21 @@ async fn serve_here(
     leases: Vec<u64>,
 ) {
     let shm = matches!(link, Link::Unix(_)).then(|| daemon.pool.clone()).flatten();
-    let (half, writer) = match link {
-        Link::Tcp(s) => {
-            let _ = s.set_nodelay(true);
-            let (r, w) = s.into_split();
-            (Half::Tcp(r), FrameWriter::Tcp(BufWriter::with_capacity(BUFFER, w)))
-        }
-        Link::Unix(s) => {
-            let (r, w) = s.into_split();
-            (Half::Unix(r), FrameWriter::Unix(BufWriter::with_capacity(BUFFER, w)))
-        }
-    };
+    let (half, writer) = split(link);
     let queued = Arc::new(AtomicUsize::new(0));
     let incoming = Incoming { half, local, queued: Arc::clone(&queued) };
     let mut reader = BufReader::with_capacity(BUFFER, incoming);
     let (tx, rx) = mpsc::unbounded_channel();
-    let tx = Replies { tx, queued: Arc::clone(&queued) };
+    let counts = Arc::new(ReplyCounts {
+        queued,
+        bytes: AtomicU64::new(0),
+        drained: tokio::sync::Notify::new(),
+        gone: AtomicBool::new(false),
+    });
+    let tx = Replies { tx, counts: Arc::clone(&counts), transit: Arc::clone(&daemon.transit) };
     let writer = Arc::new(Mutex::new(writer));
     let writer_task =
-        tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx, queued));
+        tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx, counts));
     let activity = Arc::clone(&counted.1);
     {
         let session = Arc::new(Session::new(peer.clone(), shm.map(ShmSession::new)));
@@ -722,6 +911,11 @@ async fn serve_here(
         let mut tasks = JoinSet::new();
         let mut in_flight = 0u64;
         loop {
+            // Replies the client has not read stay in memory: past the connection's share (or
+            // the daemon's), stop reading until it reads them.
+            if !replies_read(&tx, &daemon, &mut stopping).await {
+                break;
+            }
             // Bytes of requests still running stay in memory: past the connection's share,
             // stop reading until some finish (the client's writes then wait in its socket).
             while let Some(done) = tasks.try_join_next() {
@@ -734,7 +928,7 @@ async fn serve_here(
                 }
             }
             let frame = tokio::select! {
-                f = read_frame(&mut reader, daemon.config.limits) => f,
+                f = read_request(&mut reader, &daemon) => f,
                 _ = stopping.wait_for(|s| *s) => break,
                 () = activity.evict.notified() => {
                     tracing::info!(peer = %peer, "closing an idle connection to serve a new one");
@@ -742,7 +936,16 @@ async fn serve_here(
                 }
             };
             match frame {
-                Ok(frame) => {
+                Ok(Received::Refused(id, failure)) => {
+                    activity.last.store(daemon.uptime(), Ordering::Release);
+                    daemon.metrics.request_errors.fetch_add(1, Ordering::Relaxed);
+                    let refusal = Outgoing::failure(id, &failure);
+                    if write_out(&daemon, &mut *writer.lock().await, &refusal, true).await.is_err()
+                    {
+                        break;
+                    }
+                }
+                Ok(Received::Frame(frame)) => {
                     activity.last.store(daemon.uptime(), Ordering::Release);
                     daemon.metrics.bytes_in.fetch_add(
                         (HEADER_LEN + frame.header.body_len()) as u64,

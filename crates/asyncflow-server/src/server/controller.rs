@@ -9,6 +9,7 @@ use std::sync::mpsc;
 use asyncflow_core::{ColumnSpec, PutTarget, Store, StoreError, Wait};
 use asyncflow_proto::{PayloadSource, Reply, Request};
 
+use super::cells::Payload;
 use super::metadata::{self, Outcome, check_cell_sizes};
 use super::outgoing::Answer;
 use super::session::Session;
@@ -35,7 +36,7 @@ impl Controller {
         &self,
         session: &Session,
         req: Request,
-        payload: Vec<u8>,
+        payload: Payload,
         wait: Wait<'_>,
     ) -> Outcome {
         match req {

@@ -6,7 +6,7 @@ use std::time::Instant;
 use asyncflow_core::{Column, Store, StoreError, Wait};
 use asyncflow_proto::{Claimed, PutRequest, Reply, Request};
 
-use super::cells::{Outgoing, cells_in, extent, incoming_chunk, outgoing_cells};
+use super::cells::{Outgoing, Payload, cells_in, extent, incoming_chunk, outgoing_cells};
 use super::outgoing::Answer;
 use super::session::Session;
 
@@ -23,7 +23,7 @@ fn put(
     store: &Store,
     session: &Session,
     p: PutRequest,
-    payload: Vec<u8>,
+    payload: Payload,
     wait: Wait<'_>,
 ) -> Outcome {
     let extent = extent(p.columns.iter().flat_map(|c| &c.cells));
@@ -79,7 +79,7 @@ pub fn execute(
     store: &Store,
     session: &Session,
     req: Request,
-    payload: Vec<u8>,
+    payload: Payload,
     wait: Wait<'_>,
 ) -> Outcome {
     match req {

@@ -12,6 +12,7 @@ mod outgoing;
 mod roles;
 mod session;
 mod storage;
+mod transit;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
@@ -60,6 +61,8 @@ pub struct Daemon {
     started: Instant,
     /// Which connection holds each lease (see `holders.rs`).
     holders: Holders,
+    /// Bytes received, running or queued to be sent (see `transit.rs`).
+    transit: Arc<transit::Transit>,
 }
 
 impl Daemon {
@@ -73,7 +76,7 @@ impl Daemon {
         &self,
         session: &Session,
         req: Request,
-        payload: Vec<u8>,
+        payload: cells::Payload,
         wait: Wait<'_>,
     ) -> Outcome {
         let touch = Touch::of(&req);
@@ -301,6 +304,7 @@ pub async fn serve(
     };
 
     let holders = Holders::new(config.reconnect_grace);
+    let transit = transit::Transit::new(config.max_transit_bytes);
     let daemon = Arc::new(Daemon {
         config,
         roles,
@@ -311,6 +315,7 @@ pub async fn serve(
         unauthenticated: AtomicUsize::new(0),
         active: parking_lot::Mutex::new(std::collections::HashMap::new()),
         started: Instant::now(),
+        transit,
         holders,
     });
     let maintained = Arc::new(AtomicBool::new(false));

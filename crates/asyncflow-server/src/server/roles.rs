@@ -6,6 +6,7 @@ use std::sync::Arc;
 use asyncflow_core::{MemoryBudget, Store, StoreError, StoreStats, Wait};
 use asyncflow_proto::{Reply, Request, SharedCell};
 
+use super::cells::Payload;
 use super::controller::Controller;
 use super::metadata::{self, Outcome};
 use super::outgoing::Answer;
@@ -27,7 +28,12 @@ impl Roles {
         }
     }
 
-    fn reserve(
+    /// Whether this daemon keeps payloads (and so has a store memory budget for them).
+    pub fn keeps_payloads(&self) -> bool {
+        !matches!(self, Roles::Controller(_))
+    }
+
+    pub fn reserve(
         &self,
         bytes: u64,
         wait: Wait<'_>,
@@ -96,7 +102,7 @@ impl Roles {
         &self,
         session: &Session,
         req: Request,
-        payload: Vec<u8>,
+        payload: Payload,
         wait: Wait<'_>,
     ) -> Outcome {
         if let Request::Stage { bytes, give_back, .. } = req {

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 
 use crate::persist::{Payloads, Persistence};
 
-use super::cells::{cells_in, extent, incoming_chunk, outgoing_cells};
+use super::cells::{Payload, cells_in, extent, incoming_chunk, outgoing_cells};
 use super::metadata::Outcome;
 use super::outgoing::Answer;
 use super::session::Session;
@@ -87,7 +87,7 @@ impl Storage {
         }
     }
 
-    fn keep(&self, session: &Session, s: &StoreCells, payload: Vec<u8>, wait: Wait<'_>) -> Outcome {
+    fn keep(&self, session: &Session, s: &StoreCells, payload: Payload, wait: Wait<'_>) -> Outcome {
         // The staged region is taken first, so that a put that fails still frees it.
         let extent = extent(s.columns.iter().flat_map(|(_, metas)| metas));
         let chunk =
@@ -146,7 +146,7 @@ impl Storage {
         &self,
         session: &Session,
         req: Request,
-        payload: Vec<u8>,
+        payload: Payload,
         wait: Wait<'_>,
     ) -> Outcome {
         match req {
