@@ -151,3 +151,30 @@ def test_options_of_the_wrong_type_are_bad_requests(make_store: Callable[..., af
     with pytest.raises(af.BadRequestError, match="need step"):
         store.claim("t", "x", 1, dp_size=2, timeout=1)
     assert store.stats()["active_leases"] == 0
+
+
+def test_options_objects_are_read_afresh_whatever_was_seen_before(
+    make_store: Callable[..., af.Store],
+) -> None:
+    # More distinct options objects than the native store remembers, each used twice in turn:
+    # every claim gets the rows of its own partition.
+    store = make_store(shards=2)
+    store.register_task("t")
+    parts = [f"p{i}" for i in range(12)]
+    rows = {p: store.put({"x": [1, 2]}, partition=p) for p in parts}
+    for p in parts + parts:
+        batch = store.claim("t", "x", 1, options=af.ClaimOptions(partition=p, timeout=5))
+        assert int(batch.indexes[0]) in rows[p]
+        batch.ack()
+
+
+def test_equal_keywords_of_another_type_are_not_taken_for_each_other(
+    make_store: Callable[..., af.Store],
+) -> None:
+    store = make_store(shards=2)
+    store.register_task("t")
+    store.put({"x": [1, 2]})
+    store.claim("t", "x", 1, whole_groups=True, timeout=5).release()
+    # 1 == True, but a claim option that must be a bool refuses 1 every time.
+    with pytest.raises(af.BadRequestError):
+        store.claim("t", "x", 1, whole_groups=1, timeout=5)

@@ -8,7 +8,6 @@ object attribute by attribute; the claim options' defaults are the Rust core's
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +76,8 @@ class PutOptions:
     Without ``indexes`` a put creates new rows in ``partition`` (default ``"default"``), with
     optional GRPO ``groups`` (one id per row, or one for all; ``group_size`` declares a group's
     full size when it is written over several puts), policy ``version`` (one, or one per row)
-    and ``tags`` (one mapping for every row, or one per row). With ``indexes`` it fills (or
+    and ``tags`` (one mapping for every row, or one per row); per-row values are kept as arrays,
+    and tags as one dict per row. With ``indexes`` it fills (or
     replaces) fields of those existing rows, and the options that describe new rows must be left
     out. A put waits up to ``timeout`` seconds for memory (None: the default) before raising
     ``MemoryLimitError``.
@@ -91,21 +91,20 @@ class PutOptions:
     tags: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None
     timeout: float | None = DEFAULT_TIMEOUT
 
-    def native(self) -> PutOptions:
-        """These options with their per-row values as the native store reads them: indexes,
-        groups and versions as 1-D integer arrays, tags as one ``{str: str}`` dict per row."""
-        return dataclasses.replace(
-            self,
-            indexes=None if self.indexes is None else uint64_array(self.indexes, "row indexes"),
-            groups=_per_row(self.groups, np.int64),
-            version=_per_row(self.version, np.uint64),
-            tags=_tag_rows(self.tags),
-        )
+    def __post_init__(self) -> None:
+        # Per-row values are kept as the native store reads them, checked once, here: indexes,
+        # groups and versions as 1-D integer arrays, tags as one ``{str: str}`` dict per row.
+        if self.indexes is not None:
+            object.__setattr__(self, "indexes", uint64_array(self.indexes, "row indexes"))
+        if self.groups is not None:
+            object.__setattr__(self, "groups", _per_row(self.groups, np.int64))
+        if self.version is not None:
+            object.__setattr__(self, "version", _per_row(self.version, np.uint64))
+        if self.tags is not None:
+            object.__setattr__(self, "tags", _tag_rows(self.tags))
 
 
-def _per_row(value: int | Indexes | None, dtype: type) -> np.ndarray | None:
-    if value is None:
-        return None
+def _per_row(value: int | Indexes, dtype: type) -> np.ndarray:
     arr = np.atleast_1d(np.asarray(value))
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
         raise BadRequestError(f"expected an integer or a 1-D sequence of integers, got {value!r}")
@@ -114,10 +113,6 @@ def _per_row(value: int | Indexes | None, dtype: type) -> np.ndarray | None:
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
-def _tag_rows(
-    tags: Mapping[str, str] | Sequence[Mapping[str, str]] | None,
-) -> list[dict[str, str]] | None:
-    if tags is None:
-        return None
+def _tag_rows(tags: Mapping[str, str] | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
     rows = [tags] if isinstance(tags, Mapping) else list(tags)
     return [{str(k): str(v) for k, v in row.items()} for row in rows]

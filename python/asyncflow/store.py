@@ -32,12 +32,30 @@ R = TypeVar("R")
 Opts = TypeVar("Opts", ClaimOptions, PutOptions)
 
 
-def _options(cls: type[Opts], options: Opts | None, kwargs: dict[str, Any]) -> Opts:
-    """``options`` with ``kwargs`` replacing its fields, or the options ``kwargs`` make. An
-    unknown keyword raises ``TypeError`` (a ``BadRequestError`` by ``_arguments``)."""
-    if options is None:
-        return cls(**kwargs)
-    return dataclasses.replace(options, **kwargs) if kwargs else options
+def _options(cls: type[Opts], options: Opts | None, kwargs: dict[str, Any]) -> Opts | None:
+    """``options`` with ``kwargs`` replacing its fields, or the options ``kwargs`` make; None (the
+    native defaults) for neither. An unknown keyword raises ``TypeError`` (a ``BadRequestError``
+    by ``_arguments``)."""
+    if options is not None:
+        return dataclasses.replace(options, **kwargs) if kwargs else options
+    if not kwargs:
+        return None
+    if cls is ClaimOptions:
+        try:
+            return _claim_options(**kwargs)  # type: ignore[return-value]
+        except TypeError:  # an unhashable value, or a keyword the options do not have
+            pass
+    return cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _claim_options(**kwargs: Any) -> ClaimOptions:
+    """The claim options of these keywords. Options are immutable, so one object serves every
+    claim with the same keywords, and the native store reads it once: building a frozen
+    dataclass and reading it back costs as much as an embedded claim. Cached by type as well
+    (``typed``), so that a value Rust refuses (1 for a bool) is never answered with options built
+    from one it accepts (True)."""
+    return ClaimOptions(**kwargs)
 
 
 def _arguments(method: Callable[P, R]) -> Callable[P, R]:
@@ -125,7 +143,7 @@ class Store:
         is in place.
         """
         fields = to_native(data)
-        return self._native.put(fields, _options(PutOptions, options, kwargs).native())
+        return self._native.put(fields, _options(PutOptions, options, kwargs))
 
     @_arguments
     def claim(

@@ -3,11 +3,13 @@
 //! turned into the core's types once, whichever backend then serves the call. The claim
 //! options' defaults are the core's: `claim_defaults()` hands them to the Python class.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use asyncflow_core::scheduler::CostModel;
 use asyncflow_core::{ClaimSpec, NewRows, PutTarget, Share, StoreError};
 use numpy::PyReadonlyArray1;
+use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -123,6 +125,43 @@ impl ClaimOptions {
             cost,
             equal_count: self.equal_count,
         }
+    }
+}
+
+/// Claim options already read, by the Python object they were read from. The options are a
+/// frozen dataclass and `Store.claim` passes one object per set of keywords, so a claim that
+/// passes an object seen lately takes what was read then instead of reading every attribute
+/// again (which costs a tenth of an embedded claim). The lock is never held across a call into
+/// Python.
+#[derive(Default)]
+pub struct SeenClaimOptions {
+    seen: Mutex<VecDeque<(Py<PyAny>, ClaimOptions)>>,
+}
+
+impl SeenClaimOptions {
+    /// How many objects are remembered (one per distinct set of keywords in use at once).
+    const KEPT: usize = 8;
+
+    /// The options `options` holds (the defaults for `None`).
+    pub fn read(&self, options: Option<&Bound<'_, PyAny>>) -> PyResult<ClaimOptions> {
+        let Some(object) = options else {
+            return Ok(ClaimOptions::default());
+        };
+        let seen = self.seen.lock();
+        let hit = seen.iter().find(|(o, _)| o.as_ptr() == object.as_ptr()).map(|(_, r)| r.clone());
+        drop(seen);
+        if let Some(read) = hit {
+            return Ok(read);
+        }
+        let read: ClaimOptions = object.extract()?;
+        let evicted = {
+            let mut seen = self.seen.lock();
+            let evicted = if seen.len() == Self::KEPT { seen.pop_front() } else { None };
+            seen.push_back((object.clone().unbind(), read.clone()));
+            evicted
+        };
+        drop(evicted);
+        Ok(read)
     }
 }
 

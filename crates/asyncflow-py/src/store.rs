@@ -19,7 +19,7 @@ use crate::convert::{
     seconds, stats_dict,
 };
 use crate::errors::IntoPy;
-use crate::options::{ClaimOptions, PutOptions};
+use crate::options::{PutOptions, SeenClaimOptions};
 use crate::remote::{Remote, preference};
 
 enum Backend {
@@ -37,6 +37,7 @@ enum Conn<'a> {
 #[pyclass(module = "asyncflow._native", frozen)]
 pub struct Store {
     backend: Backend,
+    claim_options: SeenClaimOptions,
 }
 
 /// How a lease ends.
@@ -92,7 +93,10 @@ impl Store {
             lease_timeout: seconds(lease_timeout, "lease_timeout")?,
         };
         let store = core::Store::new(config).py_err()?;
-        Ok(Self { backend: Backend::Embedded(Arc::new(store)) })
+        Ok(Self {
+            backend: Backend::Embedded(Arc::new(store)),
+            claim_options: SeenClaimOptions::default(),
+        })
     }
 
     /// Connects to a daemon at `url` (`tcp://HOST:PORT`). `transport`: `"auto"` (shared memory
@@ -115,7 +119,7 @@ impl Store {
             reconnect_timeout: seconds(reconnect_timeout, "reconnect_timeout")?,
         };
         let remote = Remote::connect(py, url, token, preference(transport)?, policy)?;
-        Ok(Self { backend: Backend::Remote(remote) })
+        Ok(Self { backend: Backend::Remote(remote), claim_options: SeenClaimOptions::default() })
     }
 
     #[pyo3(signature = (name, partitions = None))]
@@ -181,9 +185,10 @@ impl Store {
         task: String,
         fields: Vec<String>,
         batch_size: i64,
-        options: Option<ClaimOptions>,
+        options: Option<Bound<'py, PyAny>>,
     ) -> PyResult<ClaimResult<'py>> {
-        let claim = options.unwrap_or_default().into_claim(task, fields, batch_size)?;
+        let options = self.claim_options.read(options.as_ref())?;
+        let claim = options.into_claim(task, fields, batch_size)?;
         let (spec, partial) = (&claim.spec, claim.allow_partial);
         let timeout = duration(claim.timeout)?;
         match self.conn(py)? {
