@@ -23,6 +23,9 @@ pub struct ServerHello {
     pub shm_socket: Option<String>,
     /// For a controller: its storage daemons, in shard order (row `i` lives on `i % len`).
     pub storage: Vec<String>,
+    /// Drawn at random when the daemon starts: a client that reaches it over TCP and over its
+    /// Unix socket checks that both are the same daemon. 0 from a daemon that sends none.
+    pub instance: u64,
 }
 
 /// Rows leased by a claim; `expires_in` is what the lease had left when the reply was built.
@@ -301,6 +304,7 @@ impl Reply {
                     w.str(s);
                 });
                 w.strs(&h.storage);
+                w.u64(h.instance);
             }
             Reply::Done => {
                 w.u8(1);
@@ -400,6 +404,7 @@ impl Reply {
                 host: r.string()?,
                 shm_socket: r.opt(Reader::string)?,
                 storage: r.strings()?,
+                instance: if r.remaining() > 0 { r.u64()? } else { 0 },
             }),
             1 => Reply::Done,
             2 => Reply::Rows(r.u64s()?),

@@ -1,13 +1,15 @@
 //! The Unix socket of the shared-memory path never outlives its daemon: it is removed when a
 //! start fails after binding it, and a daemon that was killed has its socket removed by the next
-//! one to start. Only stale sockets of this user go: a live one is never touched.
+//! one to start. Only stale sockets of this user go: a live one is never touched. A client
+//! uses a socket only if the daemon behind it is the one it reached over TCP.
 
 mod support;
 
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 
-use support::Daemon;
+use asyncflow_server::client::{Client, Preference};
+use support::{Daemon, NOW, POLICY, put_ints, read_ints};
 
 fn temp(name: &str) -> PathBuf {
     let path = std::env::temp_dir().join(name);
@@ -52,4 +54,24 @@ fn a_killed_daemons_socket_is_removed_by_the_next_start_and_a_live_one_kept() {
     for path in [dead_but_not_a_socket, live_path] {
         std::fs::remove_file(path).unwrap();
     }
+}
+
+/// A daemon whose `--shm-socket` path is served by another daemon (its socket file replaced
+/// after it bound it): a client that reached it over TCP must not send its data to the other.
+#[test]
+fn a_client_never_uses_a_socket_another_daemon_serves() {
+    let (path_a, path_b) = (temp("instance-a.sock"), temp("instance-b.sock"));
+    let a = Daemon::start(&["--shm-socket", path_a.to_str().unwrap()]);
+    let b = Daemon::start(&["--shm-socket", path_b.to_str().unwrap()]);
+    // b's path now leads to a.
+    std::fs::rename(&path_a, &path_b).unwrap();
+    let shm = Client::connect_with(&b.url(), None, Preference::Shm, POLICY).err().unwrap();
+    assert!(shm.to_string().contains("served by another daemon"), "{shm}");
+    // Preferring shared memory where possible, the client stays on TCP to b.
+    let client = b.connect(Preference::Auto);
+    assert_eq!(client.transport(), "tcp");
+    let rows = put_ints(&client, "x", &[42]);
+    let over_tcp = b.connect(Preference::Tcp);
+    assert_eq!(read_ints(&over_tcp, &rows, "x"), vec![42]);
+    assert!(a.connect(Preference::Tcp).rows(None, None, NOW).unwrap().is_empty(), "a got the row");
 }

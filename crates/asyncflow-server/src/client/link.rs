@@ -369,10 +369,30 @@ impl Link {
                 (None, _) => Err(Error::connection("the daemon offers no shared-memory path")),
                 (_, false) => Err(Error::connection("the daemon is on another machine")),
             };
+            // The socket must be served by the daemon that answered over TCP: a path another
+            // daemon serves would send this client's data there.
+            let same_daemon = |local: &ServerHello| {
+                if local.instance == hello.instance {
+                    return Ok(());
+                }
+                let e = Error::connection(format!(
+                    "the shared-memory socket {} is served by another daemon than the one at \
+                     {address} (instance {:#x}, not {:#x})",
+                    hello.shm_socket.as_deref().unwrap_or_default(),
+                    local.instance,
+                    hello.instance
+                ));
+                tracing::warn!(error = %e, "not using the shared-memory path");
+                Err(e)
+            };
+            let unix = unix.and_then(|u| {
+                let mut local = Stream::Unix(u);
+                let local_hello = greet(&mut local, token, leases, address, &policy)?;
+                same_daemon(&local_hello).map(|()| (local, local_hello))
+            });
             match unix {
-                Ok(u) => {
-                    let mut local = Stream::Unix(u);
-                    hello = greet(&mut local, token, leases, address, &policy)?;
+                Ok((local, local_hello)) => {
+                    hello = local_hello;
                     stream.shutdown();
                     stream = local;
                     shm = true;

@@ -499,6 +499,7 @@ fn hello_reply(daemon: &Daemon, id: u64) -> Outgoing {
         host: host_id().into(),
         shm_socket: daemon.config.shm_socket.as_ref().map(|p| p.display().to_string()),
         storage: daemon.config.storage.clone(),
+        instance: daemon.instance,
     });
     Outgoing::reply(id, &reply, Answer::default())
 }

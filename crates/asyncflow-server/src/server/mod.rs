@@ -59,6 +59,8 @@ pub struct Daemon {
     /// The connections being served, by their place.
     active: parking_lot::Mutex<std::collections::HashMap<u64, Arc<Activity>>>,
     started: Instant,
+    /// Drawn at random at the start, sent with every hello (see `ServerHello::instance`).
+    instance: u64,
     /// Which connection holds each lease (see `holders.rs`).
     holders: Holders,
     /// Bytes received, running or queued to be sent (see `transit.rs`).
@@ -96,6 +98,19 @@ impl Daemon {
             }
         }
     }
+}
+
+/// A random number, never 0, that tells this run of a daemon from any other.
+fn instance_id() -> u64 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    // The standard hasher's keys are drawn from the operating system's randomness.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u64(STARTED.fetch_add(1, Ordering::Relaxed));
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    h.write_u128(since.map_or(0, |d| d.as_nanos()));
+    h.finish().max(1)
 }
 
 /// Gives back the leases of closed connections as their grace runs out, until the stop.
@@ -315,6 +330,7 @@ pub async fn serve(
         unauthenticated: AtomicUsize::new(0),
         active: parking_lot::Mutex::new(std::collections::HashMap::new()),
         started: Instant::now(),
+        instance: instance_id(),
         transit,
         holders,
     });
