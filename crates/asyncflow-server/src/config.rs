@@ -107,8 +107,8 @@ pub struct Flags {
     /// new one may take its place at --max-connections [default: 60].
     #[arg(long, allow_hyphen_values = true)]
     pub evict_idle_after: Option<f64>,
-    /// Connections that have not said hello yet, kept apart from --max-connections; more are
-    /// refused [default: 64].
+    /// Connections that have not said hello yet, kept apart from --max-connections; a new one
+    /// beyond that closes the one waiting longest [default: 64].
     #[arg(long, allow_hyphen_values = true)]
     pub max_unauthenticated: Option<usize>,
     /// Seconds a new connection has to say hello before it is closed [default: 5].

@@ -22,9 +22,7 @@ use asyncflow_proto::{
     ServerHello,
 };
 use asyncflow_shm::send_with_fds;
-use tokio::io::{
-    AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter, Interest, ReadBuf,
-};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest, ReadBuf};
 use tokio::net::{TcpStream, UnixStream, tcp, unix};
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinSet;
@@ -455,7 +453,7 @@ struct Greeted {
 /// Reads the hello within `--hello-timeout` and checks the token, reading no byte past the
 /// hello (the connection may move to another thread after it). `None` if the connection must
 /// be closed; a refusal has been sent then.
-async fn greet(daemon: &Daemon, link: &mut Link) -> Option<Greeted> {
+async fn greet(daemon: &Daemon, link: &mut Link, cut: &tokio::sync::Notify) -> Option<Greeted> {
     let refused = async |link: &mut Link, id: u64, f: Failure| {
         daemon.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
         let _ = write_raw(link, &Outgoing::failure(id, &f)).await;
@@ -467,7 +465,16 @@ async fn greet(daemon: &Daemon, link: &mut Link) -> Option<Greeted> {
             Link::Unix(s) => read_frame(s, HELLO_LIMITS).await,
         }
     };
-    let frame = match tokio::time::timeout(daemon.config.hello_timeout, read).await {
+    let read = tokio::time::timeout(daemon.config.hello_timeout, read);
+    let frame = tokio::select! {
+        r = read => r,
+        () = cut.notified() => {
+            let why = "newer connections took the place of this one, which had not said hello";
+            let _ = write_raw(link, &Outgoing::failure(0, &Failure::Unavailable(why.into()))).await;
+            return None;
+        }
+    };
+    let frame = match frame {
         Ok(Ok(frame)) => frame,
         Ok(Err(ReadError::Proto(e))) => {
             return refused(link, 0, Failure::Protocol(e.to_string())).await;
@@ -678,41 +685,39 @@ fn outgoing(
     }
 }
 
-/// Tells a client why it is not served (too many connections, or too many that have not said
-/// hello), and hangs up. Its hello is not awaited: the answer goes out at once (request id 0)
-/// and the client reads it where it expects the hello's. What the client sent is read before
-/// the socket closes: closing with unread bytes resets the connection, and the reset can reach
-/// the client before it has read the answer.
-pub async fn refuse(link: Link, why: String) {
-    let failure = Outgoing::failure(0, &Failure::Unavailable(why));
-    let mut bytes = failure.header.encode().to_vec();
-    bytes.extend_from_slice(&failure.meta);
-    let write = async {
-        match link {
-            Link::Tcp(s) => answer_and_drain(s, &bytes).await,
-            Link::Unix(s) => answer_and_drain(s, &bytes).await,
+/// A connection's place among those that have not said hello yet (at most
+/// `--max-unauthenticated`), freed however it ends. A new connection over the limit takes the
+/// place of the one waiting longest, which is closed: a client says hello at once, so a socket
+/// that has waited longest is the likeliest to be idle, and a flood of silent sockets cannot
+/// keep a client out.
+pub struct Ungreeted {
+    daemon: Arc<Daemon>,
+    seq: u64,
+    /// Told when a newer connection takes this one's place.
+    pub cut: Arc<tokio::sync::Notify>,
+}
+
+impl Ungreeted {
+    pub fn enter(daemon: &Arc<Daemon>) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let seq = NEXT.fetch_add(1, Ordering::Relaxed);
+        let cut = Arc::new(tokio::sync::Notify::new());
+        let mut waiting = daemon.unauthenticated.lock();
+        if waiting.len() >= daemon.config.max_unauthenticated
+            && let Some((_, oldest)) = waiting.pop_first()
+        {
+            oldest.notify_one();
+            daemon.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!("closing the connection waiting longest for its hello");
         }
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+        waiting.insert(seq, Arc::clone(&cut));
+        Self { daemon: Arc::clone(daemon), seq, cut }
+    }
 }
-
-async fn answer_and_drain<S: AsyncRead + AsyncWrite + Unpin>(
-    mut s: S,
-    bytes: &[u8],
-) -> std::io::Result<()> {
-    s.write_all(bytes).await?;
-    s.shutdown().await?;
-    let mut sink = [0u8; 4096];
-    while s.read(&mut sink).await? > 0 {}
-    Ok(())
-}
-
-/// Frees a connection's place among those that have not said hello yet, however it ends.
-pub struct Ungreeted(pub Arc<Daemon>);
 
 impl Drop for Ungreeted {
     fn drop(&mut self) {
-        self.0.unauthenticated.fetch_sub(1, Ordering::AcqRel);
+        self.daemon.unauthenticated.lock().remove(&self.seq);
     }
 }
 
@@ -798,7 +803,7 @@ pub async fn serve(
     stopping: watch::Receiver<bool>,
     unauthenticated: Ungreeted,
 ) {
-    let Some(greeted) = greet(&daemon, &mut link).await else { return };
+    let Some(greeted) = greet(&daemon, &mut link, &unauthenticated.cut).await else { return };
     drop(unauthenticated);
     let Some(counted) = admit(&daemon) else {
         daemon.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);

@@ -54,8 +54,8 @@ pub struct Daemon {
     stopping: AtomicBool,
     /// Connections being served, against `--max-connections`.
     connections: AtomicUsize,
-    /// Connections that have not said hello yet, against `--max-unauthenticated`.
-    unauthenticated: AtomicUsize,
+    /// Connections that have not said hello yet, oldest first (see `Ungreeted`).
+    unauthenticated: parking_lot::Mutex<std::collections::BTreeMap<u64, Arc<tokio::sync::Notify>>>,
     /// The connections being served, by their place.
     active: parking_lot::Mutex<std::collections::HashMap<u64, Arc<Activity>>>,
     started: Instant,
@@ -246,16 +246,7 @@ async fn accept_loop(
                 daemon.metrics.connections.fetch_add(1, Ordering::Relaxed);
                 // Until it says hello a connection holds a place of its own kind only, for
                 // --hello-timeout at most; it takes one under --max-connections after.
-                let max = daemon.config.max_unauthenticated;
-                if daemon.unauthenticated.fetch_add(1, Ordering::AcqRel) >= max {
-                    daemon.unauthenticated.fetch_sub(1, Ordering::AcqRel);
-                    daemon.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(peer = %peer, max, "refusing a connection: too many have not said hello");
-                    let why = format!("{max} connections to the daemon have not said hello yet");
-                    conns.lock().spawn(connection::refuse(link, why));
-                    continue;
-                }
-                let ungreeted = Ungreeted(Arc::clone(&daemon));
+                let ungreeted = Ungreeted::enter(&daemon);
                 let task =
                     connection::serve(Arc::clone(&daemon), link, peer, stop.clone(), ungreeted);
                 conns.lock().spawn(task);
@@ -327,7 +318,7 @@ pub async fn serve(
         metrics: Metrics::default(),
         stopping: AtomicBool::new(false),
         connections: AtomicUsize::new(0),
-        unauthenticated: AtomicUsize::new(0),
+        unauthenticated: parking_lot::Mutex::new(std::collections::BTreeMap::new()),
         active: parking_lot::Mutex::new(std::collections::HashMap::new()),
         started: Instant::now(),
         instance: instance_id(),
