@@ -154,3 +154,17 @@ def test_sampling_with_a_seed_is_reproducible(engine: VLLMRolloutEngine) -> None
     again = engine.generate(ids(PROMPTS), sampling)
     assert [[c.token_ids for c in g] for g in first] == [[c.token_ids for c in g] for g in again]
     assert np.isfinite([lp for g in first for c in g for lp in c.logprobs]).all()
+
+
+def test_a_seeded_call_on_more_prompt_tokens_than_one_step_takes_completes(
+    engine: VLLMRolloutEngine,
+) -> None:
+    # 96 prompts of 50 tokens, 8 samples each: far more prefill than one scheduler step takes,
+    # which on CPU failed in vLLM's seeded sampling while prefills were split over steps.
+    prompts = [ids(["1+" * 24 + f"{i % 10}="])[0] for i in range(96)]
+    sampling = Sampling(n=8, temperature=1.0, max_tokens=4, seed=7)
+    outs = engine.generate(prompts, sampling)
+    assert len(outs) == 96 and all(len(group) == 8 for group in outs)
+    assert [c.token_ids for c in engine.generate(prompts[:3], sampling)[0]] == [
+        c.token_ids for c in outs[0]
+    ]

@@ -90,6 +90,8 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         r = config.rollout
         try:
+            from vllm.platforms import current_platform
+
             self.tokenizer = load_tokenizer(model_dir)
             self.expected_names = checkpoint_names(model_dir)
             self.tied = is_tied(model_dir)
@@ -106,6 +108,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 # which is what the trainer computes.
                 logprobs_mode="processed_logprobs",
                 disable_log_stats=True,
+                # vLLM's CPU runner cannot rewind a seeded request's generator when a long
+                # prompt's prefill is split over steps: there, prompts are prefilled whole.
+                enable_chunked_prefill=not current_platform.is_cpu(),
             )
         except Exception as e:
             raise EngineStartError(
