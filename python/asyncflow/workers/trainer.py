@@ -74,16 +74,19 @@ class Trainer(Worker):
         self.rows_per_step = self.loss.rows_per_step
         self._last_step_end = ctx.tracer.now()
         self._last_tokens = 0
-        #: The longest a sample can be (a guess without a prompt limit), for claim sizes.
+        #: Tokens a sample is expected to take in a micro-batch, for claim sizes: at first the
+        #: longest a sample can be (a guess without a prompt limit); packed, then the mean of
+        #: the samples seen (padded, a micro-batch's rows all take its longest's length).
         prompt = ctx.prompts.max_length or self.config.rollout.max_tokens
-        self._longest = prompt + self.config.rollout.max_tokens
+        self._sample_tokens = float(prompt + self.config.rollout.max_tokens)
 
     def _claim_rows(self) -> int:
         """Rows to claim at once: whole groups that would fill about one micro-batch (at least
         one group). Only the claim's size rests on this estimate: the micro-batches are cut
         from the claimed samples' real lengths."""
         n = self.config.rollout.n
-        groups = max(1, self.config.trainer.micro_batch_tokens // (self._longest * n))
+        per_group = max(1.0, self._sample_tokens * n)
+        groups = max(1, int(self.config.trainer.micro_batch_tokens // per_group))
         return groups * n
 
     def step(self) -> bool:
@@ -168,6 +171,8 @@ class Trainer(Worker):
     def _train_on(self, data: dict[str, list[Any]], result: StepResult) -> list[TrainBatch]:
         """Accumulates the gradients of claimed samples, micro-batch by micro-batch."""
         lengths = sample_lengths(data)
+        if self.loss.packed:
+            self._sample_tokens = float(np.mean(lengths))
         parts = self.loss.parts(data)
         batches = self.loss.micro_batches(data, parts, self.config.algorithm.reference)
         for part, tb in zip(parts, batches, strict=True):
