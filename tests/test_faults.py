@@ -2,7 +2,8 @@
 reliability`` runs many): SIGKILL of a consumer holding leases, of a producer mid-put, of a
 daemon under load (standalone, controller, storage) with its data directory, a daemon that
 stays down, and one that freezes. None may lose a row, commit one twice, show a partial row,
-or leave a client hanging."""
+or leave a client hanging. Then the daemon's defences: a damaged log, writes through shared
+views, socket-path clashes, slot exhaustion, and memory floods."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import asyncflow as af
-from asyncflow.reliability import faults
+from asyncflow.reliability import faults, hardening
 
 
 def assert_clean(outcome: faults.Outcome) -> None:
@@ -74,6 +75,48 @@ def test_garbage_on_the_wire_never_takes_the_daemon_down() -> None:
     outcome = faults.garbage_frames(rounds=10, seed=3)
     assert_clean(outcome)
     assert outcome.seen == 10, "a well-behaved put after garbage did not read back whole"
+
+
+def test_a_damaged_log_is_refused_by_name_and_recovered_only_when_asked() -> None:
+    outcome = hardening.damaged_log(seed=4, rows=40)
+    assert_clean(outcome)
+    assert outcome.expected_errors["start refused, naming the damaged log"] == 1
+    assert 0 <= outcome.seen < 40
+
+
+def test_a_view_cannot_be_written_in_place_and_other_readers_see_what_was_put() -> None:
+    outcome = hardening.read_only_views()
+    assert_clean(outcome)
+    assert outcome.expected_errors["in-place write to a view refused (ValueError)"] == 2
+
+
+def test_socket_paths_of_live_daemons_or_files_are_refused_and_never_cross_daemons() -> None:
+    outcome = hardening.socket_path_clash()
+    assert_clean(outcome)
+    assert sum(outcome.expected_errors.values()) == 3, outcome.expected_errors
+    assert outcome.seen == 1
+
+
+def test_silent_sockets_and_idle_clients_cannot_keep_a_client_out() -> None:
+    outcome = hardening.slot_exhaustion(idle_sockets=20)
+    assert_clean(outcome)
+    assert outcome.expected_errors["silent sockets refused or closed at the hello deadline"] == 20
+    assert outcome.expected_errors["a new client served in place of an idle one"] == 1
+    assert outcome.seen == 5
+
+
+def test_a_stalled_put_too_large_for_the_limit_keeps_no_memory() -> None:
+    flood = hardening.stalled_puts(1 << 30, 64 << 20, connections=2)
+    assert flood.sent == 128, "the daemon read and dropped every byte sent"
+    assert flood.ok, flood
+    # Nothing was kept: the peak stays far below what was sent.
+    assert flood.peak_rss - flood.start_rss < 32 << 20, flood
+
+
+def test_claims_whose_replies_are_never_read_stop_being_read() -> None:
+    flood = hardening.unread_claims(400_000)
+    assert flood.ok, flood
+    assert flood.sent < 400_000, "the daemon went on reading with its replies unread"
 
 
 def _record(path: Path, puts: list[tuple[int, int]]) -> None:

@@ -37,6 +37,20 @@ def test_the_report_names_its_commit_date_and_settings() -> None:
     assert not failed
 
 
+def test_a_memory_flood_over_its_bound_fails_the_report() -> None:
+    mib = 1 << 20
+    flood = {"flood": "f", "trials": 3, "limit": 256 * mib, "transit": 256 * mib,
+             "start_rss": 40 * mib, "sent": 9, "unit": "MiB sent"}  # fmt: skip
+    within = kept("passed") | {"floods": [flood | {"peak_rss": 500 * mib}]}
+    text, failed = report.render([], [], within, None)
+    assert "| f | 3 | 9 MiB sent | 256 + 256 | 40 | 500 | 460 | ok |" in text
+    assert not failed
+    over = kept("passed") | {"floods": [flood | {"peak_rss": 600 * mib}]}
+    text, failed = report.render([], [], over, None)
+    assert "| 560 | FAILED |" in text
+    assert failed
+
+
 def test_a_failed_corpus_replay_fails_the_report() -> None:
     text, failed = report.render([], [], kept("failed"), None)
     assert "test failed" in text

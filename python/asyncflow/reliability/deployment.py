@@ -1,6 +1,7 @@
 """Daemons to break: a standalone daemon or a controller with three storage daemons, each a
 child process on a loopback port, each optionally with a data directory, any of which can be
-killed (SIGKILL), frozen (SIGSTOP) and started again on the same port and directory."""
+killed (SIGKILL), frozen (SIGSTOP) and started again on the same port and directory. Every
+daemon of a deployment demands one random token, as the daemons a training job starts do."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from asyncflow.daemon import DaemonProcess
+from asyncflow.daemon import TOKEN_ENV, DaemonProcess, new_token
 
 Kind = Literal["standalone", "cluster"]
 STORAGE_DAEMONS = 3
@@ -18,9 +19,14 @@ STORAGE_DAEMONS = 3
 
 class Deployment:
     """``kind`` daemons; with ``data_root``, each keeps its store in a directory under it.
-    ``flags`` go to every daemon (e.g. ``--lease-timeout 1``)."""
+    ``flags`` go to every daemon (e.g. ``--lease-timeout 1``). They demand ``token``; while the
+    deployment runs, ``$ASYNCFLOW_TOKEN`` holds it, so the clients of this process and of the
+    processes it starts present it without being told."""
 
     def __init__(self, kind: Kind, data_root: Path | None = None, *flags: str) -> None:
+        self.token = new_token()
+        self._token_before = os.environ.get(TOKEN_ENV)
+        os.environ[TOKEN_ENV] = self.token
         self.kind = kind
         self.data_root = data_root
         self.flags = list(flags)
@@ -46,7 +52,7 @@ class Deployment:
         if self.data_root is not None:
             flags += ["--data-dir", str(self.data_root / name)]
         self._member_flags[name] = flags
-        self.members[name] = DaemonProcess("--listen", listen, *flags)
+        self.members[name] = DaemonProcess("--listen", listen, *flags, token=self.token)
 
     @property
     def url(self) -> str:
@@ -73,7 +79,7 @@ class Deployment:
         if old.proc.poll() is None:
             old.kill()
         self.members[name] = DaemonProcess(
-            "--listen", f"127.0.0.1:{old.port}", *self._member_flags[name]
+            "--listen", f"127.0.0.1:{old.port}", *self._member_flags[name], token=self.token
         )
 
     def pids(self) -> dict[str, int]:
@@ -86,6 +92,11 @@ class Deployment:
             daemon = self.members.get(name)
             if daemon is not None and not daemon.killed:
                 codes.append(daemon.stop())
+        if os.environ.get(TOKEN_ENV) == self.token:
+            if self._token_before is None:
+                del os.environ[TOKEN_ENV]
+            else:
+                os.environ[TOKEN_ENV] = self._token_before
         return codes
 
     def __enter__(self) -> Deployment:

@@ -131,11 +131,18 @@ def hear(child: subprocess.Popen[str], timeout: float = WAIT * 2) -> dict[str, A
     return dict(json.loads(line))
 
 
+#: The consumer's leases last this long; its connection's grace after it closes, this long.
+LEASE, GRACE = 600.0, 1.0
+
+
 def consumer_killed_holding_leases(kind: Kind = "standalone", rows: int = 96) -> Outcome:
     """A consumer acks one batch, claims another and is SIGKILLed holding it. Its acked rows must
-    never come again; its leased rows must come again once the lease expires; nothing is lost."""
+    never come again; its leased rows must come again once its connection's reconnect grace
+    (1 s) is over, long before their 600 s leases would run out (the drain gives up after
+    ``WAIT``); nothing is lost."""
     outcome = Outcome(rows=rows)
-    with Deployment(kind, None, "--lease-timeout", "1") as d:
+    flags = ("--lease-timeout", str(LEASE), "--reconnect-grace", str(GRACE))
+    with Deployment(kind, None, *flags) as d:
         store = connect(d.url)
         store.register_task("t")
         store.put(rows_of(range(rows)))
@@ -144,7 +151,9 @@ def consumer_killed_holding_leases(kind: Kind = "standalone", rows: int = 96) ->
         acked = told["acked"]
         child.send_signal(signal.SIGKILL)
         child.wait()
+        killed = time.monotonic()
         seen = drain_until(store, "t", rows - len(acked), outcome)
+        outcome.notes.append(f"leased rows came again {time.monotonic() - killed:.1f}s after")
         acked_ids = set(acked)
         outcome.duplicated = sum(seen[i] - 1 for i in seen if seen[i] > 1)
         outcome.duplicated += len(acked_ids & set(seen))

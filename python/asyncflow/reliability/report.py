@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncflow.reliability import faults
+from asyncflow.reliability import faults, hardening
 from asyncflow.reliability.deployment import Kind
 from asyncflow.reliability.soak import SoakResult, soak
 
@@ -66,9 +66,11 @@ PROCESS_DEATH = "process death, page cache kept"
 
 def faults_table(trials: int) -> list[Row]:
     plans: list[tuple[str, Callable[[int], faults.Outcome]]] = [
-        ("SIGKILL consumer holding leases (standalone)",
+        (f"SIGKILL consumer holding leases (standalone), leases {faults.LEASE:g} s, "
+         f"--reconnect-grace {faults.GRACE:g} s",
          lambda s: faults.consumer_killed_holding_leases("standalone")),
-        ("SIGKILL consumer holding leases (cluster)",
+        (f"SIGKILL consumer holding leases (cluster), leases {faults.LEASE:g} s, "
+         f"--reconnect-grace {faults.GRACE:g} s",
          lambda s: faults.consumer_killed_holding_leases("cluster")),
         ("SIGKILL producer mid-put (standalone, shm)",
          lambda s: faults.producer_killed_mid_put("standalone", "shm", s)),
@@ -90,6 +92,14 @@ def faults_table(trials: int) -> list[Row]:
         ("daemon frozen (SIGSTOP): waiting claim", lambda s: faults.daemon_frozen(2.0)),
         ("garbage and mutated frames to a live daemon",
          lambda s: faults.garbage_frames(rounds=50, seed=s)),
+        ("damaged log: a byte of the meta log flipped after a clean stop; start, then --recover",
+         lambda s: hardening.damaged_log(s)),
+        ("in-place write through a shared-memory view of another reader's row",
+         lambda s: hardening.read_only_views()),
+        ("socket-path clashes: a live daemon's path, a regular file, a path that leads to "
+         "another daemon", lambda s: hardening.socket_path_clash()),
+        ("slot exhaustion: 40 silent sockets, then every place taken by idle clients",
+         lambda s: hardening.slot_exhaustion()),
     ]  # fmt: skip
     rows = []
     for name, plan in plans:
@@ -104,6 +114,45 @@ def faults_table(trials: int) -> list[Row]:
                 row.notes.append(f"unclear: trial {seed} raised {type(e).__name__}: {e}")
         rows.append(row)
     return rows
+
+
+def floods_table(trials: int) -> list[hardening.Flood]:
+    """Each memory flood ``trials`` times, keeping the highest peak."""
+    plans: list[tuple[str, Callable[[], hardening.Flood]]] = [
+        ("stalled puts of 1 GiB", lambda: hardening.stalled_puts(1 << 30, 300 << 20)),
+        ("stalled puts of 200 MiB", lambda: hardening.stalled_puts(200 << 20, 190 << 20)),
+        ("unread claims", lambda: hardening.unread_claims(2_000_000)),
+    ]
+    floods = []
+    for name, plan in plans:
+        got = []
+        for k in range(trials):
+            progress(f"memory flood, {name}: trial {k + 1}/{trials}")
+            try:
+                got.append(plan())
+            except Exception as e:  # a harness failure is a finding too
+                got.append(hardening.Flood(f"{name}: trial {k} raised {type(e).__name__}: {e}"))
+        failed = [f for f in got if not f.ok]
+        worst = failed[0] if failed else max(got, key=lambda f: f.peak_rss - f.start_rss)
+        worst.trials = len(got)
+        floods.append(worst)
+    return floods
+
+
+def flood_lines(floods: list[hardening.Flood]) -> list[str]:
+    lines = [
+        "| flood | trials | sent | --memory-limit + --max-transit-bytes (MiB) "
+        "| RSS at start (MiB) | peak RSS, most of any trial (MiB) | peak - start (MiB) "
+        "| outcome |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for f in floods:
+        lines.append(
+            f"| {f.flood} | {f.trials} | {f.sent} {f.unit} | {f.limit / 2**20:.0f} + "
+            f"{f.transit / 2**20:.0f} | {f.start_rss / 2**20:.0f} | {f.peak_rss / 2**20:.0f} "
+            f"| {(f.peak_rss - f.start_rss) / 2**20:.0f} | {'ok' if f.ok else 'FAILED'} |"
+        )
+    return lines
 
 
 def fuzz_figures(log: Path | None, artifacts: Path) -> tuple[int, float, int]:
@@ -236,6 +285,7 @@ def run(
         load_before = load_average()
         run_at = checkout()
         rows = faults_table(trials)
+        floods = floods_table(trials)
         kinds: tuple[Kind, ...] = ("standalone", "cluster")
         soaks = []
         for kind in kinds:
@@ -247,6 +297,7 @@ def run(
         replay = corpus_replay()
         kept = {
             "faults": [vars(r) | {"expected": dict(r.expected)} for r in rows],
+            "floods": [asdict(f) for f in floods],
             "soaks": [asdict(s) for s in soaks],
             "random_input": {
                 "summary": summary,
@@ -342,6 +393,21 @@ def render(
         "by design `--fsync always` syncs each change before it is acknowledged and the other",
         "policies may lose acknowledged changes not yet synced (design, not measured here).",
         "",
+        "## Memory floods",
+        "",
+        "Clients that make the daemon hold memory: four connections announce a put and stall",
+        "part-way (each gives up writing once the daemon has read nothing of its for 3 s), or one",
+        "connection pipelines claims (each waiting 1 ms for rows that never come) and never",
+        "reads a reply. The daemon runs with `--memory-limit 256MiB` and the default",
+        "`--max-transit-bytes 256MiB`; *peak RSS* is the kernel's high-water mark of its",
+        "resident memory (`VmHWM`), read with the flood's sockets still open. A flood passes if",
+        "the peak stays within the start plus the limit plus the transit pool. A put larger than",
+        "the limit is refused before its bytes are kept (they are read and dropped); one that",
+        "fits is paid from the store or the pool before it is read, and the others wait unread;",
+        "a connection with 4 MiB of replies queued stops being read.",
+        "",
+        *flood_lines([hardening.Flood(**f) for f in kept.get("floods", [])]),
+        "",
         "## Bad input",
         "",
         "| input | executions | crashes |",
@@ -371,6 +437,7 @@ def render(
         *soak_errors(soaks),
     ]
     failed = any("FAILED" in r.markdown() for r in rows) or not all(s.clean for s in soaks)
+    failed = failed or not all(hardening.Flood(**f).ok for f in kept.get("floods", []))
     failed = failed or replay["outcome"] != "passed"
     return "\n".join(lines), failed or code != 0 or crashes > 0
 
