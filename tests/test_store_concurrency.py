@@ -118,8 +118,9 @@ def test_ctrl_c_interrupts_a_blocked_claim(store: af.Store) -> None:
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGINT)
 
-    # A library an earlier test loaded in this process may have put its own C-level SIGINT
-    # handler in place of Python's; Ctrl-C reaches the store only through Python's.
+    # A process started in the background by a non-interactive shell (as CI may start the
+    # suite) inherits SIGINT ignored, and Python then leaves it ignored; a user's Ctrl-C
+    # reaches a foreground process through Python's handler, so the test puts that in place.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupter = threading.Thread(target=interrupt_the_claim)
     try:
