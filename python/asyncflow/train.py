@@ -32,7 +32,7 @@ from asyncflow.engines.registry import (
     create_train_engine,
     resolve_engine_name,
 )
-from asyncflow.evaluation import accuracy, pass_at_k
+from asyncflow.evaluation import accuracy, pass_at_k, verifier
 from asyncflow.launch.local import run_threads
 from asyncflow.models.tiny import create_tiny_model, parameter_count
 from asyncflow.models.tokenizer import load_tokenizer
@@ -331,6 +331,10 @@ class Run:
         c = self.config
         tokenizer = prompts.tokenizer
         eval_set = task.eval_set()
+        # Held-out answers are judged as the rewards judge training ones.
+        verify = verifier(
+            resolve_reward(c.reward.fn, bool(c.data.extra_keys)), bool(c.data.extra_keys)
+        )
         max_tokens = c.rollout.max_tokens
         ckpt = checkpoint.latest(self.run_dir) if self.resume else None
         if ckpt is not None:
@@ -338,9 +342,15 @@ class Run:
             before, pass_before = saved["accuracy_before"], saved["pass_at_k_before"]
         else:
             since = time.monotonic()
-            before = accuracy(rollouts[0], eval_set, prompts, max_tokens)
+            before = accuracy(rollouts[0], eval_set, prompts, max_tokens, verify=verify)
             pass_before = pass_at_k(
-                rollouts[0], eval_set, prompts, PASS_K, c.rollout.temperature, max_tokens
+                rollouts[0],
+                eval_set,
+                prompts,
+                PASS_K,
+                c.rollout.temperature,
+                max_tokens,
+                verify=verify,
             )
             self.phases.timed("eval_before", since)
         self.reporter.line(
@@ -375,7 +385,7 @@ class Run:
             if step % c.run.eval_every == 0 or step == c.trainer.max_steps:
                 since = time.monotonic()
                 evaluator.load_weights(step, trainer_engine.export_weights())
-                acc = accuracy(evaluator, eval_set, prompts, max_tokens)
+                acc = accuracy(evaluator, eval_set, prompts, max_tokens, verify=verify)
                 evals.append((step, acc))
                 # The trainer waits for evaluation: time-to-accuracy figures subtract it.
                 extra |= {"eval_accuracy": acc, "eval_seconds": time.monotonic() - since}
@@ -414,9 +424,15 @@ class Run:
         since = time.monotonic()
         version, final = weights.fetch(store, trainer_engine.version)
         rollouts[0].load_weights(version, final)
-        after = accuracy(rollouts[0], eval_set, prompts, max_tokens)
+        after = accuracy(rollouts[0], eval_set, prompts, max_tokens, verify=verify)
         pass_after = pass_at_k(
-            rollouts[0], eval_set, prompts, PASS_K, c.rollout.temperature, max_tokens
+            rollouts[0],
+            eval_set,
+            prompts,
+            PASS_K,
+            c.rollout.temperature,
+            max_tokens,
+            verify=verify,
         )
         probe = [prompts.encode(p.prompt) for p in eval_set[:64]]
         diff = logprob_agreement(rollouts[0], trainer_engine, probe, c, tokenizer.pad_id)
