@@ -126,3 +126,18 @@ def test_a_micro_batch_must_hold_the_longest_sample() -> None:
                 "trainer.micro_batch_tokens=512",
             ],
         )
+
+
+def test_the_gsm_synthetic_example_is_valid_once_its_data_is_made(tmp_path: Path) -> None:
+    for name in ("train.parquet", "test.parquet"):
+        (tmp_path / name).write_bytes(b"")
+    overrides = [
+        f"data.train_file={tmp_path / 'train.parquet'}",
+        f"data.eval_file={tmp_path / 'test.parquet'}",
+    ]
+    c = cfg.load(EXAMPLES / "gsm-synthetic.yaml", overrides)
+    assert (c.model.path, c.reward.fn, c.data.demonstration_key) == (
+        None,
+        "gsm8k",
+        "extra_info.solution",
+    )

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from asyncflow.cli import main
 from asyncflow.config import ConfigError, DataConfig
 from asyncflow.models.chatml import save_chatml_tokenizer
 from asyncflow.models.tokenizer import load_tokenizer
-from asyncflow.tasks import load_task
+from asyncflow.tasks import gsm_synthetic, load_task
 from asyncflow.tasks.arithmetic import ArithmeticTask, add_dropping_carries, has_carry
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.dataset import read_problems
@@ -21,6 +23,7 @@ from asyncflow.tasks.prompts import PromptEncoder, PromptError
 from asyncflow.tasks.records import DatasetError
 from asyncflow.workers.reward import (
     exact_match,
+    gsm8k_match,
     numeric_match,
     pack_answer,
     resolve_reward,
@@ -278,3 +281,47 @@ def test_rewards_by_name_or_import_path() -> None:
     assert resolve_reward("asyncflow.workers.reward:numeric_match") is numeric_match
     with pytest.raises(ValueError, match="unknown reward"):
         resolve_reward("nope")
+
+
+def test_gsm8k_scoring_reads_the_number_after_the_last_final_answer_mark() -> None:
+    assert gsm8k_match("3*4=12. 12+5=17.\n#### 17", "17") == 1.0
+    assert gsm8k_match("#### 1,234", "1234") == 1.0
+    assert gsm8k_match("#### 16 ... #### 17", "17") == 1.0
+    assert gsm8k_match("the answer is 17", "17") == 0.0, "no final-answer line, no credit"
+    assert gsm8k_match("#### 18", "17") == 0.0
+    assert resolve_reward("gsm8k") is gsm8k_match
+
+
+OPERATIONS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a / b,
+}
+
+
+def test_gsm_synthetic_solutions_are_right_and_the_splits_disjoint(tmp_path: Path) -> None:
+    rows = gsm_synthetic.problems(seed=3, count=300)
+    assert gsm_synthetic.problems(seed=3, count=300) == rows, "reproducible"
+    for row in rows:
+        solution, truth = row["extra_info"]["solution"], row["reward_model"]["ground_truth"]
+        steps = re.findall(r"(\d+)([-+*/])(\d+)=(\d+)", solution)
+        assert len(steps) >= 2
+        for a, op, b, result in steps:
+            assert OPERATIONS[op](int(a), int(b)) == int(result), solution
+        assert gsm8k_match(solution, truth) == 1.0 and int(truth) >= 0
+    assert main(["data", "make", "gsm-synthetic", "--out", str(tmp_path), "--train", "50"]) == 0
+    train, test = (
+        pq.read_table(tmp_path / f).to_pylist() for f in ("train.parquet", "test.parquet")
+    )
+    assert (len(train), len(test)) == (50, 200)
+    asked = {r["prompt"][0]["content"] for r in train}
+    assert not asked & {r["prompt"][0]["content"] for r in test}
+
+
+def test_the_warm_start_demonstrates_a_worked_answer_column(tmp_path: Path) -> None:
+    rows = gsm_synthetic.problems(seed=0, count=5)
+    path = write_rows(tmp_path / "train.parquet", rows)
+    data = DataConfig(task="dataset", train_file=str(path), demonstration_key="extra_info.solution")
+    problems, _ = read_problems(path, data, encoder(tmp_path / "tok"))
+    assert [p.demonstration for p in problems] == [r["extra_info"]["solution"] for r in rows]

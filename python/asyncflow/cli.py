@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     serve.add_argument("flags", nargs=argparse.REMAINDER, help="asyncflow-store flags (--help)")
+    data = sub.add_parser("data", help="make built-in datasets").add_subparsers(
+        dest="data_command", required=True
+    )
+    make = data.add_parser("make", help="write a generated dataset as parquet")
+    make.add_argument("dataset", choices=["gsm-synthetic"], help="which dataset")
+    make.add_argument("--out", type=Path, required=True, help="directory for the parquet files")
+    make.add_argument("--train", type=int, default=4000, help="training problems")
+    make.add_argument("--test", type=int, default=200, help="held-out problems")
+    make.add_argument("--seed", type=int, default=0, help="generator seed")
     return parser
 
 
@@ -115,6 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(TOKEN_ENV, new_token())
 
         return run_suite(args.suite, json_path=args.json, quick=args.quick, costs=args.costs)
+    if args.command == "data":
+        from asyncflow.tasks import gsm_synthetic
+
+        for path in gsm_synthetic.write(args.out, args.train, args.test, args.seed):
+            print(f"wrote {path}")
+        return 0
     if args.command == "reliability":
         from asyncflow.reliability.report import run
 

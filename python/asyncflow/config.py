@@ -55,6 +55,9 @@ class DataConfig:
     answer_key: str = "reward_model.ground_truth"
     #: Further dotted paths handed to the reward function (as ``extra_info``, by path).
     extra_keys: list[str] = field(default_factory=list)
+    #: A column holding a worked answer, which the warm start demonstrates (None: the ground
+    #: truth itself).
+    demonstration_key: str | None = None
     #: Render prompts with the tokenizer's chat template: ``auto`` when it has one (plain-text
     #: prompts become one user message), ``true`` (required), ``false`` (plain text, as is).
     chat_template: bool | Literal["auto"] = "auto"
@@ -455,4 +458,3 @@ def validate(c: Config) -> None:
         ]:
             if file is not None:
                 _require(Path(file).exists(), f"{key} {file!r} does not exist")
-        _require(c.model.path is not None, f"data.task: {task} needs model.path (a tokenizer)")

@@ -20,7 +20,9 @@ Progress = Callable[[int, float], None]
 
 def _demonstration(task: Task, problem: Problem, rng: random.Random, mistake_rate: float) -> str:
     demo = getattr(task, "demonstration", None)
-    return demo(problem, rng, mistake_rate) if demo is not None else problem.answer
+    if demo is not None:
+        return str(demo(problem, rng, mistake_rate))
+    return problem.demonstration if problem.demonstration is not None else problem.answer
 
 
 def warm_start(

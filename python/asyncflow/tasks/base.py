@@ -17,6 +17,8 @@ class Problem:
     answer: str
     #: Further columns handed to the reward function (``data.extra_keys``), by dotted path.
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: A worked answer for the warm start to demonstrate (None: the answer itself).
+    demonstration: str | None = None
 
     @property
     def key(self) -> str:

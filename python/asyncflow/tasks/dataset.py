@@ -33,7 +33,8 @@ def dig(row: dict[str, Any], path: str) -> Any:
 
 def _problem(row: dict[str, Any], data: DataConfig, where: str) -> Problem:
     values = {}
-    for key in [data.prompt_key, data.answer_key, *data.extra_keys]:
+    demo = [data.demonstration_key] if data.demonstration_key else []
+    for key in [data.prompt_key, data.answer_key, *data.extra_keys, *demo]:
         value = dig(row, key)
         if value is _MISSING or value is None:
             raise DatasetError(f"{where} has no {key!r}")
@@ -51,7 +52,8 @@ def _problem(row: dict[str, Any], data: DataConfig, where: str) -> Problem:
             f"{type(answer).__name__}"
         )
     extra = {key: values[key] for key in data.extra_keys}
-    return Problem(prompt, str(answer), extra)
+    demonstration = str(values[data.demonstration_key]) if data.demonstration_key else None
+    return Problem(prompt, str(answer), extra, demonstration)
 
 
 def read_problems(

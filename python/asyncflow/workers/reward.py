@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,7 +53,27 @@ def numeric_match(response: str, truth: str, extra_info: Mapping[str, Any] | Non
         return 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric_match": numeric_match}
+#: GSM8K's final-answer line, as its reference solutions and the usual scorers write it.
+FINAL_ANSWER = re.compile(r"####\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+
+
+def gsm8k_match(response: str, truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
+    """1 if the number after the response's last ``####`` equals the ground truth (commas
+    ignored); a response without that line scores 0, as in the strict GSM8K scorers."""
+    found = FINAL_ANSWER.findall(response)
+    if not found:
+        return 0.0
+    try:
+        return 1.0 if float(found[-1].replace(",", "")) == float(truth.replace(",", "")) else 0.0
+    except ValueError:
+        return 0.0
+
+
+REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "numeric_match": numeric_match,
+    "gsm8k": gsm8k_match,
+}
 
 
 def register_reward(name: str, fn: RewardFn) -> None:
