@@ -31,7 +31,7 @@ use super::Daemon;
 use super::cells::Payload;
 use super::metadata::Outcome;
 use super::outgoing::{Answer, Outgoing, Part};
-use super::session::{Session, ShmSession};
+use super::session::{Descriptor, Session, ShmSession};
 use super::transit::{Transit, TransitGuard};
 use crate::auth::token_matches;
 use crate::host::host_id;
@@ -373,7 +373,7 @@ impl FrameWriter {
         }
         w.flush().await?;
         let stream: &UnixStream = w.get_ref().as_ref();
-        let fds: Vec<BorrowedFd<'_>> = out.fds.iter().map(|s| s.fd()).collect();
+        let fds: Vec<BorrowedFd<'_>> = out.fds.iter().map(|d| d.segment.fd()).collect();
         let sent = loop {
             stream.writable().await?;
             match stream.try_io(Interest::WRITABLE, || send_with_fds(stream.as_fd(), &header, &fds))
@@ -383,6 +383,8 @@ impl FrameWriter {
                 Err(e) => return Err(e),
             }
         };
+        // The descriptors are in the socket ahead of every frame written from now on.
+        out.fds.iter().for_each(Descriptor::written);
         w.write_all(&header[sent..]).await
     }
 

@@ -2,11 +2,10 @@
 //! go from store memory to the socket without being gathered into one buffer first; shared-memory
 //! segments the client has not mapped yet travel as descriptors with the frame's first bytes.
 
-use std::sync::Arc;
-
 use asyncflow_core::Cell;
 use asyncflow_proto::{Failure, FrameHeader, Op, Reply};
-use asyncflow_shm::Segment;
+
+use super::session::Descriptor;
 
 pub enum Part {
     Zeros(usize),
@@ -26,14 +25,14 @@ pub struct Outgoing {
     pub header: FrameHeader,
     pub meta: Vec<u8>,
     pub payload: Vec<Part>,
-    pub fds: Vec<Arc<Segment>>,
+    pub fds: Vec<Descriptor>,
 }
 
 /// A reply's metadata and what travels beside it.
 #[derive(Default)]
 pub struct Answer {
     pub payload: Vec<Part>,
-    pub fds: Vec<Arc<Segment>>,
+    pub fds: Vec<Descriptor>,
 }
 
 impl Outgoing {

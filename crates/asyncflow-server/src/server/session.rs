@@ -13,6 +13,28 @@ use asyncflow_proto::{Segments, SharedCell, Spare};
 use asyncflow_shm::{Region, Segment, SegmentPool};
 use parking_lot::Mutex;
 
+/// A segment's descriptor on its way to the client in a reply. Until a reply carrying it has
+/// been written, every reply that uses the segment carries it again: replies are written in the
+/// order they finish, not the order they were built, so the first one built may not be the first
+/// one the client reads.
+pub struct Descriptor {
+    pub segment: Arc<Segment>,
+    written: Arc<AtomicBool>,
+}
+
+impl Descriptor {
+    /// Notes that the descriptor is in the socket: replies written after it need not carry it.
+    pub fn written(&self) {
+        self.written.store(true, Ordering::Release);
+    }
+}
+
+/// A segment the client was sent, or is being sent, and whether a reply carrying it was written.
+struct Known {
+    segment: Weak<Segment>,
+    written: Arc<AtomicBool>,
+}
+
 /// A region staged for a put that has not arrived yet, with the memory it was granted: a region
 /// the client asked for is paid for when staged; a spare, when a put uses it.
 pub struct Stage {
@@ -34,7 +56,7 @@ struct Stages {
 /// The shared-memory state of a connection on the Unix socket.
 pub struct ShmSession {
     pub pool: SegmentPool,
-    known: Mutex<HashMap<u64, Weak<Segment>>>,
+    known: Mutex<HashMap<u64, Known>>,
     stages: Mutex<Stages>,
     /// The size of the region the connection's last staged put used (0 before one): the size
     /// of the spare it is offered.
@@ -61,19 +83,19 @@ impl ShmSession {
 
     /// Whether the client has mapped segment `id` (and it still exists).
     pub fn knows(&self, id: u64) -> bool {
-        self.known.lock().get(&id).is_some_and(|w| w.strong_count() > 0)
+        self.known.lock().get(&id).is_some_and(|k| k.segment.strong_count() > 0)
     }
 
-    /// Segments among `used` the client has not mapped yet (their descriptors must go with the
-    /// reply), and segments it mapped that no longer exist.
+    /// Segments among `used` the client may not have mapped by the time it reads this reply
+    /// (their descriptors must go with the reply), and segments it mapped that no longer exist.
     pub fn introduce<'a>(
         &self,
         used: impl IntoIterator<Item = &'a Arc<Segment>>,
-    ) -> (Segments, Vec<Arc<Segment>>) {
+    ) -> (Segments, Vec<Descriptor>) {
         let mut known = self.known.lock();
         let mut segments = Segments::default();
-        known.retain(|&id, weak| {
-            let alive = weak.strong_count() > 0;
+        known.retain(|&id, k| {
+            let alive = k.segment.strong_count() > 0;
             if !alive {
                 segments.retired.push(id);
             }
@@ -81,11 +103,20 @@ impl ShmSession {
         });
         let mut fds = Vec::new();
         for seg in used {
-            if let Entry::Vacant(slot) = known.entry(seg.id()) {
-                slot.insert(Arc::downgrade(seg));
-                segments.new.push((seg.id(), seg.len() as u64));
-                fds.push(Arc::clone(seg));
-            }
+            let written = match known.entry(seg.id()) {
+                Entry::Vacant(slot) => {
+                    let written = Arc::new(AtomicBool::new(false));
+                    let segment = Arc::downgrade(seg);
+                    slot.insert(Known { segment, written: Arc::clone(&written) });
+                    written
+                }
+                Entry::Occupied(k) if !k.get().written.load(Ordering::Acquire) => {
+                    Arc::clone(&k.get().written)
+                }
+                Entry::Occupied(_) => continue,
+            };
+            segments.new.push((seg.id(), seg.len() as u64));
+            fds.push(Descriptor { segment: Arc::clone(seg), written });
         }
         (segments, fds)
     }
@@ -114,7 +145,7 @@ impl ShmSession {
     /// what makes the spare cheaper to write than a new one. A spare stays the connection's
     /// until a request names it (the client may be writing it), and holds no store memory
     /// until a put uses it.
-    pub fn offer_spare(&self) -> Option<(Spare, Vec<Arc<Segment>>)> {
+    pub fn offer_spare(&self) -> Option<(Spare, Vec<Descriptor>)> {
         let size = self.spare_size.load(Ordering::Relaxed);
         if size == 0 || self.stages.lock().spare.is_some() {
             return None;
@@ -226,5 +257,36 @@ impl Session {
         if let Some(flag) = self.cancels.lock().get(&id) {
             flag.store(true, Ordering::Relaxed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(segments: &Segments) -> Vec<u64> {
+        segments.new.iter().map(|&(id, _)| id).collect()
+    }
+
+    #[test]
+    fn a_segment_travels_with_every_reply_until_one_carrying_it_is_written() {
+        let shm = ShmSession::new(SegmentPool::new(0));
+        let segment = Arc::new(Segment::create(7, 4096).unwrap());
+        // Two replies use the segment before either is written: the one built second may be
+        // written first, so both carry the descriptor.
+        let (first, first_fds) = shm.introduce([&segment]);
+        let (second, second_fds) = shm.introduce([&segment]);
+        assert_eq!((ids(&first), ids(&second)), (vec![7], vec![7]));
+        assert_eq!((first_fds.len(), second_fds.len()), (1, 1));
+        // Once one of them is written, later replies name the segment without its descriptor.
+        second_fds[0].written();
+        let (third, third_fds) = shm.introduce([&segment]);
+        assert!(ids(&third).is_empty() && third_fds.is_empty());
+        assert!(shm.knows(7));
+        // A segment that no longer exists is retired, once.
+        drop((first_fds, second_fds, segment));
+        let (fourth, _) = shm.introduce([]);
+        assert_eq!(fourth.retired, vec![7]);
+        assert!(!shm.knows(7) && shm.introduce([]).0.retired.is_empty());
     }
 }
