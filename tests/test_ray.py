@@ -198,7 +198,7 @@ def slow_to_restart() -> Any:
             self.stopped.set()
 
         def report(self) -> Report:
-            return Report(self.life, 0, 0, [], 0.0)
+            return Report(self.life, 0, 0, 0, [], 0.0)
 
     return ray.remote(SlowToRestart)
 

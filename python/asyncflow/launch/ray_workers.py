@@ -45,6 +45,7 @@ class Report:
     life: str
     generated_tokens: int
     generated_samples: int
+    truncated_responses: int
     spans: list[Span]
     wall_origin: float
 
@@ -94,8 +95,8 @@ class WorkerActor:
     def report(self) -> Report:
         s, tracer = self.ctx.state, self.ctx.tracer
         with s.lock:
-            tokens, samples = s.generated_tokens, s.generated_samples
-        return Report(self.life, tokens, samples, tracer.spans(), tracer.wall_origin)
+            tokens, samples, cut = s.generated_tokens, s.generated_samples, s.truncated_responses
+        return Report(self.life, tokens, samples, cut, tracer.spans(), tracer.wall_origin)
 
     # -- evaluation through a rollout actor's engine (before the run starts, after it ends) ---
 
@@ -205,7 +206,7 @@ class Supervisor(Worker):
         self.polls = {label: actor.report.remote() for label, actor in actors.items()}
         #: Each actor's current life, and its counters already added to the run's.
         self.lives: dict[str, str] = {}
-        self.counted = {label: (0, 0) for label in actors}
+        self.counted = {label: (0, 0, 0) for label in actors}
         #: Restarts: those seen (a new life reported) during the run, Ray's count at its end;
         #: and deaths Ray reported as final.
         self.restarts = dict.fromkeys(actors, 0)
@@ -264,13 +265,18 @@ class Supervisor(Worker):
         if self.lives.setdefault(label, report.life) != report.life:
             self.lives[label] = report.life
             self.restarts[label] += 1
-            self.counted[label] = (0, 0)  # a new life counts from zero
-        tokens, samples = self.counted[label]
+            self.counted[label] = (0, 0, 0)  # a new life counts from zero
+        tokens, samples, cut = self.counted[label]
         self.ctx.state.add(
             generated_tokens=max(0, report.generated_tokens - tokens),
             generated_samples=max(0, report.generated_samples - samples),
+            truncated_responses=max(0, report.truncated_responses - cut),
         )
-        self.counted[label] = (report.generated_tokens, report.generated_samples)
+        self.counted[label] = (
+            report.generated_tokens,
+            report.generated_samples,
+            report.truncated_responses,
+        )
         if spans:
             self.ctx.tracer.add(report.spans, report.wall_origin)
 
