@@ -377,7 +377,11 @@ def render(
         "that hung, or a trial that could not finish. *Client errors* are the errors clients",
         "were told to expect: a put or ack in flight when its daemon was killed fails saying it",
         "may or may not have been applied, an ack of a lease from before a restart fails with",
-        "LeaseError (its rows come again).",
+        "LeaseError (its rows come again). For the last four rows, the daemon's defences, it",
+        "counts each refusal or recovery that was expected and happened; any that did not is a",
+        "crash or a note below. The consumer rows hold 600 s leases: their rows come again",
+        "within the 30 s the drain waits only because the killed consumer's connection gives",
+        "its leases back after its 1 s `--reconnect-grace`.",
         "",
         "| fault | trials | rows | lost | duplicated | partial | crashes | client errors "
         "| outcome |",
