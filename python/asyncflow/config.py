@@ -215,6 +215,11 @@ class RunConfig:
     #: looks at the stop flag again).
     poll_interval: float = 0.25
     progress: bool = True
+    #: Experiment trackers mirroring metrics.jsonl, the config and the summary figure:
+    #: ``tensorboard``, ``wandb`` (offline unless ``WANDB_MODE`` says otherwise), ``mlflow`` (a
+    #: local ``file:`` store under the run unless ``MLFLOW_TRACKING_URI`` names one). One that
+    #: fails to start is warned about once and left out.
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
 @dataclass
