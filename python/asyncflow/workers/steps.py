@@ -147,12 +147,12 @@ class StepResult:
     tensor_tokens: int = 0
     padded_tokens: int = 0
     #: The most tokens one micro-batch's tensors held.
-    largest: int = 0
+    largest_micro_batch: int = 0
 
     def count_batch(self, batch: TrainBatch, lengths: Sequence[int]) -> None:
         self.tokens += batch.tokens
         self.tensor_tokens += int(batch.input_ids.numel())
-        self.largest = max(self.largest, int(batch.input_ids.numel()))
+        self.largest_micro_batch = max(self.largest_micro_batch, int(batch.input_ids.numel()))
         self.padded_tokens += padded_tokens(lengths)
 
     def padding(self) -> dict[str, float]:
@@ -162,7 +162,7 @@ class StepResult:
         return {
             "padding_fraction": 1 - self.tokens / self.tensor_tokens,
             "padding_fraction_unpacked": 1 - self.tokens / max(self.padded_tokens, 1),
-            "micro_batch_tokens_max": float(self.largest),
+            "micro_batch_tokens_max": float(self.largest_micro_batch),
         }
 
     def note(
@@ -188,7 +188,7 @@ class StepResult:
             merged.tokens += p.tokens
             merged.tensor_tokens += p.tensor_tokens
             merged.padded_tokens += p.padded_tokens
-            merged.largest = max(merged.largest, p.largest)
+            merged.largest_micro_batch = max(merged.largest_micro_batch, p.largest_micro_batch)
         merged.trained_groups.sort()
         merged.dropped_groups.sort()
         return merged
