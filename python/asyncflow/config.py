@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -156,19 +157,94 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo", "rloo"] = "grpo"
+    #: ``grpo``/``rloo`` (group baselines) or ``reinforce++`` (rewards less ``trainer.kl_coef``
+    #: times the sequence's KL to the reference, normalised over the whole batch).
+    advantage: Literal["grpo", "rloo", "reinforce++"] = "grpo"
     #: GRPO: divide by the group's reward standard deviation.
     normalize_std: bool = True
-    #: ``token``: mean over all response tokens of a step; ``sequence``: mean of per-sequence means.
-    loss_aggregation: Literal["token", "sequence"] = "token"
+    #: ``token-mean`` (``token``): mean over all response tokens of a step;
+    #: ``seq-mean-token-mean`` (``sequence``): mean of per-sequence means;
+    #: ``seq-mean-token-sum``: mean of per-sequence sums (scaled by ``rollout.max_tokens``).
+    loss_aggregation: Literal[
+        "token", "sequence", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum"
+    ] = "token"
+    #: ``ppo``: per-token ratio and clip; ``gspo``: one ratio per sequence (the geometric mean
+    #: of its token ratios), clipped per sequence.
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    #: Clip-higher: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (None:
+    #: ``trainer.clip_eps``).
+    clip_low: float | None = None
+    clip_high: float | None = None
+    #: Dynamic sampling: groups whose rewards are all equal carry no signal and are not trained.
+    filter_groups: bool = False
+    #: Overlong responses (cut at ``rollout.max_tokens``): ``none``, ``filter`` (left out of the
+    #: loss), or ``penalty`` (reward lowered linearly over the last ``overlong_buffer`` tokens,
+    #: by at most ``overlong_penalty``).
+    overlong: Literal["none", "filter", "penalty"] = "none"
+    overlong_buffer: int = 4
+    overlong_penalty: float = 1.0
     #: Compute reference log-probs (needed for ``kl_coef > 0``).
     reference: bool = False
 
 
 @dataclass
+class RewardModelConfig:
+    """``reward.type: model``: a local Hugging Face sequence-classification model directory."""
+
+    path: str | None = None
+    #: Device of the reward model (its own, apart from the policy's): ``cpu``, ``cuda:1``...
+    device: str = "cpu"
+    #: Responses scored per forward pass.
+    batch_size: int = 32
+    #: Score: the logit of this label (one-label models: their only logit), or with
+    #: ``probability: true`` its softmax probability.
+    label: int = 0
+    probability: bool = False
+    #: Text given to the model: ``{prompt}``, ``{response}`` and ``{truth}`` are filled in.
+    template: str = "{response}"
+
+
+@dataclass
+class RewardHttpConfig:
+    """``reward.type: http``: an OpenAI-compatible chat-completions judge."""
+
+    #: Base URL, e.g. ``http://127.0.0.1:8000/v1`` (``/chat/completions`` is appended).
+    url: str | None = None
+    model: str = "judge"
+    #: The judge's user message; ``{prompt}``, ``{response}`` and ``{truth}`` are filled in.
+    template: str = (
+        "Question: {prompt}\nReference answer: {truth}\nResponse: {response}\n"
+        "Score the response from 0 to 1. Reply with the score only."
+    )
+    #: The score: the first capture group of this regular expression in the judge's reply.
+    score_pattern: str = r"(-?[0-9]+(?:\.[0-9]+)?)"
+    #: Requests in flight at once, seconds per request, retries after the first try, and the
+    #: first retry's wait in seconds (doubled on each further retry).
+    concurrency: int = 8
+    timeout: float = 30.0
+    retries: int = 2
+    backoff: float = 0.5
+    #: Environment variable holding the API key sent as a bearer token (None: none sent).
+    api_key_env: str | None = None
+
+
+@dataclass
 class RewardConfig:
-    #: A registered reward name, or ``module:function`` taking (response text, ground truth).
+    #: ``fn`` (a Python function), ``model`` (a sequence-classification model) or ``http`` (a
+    #: judge endpoint); ``sources`` combines several.
+    type: Literal["fn", "model", "http"] = "fn"
+    #: A registered reward name, or ``module:function`` taking (response text, ground truth);
+    #: an ``async def`` function is awaited, up to ``concurrency`` rows at once.
     fn: str = "exact_match"
+    #: The function takes lists (responses, truths[, extra_info]) and returns a list of scores.
+    batched: bool = False
+    concurrency: int = 16
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    http: RewardHttpConfig = field(default_factory=RewardHttpConfig)
+    #: Several sources at once (empty: ``type`` alone), their scores summed with ``weights``
+    #: (empty: all 1).
+    sources: list[Literal["fn", "model", "http"]] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -441,6 +517,7 @@ def validate(c: Config) -> None:
     ]:
         _require(amount >= 0, f"{key} cannot be negative")
     _require(c.ray.start_timeout > 0, "ray.start_timeout must be positive")
+    _validate_reward_and_algorithm(c)
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
     if c.data.max_prompt_length is not None:
@@ -463,3 +540,53 @@ def validate(c: Config) -> None:
         ]:
             if file is not None:
                 _require(Path(file).exists(), f"{key} {file!r} does not exist")
+
+
+def _validate_reward_and_algorithm(c: Config) -> None:
+    r, a = c.reward, c.algorithm
+    sources = r.sources or [r.type]
+    _require(len(set(sources)) == len(sources), "reward.sources names a source twice")
+    _require(
+        not r.weights or len(r.weights) == len(sources),
+        f"reward.weights has {len(r.weights)} weights for {len(sources)} sources",
+    )
+    _require(r.concurrency >= 1, "reward.concurrency must be at least 1")
+    if "model" in sources:
+        _require(r.model.path is not None, "reward type model needs reward.model.path")
+        _require(
+            Path(str(r.model.path)).is_dir(),
+            f"reward.model.path {r.model.path!r} is not a directory",
+        )
+        _require(r.model.batch_size >= 1, "reward.model.batch_size must be at least 1")
+        _require(r.model.label >= 0, "reward.model.label cannot be negative")
+    if "http" in sources:
+        url = r.http.url or ""
+        _require(
+            url.startswith(("http://", "https://")),
+            f"reward type http needs reward.http.url (http:// or https://), not {r.http.url!r}",
+        )
+        _require(r.http.concurrency >= 1, "reward.http.concurrency must be at least 1")
+        _require(r.http.timeout > 0, "reward.http.timeout must be positive")
+        _require(r.http.retries >= 0, "reward.http.retries cannot be negative")
+        _require(r.http.backoff >= 0, "reward.http.backoff cannot be negative")
+        try:
+            groups = re.compile(r.http.score_pattern).groups
+        except re.error as e:
+            raise ConfigError(
+                f"reward.http.score_pattern is not a regular expression: {e}"
+            ) from None
+        _require(groups >= 1, "reward.http.score_pattern needs a capture group for the score")
+    for key, clip in [("algorithm.clip_low", a.clip_low), ("algorithm.clip_high", a.clip_high)]:
+        if clip is not None:
+            _require(clip > 0, f"{key} must be positive")
+    if a.clip_low is not None:
+        _require(a.clip_low < 1, "algorithm.clip_low must be below 1 (the ratio stays positive)")
+    _require(a.overlong_buffer >= 1, "algorithm.overlong_buffer must be at least 1")
+    _require(a.overlong_penalty >= 0, "algorithm.overlong_penalty cannot be negative")
+    if a.overlong == "penalty":
+        _require(
+            a.overlong_buffer <= c.rollout.max_tokens,
+            "algorithm.overlong_buffer cannot exceed rollout.max_tokens",
+        )
+    if a.advantage == "reinforce++" and c.trainer.kl_coef > 0:
+        _require(a.reference, "algorithm.advantage reinforce++ with kl_coef needs reference")
