@@ -295,7 +295,9 @@ class RunConfig:
     #: ``tensorboard``, ``wandb`` (offline unless ``WANDB_MODE`` says otherwise), ``mlflow`` (a
     #: local ``file:`` store under the run unless ``MLFLOW_TRACKING_URI`` names one). One that
     #: fails to start is warned about once and left out.
-    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(
+        default_factory=lambda: ["tensorboard"]
+    )
 
 
 @dataclass
