@@ -27,6 +27,15 @@ from asyncflow.launch import ray_workers
 from asyncflow.launch.ray_join import join
 from asyncflow.launch.ray_ranks import RayRanks
 from asyncflow.launch.ray_store import place_store
+from asyncflow.launch.ray_wait import (
+    Bundle,
+    Say,
+    check_fits,
+    cpus_to_start,
+    node_resources,
+    total,
+    wait,
+)
 from asyncflow.store import Store
 
 #: Environment of every actor: one compute thread each (see ``asyncflow.cli``), no downloads.
@@ -51,8 +60,10 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
 class RayCluster:
     """The run's actors on a Ray cluster (a context manager)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, say: Say | None = None) -> None:
         self.config = config
+        #: Where long waits say what they wait for (the job's progress lines).
+        self.say = say
         #: Every store daemon demands it; actors get it as an argument.
         self.token = secrets.token_hex(16)
         self._cleanup = ExitStack()
@@ -65,7 +76,7 @@ class RayCluster:
             undo.push(self)  # a failed start stops what it started
             self._join()
             self._reserve()
-            store = place_store(self.config, self.token)
+            store = place_store(self.config, self.token, self.say)
             self._cleanup.callback(store.stop)
             self.url = store.url
             self.nodes = store.nodes
@@ -84,8 +95,11 @@ class RayCluster:
         if ray.is_initialized():
             return  # the caller's own connection: it stays theirs
         address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or None
+        # A Ray instance of the run's own gets the logical CPUs its placement reserves.
+        sized = {} if address else {"num_cpus": cpus_to_start(total(self._demand()))}
         join(
             address,
+            **sized,
             runtime_env={"env_vars": ACTOR_ENV},
             include_dashboard=False,
             log_to_driver=False,
@@ -93,9 +107,10 @@ class RayCluster:
         )
         self._cleanup.callback(ray.shutdown)
 
-    def _reserve(self) -> None:
+    def _groups(self) -> dict[str, tuple[list[Bundle], str]]:
+        """The bundles and strategy of each role's placement group."""
         c, r = self.config, self.config.ray
-        wanted = {
+        return {
             "trainer": ([_bundle(r.trainer_cpus, r.trainer_gpus)] * c.trainer.dp_size, "PACK"),
             "rollout": ([_bundle(r.rollout_cpus, r.rollout_gpus)] * c.rollout.engines, "SPREAD"),
             "workers": (
@@ -104,23 +119,34 @@ class RayCluster:
                 "PACK",
             ),
         }
+
+    def _demand(self) -> list[Bundle]:
+        return [b for bundles, _ in self._groups().values() for b in bundles]
+
+    def _reserve(self) -> None:
+        wanted = self._groups()
+        # Never fits: an error now, naming demand and capacity, rather than a wait until timeout.
+        check_fits({role: bundles for role, (bundles, _) in wanted.items()}, node_resources())
         for role, (bundles, strategy) in wanted.items():
             self.groups[role] = placement_group(bundles, strategy=strategy)
             self._cleanup.callback(remove_placement_group, self.groups[role])
         for role, group in self.groups.items():
+            bundles = wanted[role][0]
             try:
-                ray.get(group.ready(), timeout=r.start_timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(
-                    f"the cluster found no room for the {role} placement group "
-                    f"{wanted[role][0]} within {r.start_timeout:.0f}s (ray.start_timeout); "
-                    f"free now: {ray.available_resources()}"
-                ) from None
+                wait(
+                    [group.ready()],
+                    f"room for the {role} placement group {bundles}",
+                    self.config.ray.start_timeout,
+                    self.say,
+                    lambda: f"free now: {ray.available_resources()}",
+                )
+            except TimeoutError as e:
+                raise TimeoutError(f"the cluster found no room: {e}") from None
 
     def ranks(self, model_dir: Path, store: Store) -> RayRanks:
         """The trainer's ranks, one actor per bundle of the trainer's placement group."""
         ranks = RayRanks(
-            model_dir, self.config, store, self.url, self.token, self.groups["trainer"]
+            model_dir, self.config, store, self.url, self.token, self.groups["trainer"], self.say
         )
         self._cleanup.callback(ranks.close)
         return ranks
@@ -146,5 +172,5 @@ class RayCluster:
         placement["reference"] = bundle("workers", 2, r.trainer_cpus, r.trainer_gpus)
         actors: dict[str, Any] = {}
         self._cleanup.callback(lambda: [ray.kill(a) for a in actors.values()])
-        actors |= ray_workers.start(c, roles, self.url, self.token, model_dir, placement)
+        actors |= ray_workers.start(c, roles, self.url, self.token, model_dir, placement, self.say)
         return actors

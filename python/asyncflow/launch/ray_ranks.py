@@ -24,6 +24,7 @@ from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeout
 from asyncflow.engines.process_group import free_port
 from asyncflow.engines.rank_process import RankSpec, describe, start
 from asyncflow.engines.ranks import Ranks
+from asyncflow.launch.ray_wait import SAY_EVERY, Say
 from asyncflow.store import Store
 
 
@@ -60,9 +61,12 @@ class RayRanks(Ranks):
         store_address: str,
         token: str,
         group: PlacementGroup,
+        say: Say | None = None,
     ) -> None:
         super().__init__(store, config)
         r = config.ray
+        #: Where long waits say what they wait for (set before the ranks start).
+        self.say = say
         world = config.trainer.dp_size
         remote = ray.remote(RankActor)
         self.actors = [
@@ -98,6 +102,7 @@ class RayRanks(Ranks):
         """Every answer, in rank order; None if ``stop`` is set first. A rank that fails or dies
         is an error naming it at once (its peers may be waiting for it in a collective)."""
         deadline = time.monotonic() + timeout
+        last_said = time.monotonic()
         answers: dict[int, Any] = {}
         while len(answers) < len(refs):
             pending = [ref for rank, ref in enumerate(refs) if rank not in answers]
@@ -106,8 +111,13 @@ class RayRanks(Ranks):
                 answers[refs.index(ref)] = self._answer(refs.index(ref), ref, what)
             if stop is not None and stop.is_set():
                 return None
-            if len(answers) < len(refs) and time.monotonic() > deadline:
-                late = [rank for rank in range(len(refs)) if rank not in answers]
+            late = [rank for rank in range(len(refs)) if rank not in answers]
+            due = what == "starting" and time.monotonic() - last_said >= SAY_EVERY
+            if late and due and self.say is not None:
+                last_said = time.monotonic()
+                waited = timeout - (deadline - last_said)
+                self.say(f"waiting {waited:.0f}s for trainer rank actor(s) {late} to finish {what}")
+            if late and time.monotonic() > deadline:
                 raise EngineTimeoutError(
                     f"trainer rank actor(s) {late} did not finish {what} within {timeout:.0f}s"
                 )

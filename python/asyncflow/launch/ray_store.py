@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from asyncflow.config import Config
 from asyncflow.daemon import TOKEN_ENV, DaemonProcess
+from asyncflow.launch.ray_wait import Say, wait
 from asyncflow.units import parse_size
 
 
@@ -51,7 +52,7 @@ class PlacedStore:
             ray.kill(actor)
 
 
-def place_store(config: Config, token: str) -> PlacedStore:
+def place_store(config: Config, token: str, say: Say | None = None) -> PlacedStore:
     """Starts a storage daemon on every alive node and a controller on this one."""
     s = config.store
     remote = ray.remote(DaemonActor)
@@ -77,7 +78,7 @@ def place_store(config: Config, token: str) -> PlacedStore:
         )
         for node in nodes
     ]
-    urls = _get([a.url.remote() for a in storage], "the storage daemons to start", timeout)
+    urls = wait([a.url.remote() for a in storage], "the storage daemons to start", timeout, say)
     addresses = ",".join(u.removeprefix("tcp://") for u in urls)
     controller = on(
         here,
@@ -88,12 +89,5 @@ def place_store(config: Config, token: str) -> PlacedStore:
         "--lease-timeout",
         str(s.lease_timeout),
     )
-    (url,) = _get([controller.url.remote()], "the store controller to start", timeout)
+    (url,) = wait([controller.url.remote()], "the store controller to start", timeout, say)
     return PlacedStore(url, len(nodes), [controller, *storage])
-
-
-def _get(refs: list[Any], what: str, timeout: float) -> list[Any]:
-    try:
-        return list(ray.get(refs, timeout=timeout))
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"waited {timeout:.0f}s (ray.start_timeout) for {what}") from None

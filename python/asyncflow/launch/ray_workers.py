@@ -28,6 +28,7 @@ from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.engines.registry import create_rollout_engine, resolve_engine_name
 from asyncflow.launch.local import WorkerFailed
+from asyncflow.launch.ray_wait import Say, wait
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.telemetry.trace import Span, Tracer
 from asyncflow.workers.advantage import AdvantageWorker
@@ -160,9 +161,11 @@ def start(
     token: str,
     model_dir: Path,
     placement: dict[str, Any],
+    say: Say | None = None,
 ) -> dict[str, Any]:
     """Starts an actor per ``(role, label)`` with ``placement[label]``'s options, and waits until
-    every one has built its worker and engine; the actors by label."""
+    every one has built its worker and engine (saying which it still waits for); the actors by
+    label."""
     remote = ray.remote(WorkerActor)
     actors = {
         label: remote.options(
@@ -176,7 +179,7 @@ def start(
     timeout = config.ray.start_timeout
     for label, actor in actors.items():
         try:
-            _get(actor.ready.remote(), f"the {label} actor to start", timeout)
+            wait([actor.ready.remote()], f"the {label} actor to start", timeout, say)
         except RayActorError as e:
             raise WorkerFailed(f"the {label} actor failed to start: {e}") from None
     return actors
