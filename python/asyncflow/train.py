@@ -277,7 +277,7 @@ class Run:
 
         c = self.config
         since = time.monotonic()
-        cluster = cleanup.enter_context(RayCluster(c))
+        cluster = cleanup.enter_context(RayCluster(c, self.reporter.line))
         self.reporter.line(f"on Ray: store controller at {cluster.url}")
         store = connect(cluster.url, token=cluster.token)
         self.placement = {
@@ -374,7 +374,12 @@ class Run:
                 f"{restored} rows in flight"
             )
 
-        metrics = MetricsLog(self.run_dir, keep_until=trainer_engine.version if ckpt else None)
+        metrics = MetricsLog(
+            self.run_dir,
+            keep_until=trainer_engine.version if ckpt else None,
+            loggers=c.run.loggers,
+            config=c.to_dict(),
+        )
         evals = [(0, before)] + [
             (r["step"], r["eval_accuracy"]) for r in metrics.history if "eval_accuracy" in r
         ]
@@ -413,6 +418,9 @@ class Run:
                 run_threads(
                     workers, ctx.stop, trainer, lambda: tick(state.trained_steps, metrics.history)
                 )
+        except BaseException:
+            metrics.finish()  # the trackers close with the run
+            raise
         finally:
             metrics.close()
             tracer.write_chrome_trace(self.run_dir / "trace.json")
@@ -452,6 +460,7 @@ class Run:
             model_dir,
         )
         write_summary_png(self.run_dir / "summary.png", metrics.history, evals, busy)
+        metrics.finish(self.run_dir / "summary.png")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self.reporter.summary(summary)
         return summary

@@ -1,17 +1,29 @@
-"""Per-step metrics: one JSON line per step in ``metrics.jsonl``, mirrored to TensorBoard."""
+"""Per-step metrics: one JSON line per step in ``metrics.jsonl``, mirrored to the experiment
+trackers of ``run.loggers`` (TensorBoard by default)."""
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncflow.telemetry.loggers import Trackers
+
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, keep_until: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        keep_until: int | None = None,
+        loggers: Sequence[str] = ("tensorboard",),
+        config: dict[str, Any] | None = None,
+    ) -> None:
         """``keep_until``: a resumed run keeps the records of steps up to this one (the rest
-        belong to the timeline after its checkpoint, which is redone)."""
+        belong to the timeline after its checkpoint, which is redone). ``loggers``: the
+        experiment trackers, started with ``config``; they stay open after :meth:`close` until
+        :meth:`finish` hands them the summary figure."""
         self.path = run_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
         if keep_until is not None and self.path.exists():
@@ -21,37 +33,23 @@ class MetricsLog:
         for record in self.history:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._lock = threading.Lock()
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb: Any = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        except ImportError:  # tensorboard is optional at run time
-            self._tb = None
+        self.trackers = Trackers(loggers, run_dir, config or {})
 
     def log(self, record: dict[str, Any]) -> None:
         with self._lock:
             self.history.append(record)
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
-            if self._tb is not None:
-                step = int(record.get("step", len(self.history)))
-                for key, value in _flatten(record).items():
-                    if key != "step":
-                        self._tb.add_scalar(key, value, step)
+            self.trackers.step({"step": len(self.history)} | record)
 
     def close(self) -> None:
+        """Closes ``metrics.jsonl`` (the trackers stay open for :meth:`finish`)."""
         with self._lock:
             self._file.close()
-            if self._tb is not None:
-                self._tb.close()
 
-
-def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out |= _flatten(value, name + "/")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = float(value)
-    return out
+    def finish(self, figure: Path | None = None) -> None:
+        """Hands the trackers the summary figure (if any) and closes them."""
+        with self._lock:
+            if figure is not None:
+                self.trackers.figure(figure)
+            self.trackers.close()
