@@ -26,6 +26,7 @@ from asyncflow.config import Config, ConfigError
 from asyncflow.daemon import DaemonProcess, connect, new_token
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
 from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
+from asyncflow.engines.rank_process import RANK_ENGINES
 from asyncflow.engines.ranks import RankGroup
 from asyncflow.engines.registry import (
     create_rollout_engine,
@@ -311,8 +312,11 @@ class Run:
         c = self.config
         if c.trainer.dp_size == 1:
             return create_train_engine(name, model_dir, c)
-        if name != "deepspeed":
-            raise ConfigError(f"trainer.dp_size > 1 needs trainer.engine deepspeed, not {name!r}")
+        if name not in RANK_ENGINES:
+            raise ConfigError(
+                f"trainer.dp_size > 1 needs trainer.engine {' or '.join(RANK_ENGINES)}, "
+                f"not {name!r}"
+            )
         return RankGroup(model_dir, c, store, address, self.run_dir / "logs", token)
 
     def _run(

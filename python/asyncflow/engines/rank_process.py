@@ -1,9 +1,9 @@
 """The process of one data-parallel trainer rank.
 
 Start-up order: send output to the rank's log file; join the process group (before anything else
-can create one); build the DeepSpeed engine; connect to the store daemon; publish the initial
-weights (rank 0); report ready. Then it serves the job's commands, one at a time, until told to
-close or until the job's end of the pipe closes.
+can create one); build the train engine (DeepSpeed or FSDP2); connect to the store daemon;
+publish the initial weights (rank 0); report ready. Then it serves the job's commands, one at a
+time, until told to close or until the job's end of the pipe closes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config
+
+#: The train engines that run as data-parallel ranks, one process each.
+RANK_ENGINES = ("deepspeed", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,6 @@ def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
     """Starts the rank (see the module's docstring); its command handlers by name."""
     from asyncflow.daemon import connect
     from asyncflow.engines.base import TrainEngine
-    from asyncflow.engines.deepspeed import DeepSpeedTrainEngine
     from asyncflow.engines.process_group import Rendezvous
     from asyncflow.engines.registry import create_train_engine, resolve_engine_name
     from asyncflow.models.tokenizer import load_tokenizer
@@ -88,11 +90,11 @@ def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
 
     name = resolve_engine_name("train", spec.config.trainer.engine)
     engine: TrainEngine
-    if spec.world_size == 1 and name != "deepspeed":  # a lone rank may use any engine
+    if spec.world_size == 1 and name not in RANK_ENGINES:  # a lone rank may use any engine
         engine = create_train_engine(name, spec.model_dir, spec.config)
     else:
         rendezvous = Rendezvous(spec.rank, spec.world_size, spec.master_port, spec.master_addr)
-        engine = DeepSpeedTrainEngine(spec.model_dir, spec.config, rendezvous)
+        engine = create_train_engine(name, spec.model_dir, spec.config, rendezvous)
     store = connect(spec.store_address, token=spec.store_token)
     pad_id = load_tokenizer(spec.model_dir).pad_id
     step = RankStep(

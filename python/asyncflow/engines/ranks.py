@@ -1,4 +1,5 @@
-"""Data-parallel DeepSpeed ranks, each in a process of its own, driven from the job's process.
+"""Data-parallel ranks (DeepSpeed or FSDP2), each in a process of its own, driven from the job's
+process.
 
 The job holds :class:`Ranks` (here a :class:`RankGroup` of processes; under Ray, actors: see
 :mod:`asyncflow.launch.ray_ranks`), a train engine whose every call is sent to all ranks (under
@@ -28,6 +29,7 @@ from asyncflow.engines.base import LossFn, StepTrainEngine, TrainBatch
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
 from asyncflow.engines.process_group import free_port
 from asyncflow.engines.rank_process import RankSpec, main
+from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.store import Store
 from asyncflow.workers.steps import StepResult
 
@@ -51,6 +53,8 @@ class Ranks(StepTrainEngine):
 
     def __init__(self, store: Store, config: Config) -> None:
         super().__init__()
+        #: The engine each rank runs (``deepspeed`` or ``fsdp``).
+        self.name = resolve_engine_name("train", config.trainer.engine)
         self.store = store
         self.timeout = config.trainer.timeout
         #: A step may first wait for its samples as long as any worker may wait for its input.
@@ -119,7 +123,7 @@ class Ranks(StepTrainEngine):
 
 
 class RankGroup(Ranks):
-    """``trainer.dp_size`` DeepSpeed ranks in their own processes, behind one train engine."""
+    """``trainer.dp_size`` ranks in their own processes, behind one train engine."""
 
     def __init__(
         self,
@@ -184,7 +188,7 @@ class RankGroup(Ranks):
         proc = self.procs[rank]
         proc.join(timeout=1.0)
         return EngineDiedError(
-            f"deepspeed trainer rank {rank} exited (code {proc.exitcode}) while the job waited "
+            f"{self.name} trainer rank {rank} exited (code {proc.exitcode}) while the job waited "
             f"for it to finish {what}; the end of {self.logs[rank]}:\n{log_tail(self.logs[rank])}"
         )
 
@@ -205,7 +209,7 @@ class RankGroup(Ranks):
                         raise self._died(rank, what) from None
                     if kind == "error":
                         raise EngineError(
-                            f"deepspeed trainer rank {rank} failed while {what}: {value}; "
+                            f"{self.name} trainer rank {rank} failed while {what}: {value}; "
                             f"its log: {self.logs[rank]}"
                         )
                     replies[rank] = value
@@ -217,7 +221,7 @@ class RankGroup(Ranks):
                 if time.monotonic() > deadline:
                     late = [r for r in range(len(self.conns)) if r not in replies]
                     raise EngineTimeoutError(
-                        f"deepspeed trainer rank(s) {late} did not finish {what} within "
+                        f"{self.name} trainer rank(s) {late} did not finish {what} within "
                         f"{timeout:.0f}s (trainer.timeout); see {self.logs[late[0]]}"
                     )
                 sentinels = [self.procs[r].sentinel for r in waiting]

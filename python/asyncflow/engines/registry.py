@@ -2,7 +2,9 @@
 :func:`register_rollout_engine` / :func:`register_train_engine` or through the entry point groups
 ``asyncflow.rollout_engines`` / ``asyncflow.train_engines`` — no change to this package needed.
 
-A factory is called as ``factory(model_dir, config)`` and returns the engine.
+A factory is called as ``factory(model_dir, config)`` and returns the engine; a train engine that
+runs as data-parallel ranks (``trainer.dp_size > 1``) is called as ``factory(model_dir, config,
+rendezvous)`` in each rank's process, with where the ranks meet.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ _ROLLOUT: dict[str, RolloutFactory | str] = {
 _TRAIN: dict[str, TrainFactory | str] = {
     "hf": "asyncflow.engines.hf:HFTrainEngine",
     "deepspeed": "asyncflow.engines.deepspeed:DeepSpeedTrainEngine",
+    "fsdp": "asyncflow.engines.fsdp:FSDPTrainEngine",
 }
 _GROUPS = {"rollout": "asyncflow.rollout_engines", "train": "asyncflow.train_engines"}
 #: What ``auto`` prefers, when its package is installed, before falling back to ``hf``.
@@ -79,8 +82,13 @@ def create_rollout_engine(name: str, model_dir: Path, config: Config) -> Rollout
     return engine
 
 
-def create_train_engine(name: str, model_dir: Path, config: Config) -> TrainEngine:
-    engine = _lookup("train", _TRAIN, resolve_engine_name("train", name))(model_dir, config)
+def create_train_engine(
+    name: str, model_dir: Path, config: Config, rendezvous: Any = None
+) -> TrainEngine:
+    """The train engine ``name``; with ``rendezvous``, one data-parallel rank of it."""
+    factory = _lookup("train", _TRAIN, resolve_engine_name("train", name))
+    args = (model_dir, config) if rendezvous is None else (model_dir, config, rendezvous)
+    engine = factory(*args)
     if not isinstance(engine, TrainEngine):
         raise ConfigError(f"train engine {name!r} did not return a TrainEngine")
     return engine
