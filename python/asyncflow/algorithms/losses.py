@@ -7,6 +7,15 @@ Correction modes (``correction``):
   ``pi_prox`` is the policy at the start of the step (decoupled PPO).
 - ``tis``: as ``decoupled``, with the weight truncated at ``is_cap`` (truncated importance
   sampling), which bounds the variance that very stale samples add.
+
+The ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (DAPO's clip-higher when
+``clip_high > clip_low``). With ``ratio_level="sequence"`` (GSPO) each sequence has one ratio,
+the geometric mean of its token ratios, clipped as a whole, and the loss is a mean over
+sequences.
+
+Aggregation (``aggregation``): ``token-mean`` (``token``) over all response tokens;
+``seq-mean-token-mean`` (``sequence``) per sequence, then over sequences; ``seq-mean-token-sum``
+summed per sequence, then averaged over sequences.
 """
 
 from __future__ import annotations
@@ -25,7 +34,40 @@ class LossSettings:
     correction: Correction = "tis"
     is_cap: float = 2.0
     kl_coef: float = 0.0
-    aggregation: Literal["token", "sequence"] = "token"
+    aggregation: str = "token"
+    #: Clip range below and above 1 (None: ``clip_eps``).
+    clip_low: float | None = None
+    clip_high: float | None = None
+    ratio_level: Literal["token", "sequence"] = "token"
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        low = self.clip_eps if self.clip_low is None else self.clip_low
+        high = self.clip_eps if self.clip_high is None else self.clip_high
+        return 1 - low, 1 + high
+
+
+#: Old names of the aggregation modes.
+ALIASES = {"token": "token-mean", "sequence": "seq-mean-token-mean"}
+
+
+def per_sequence(
+    values: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor | None, mean: bool
+) -> torch.Tensor:
+    """Each token's sequence's masked sum (or mean) of ``values``, at every token."""
+    mask = mask.to(values.dtype)
+    if sequence_ids is None:
+        sums = (values * mask).sum(-1, keepdim=True)
+        if mean:
+            sums = sums / mask.sum(-1, keepdim=True).clamp(min=1)
+        return sums.expand_as(values)
+    ids = sequence_ids.flatten()
+    count = int(ids.max()) + 1 if ids.numel() else 1
+    zeros = torch.zeros(count, dtype=values.dtype, device=values.device)
+    sums = zeros.index_add(0, ids, (values * mask).flatten())
+    if mean:
+        sums = sums / zeros.index_add(0, ids, mask.flatten()).clamp(min=1)
+    return sums[ids].view_as(values)
 
 
 def aggregate(
@@ -34,17 +76,23 @@ def aggregate(
     """Mean of ``values`` over the masked tokens: over all tokens, or per sequence then over
     sequences (a row each, or as ``sequence_ids`` tell for packed rows)."""
     mask = mask.to(values.dtype)
-    if how == "token":
+    how = ALIASES.get(how, how)
+    if how == "token-mean":
         return (values * mask).sum() / mask.sum().clamp(min=1)
+    if how not in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        raise ValueError(f"unknown loss aggregation {how!r}")
+    mean = how == "seq-mean-token-mean"
     if sequence_ids is None:
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        per_seq = (values * mask).sum(-1)
+        if mean:
+            per_seq = per_seq / mask.sum(-1).clamp(min=1)
         return per_seq.mean()
     ids = sequence_ids.flatten()
     count = int(ids.max()) + 1 if ids.numel() else 1
     zeros = torch.zeros(count, dtype=values.dtype, device=values.device)
     sums = zeros.index_add(0, ids, (values * mask).flatten())
     sizes = zeros.index_add(0, ids, mask.flatten())
-    return (sums / sizes.clamp(min=1)).mean()
+    return (sums / sizes.clamp(min=1) if mean else sums).mean()
 
 
 def policy_loss(
@@ -71,8 +119,21 @@ def policy_loss(
         weight = torch.exp(prox_logp - behaviour_logp).detach()
         if settings.correction == "tis":
             weight = weight.clamp(max=settings.is_cap)
-    ratio = torch.exp(logp - anchor)
-    clipped = ratio.clamp(1 - settings.clip_eps, 1 + settings.clip_eps)
+    if settings.ratio_level == "sequence":
+        # GSPO: one ratio (and one behaviour weight) per sequence, from its mean log-ratio.
+        seq_mask = mask.to(logp.dtype)
+        ratio = torch.exp(per_sequence(logp - anchor, seq_mask, sequence_ids, mean=True))
+        if settings.correction != "none":
+            log_w = per_sequence(
+                (anchor - behaviour_logp).detach(), seq_mask, sequence_ids, mean=True
+            )
+            weight = torch.exp(log_w)
+            if settings.correction == "tis":
+                weight = weight.clamp(max=settings.is_cap)
+    else:
+        ratio = torch.exp(logp - anchor)
+    low, high = settings.clip_range
+    clipped = ratio.clamp(low, high)
     surrogate = -torch.minimum(ratio * adv, clipped * adv) * weight
     loss = aggregate(surrogate, mask, settings.aggregation, sequence_ids)
     stats = {

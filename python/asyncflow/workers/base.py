@@ -47,6 +47,10 @@ class RunState:
     #: Responses cut at ``rollout.max_tokens`` before they ended.
     truncated_responses: int = 0
     dropped_samples: int = 0
+    #: Rows no reward source could score (their groups are left out), and groups left out by
+    #: ``algorithm.filter_groups`` for rewards all equal.
+    reward_failures: int = 0
+    filtered_groups: int = 0
     #: Prompt groups taken off a rollout engine that fell silent, to be generated elsewhere.
     rerouted_groups: int = 0
     #: Prompt groups the feeder has put (its cursor), read by checkpoints under the lock below.

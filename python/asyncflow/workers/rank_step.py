@@ -94,9 +94,11 @@ class RankStep:
             return None
         result = StepResult()
         age = s - batch.versions.astype(np.int64)
-        stale = age > self.config.trainer.max_staleness
+        claimed = batch.read()
+        left_out = ~np.isfinite(np.array([float(a) for a in claimed["advantage"]]))
+        stale = (age > self.config.trainer.max_staleness) | left_out
         keep = np.flatnonzero(~stale)
-        data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
+        data = {name: [values[i] for i in keep] for name, values in claimed.items()}
         result.note(batch.groups, age, stale, data["reward"])
         micro = self._micro_batches(data, result)
         for tb in micro:

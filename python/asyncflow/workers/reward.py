@@ -12,15 +12,23 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
 from asyncflow.config import ConfigError
 from asyncflow.tasks.base import Problem
 from asyncflow.workers.base import Context, Worker
+from asyncflow.workers.reward_sources import (
+    Failure,
+    FnSource,
+    RewardRow,
+    RewardSet,
+    build_sources,
+)
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float]
 
@@ -116,26 +124,53 @@ def _resolve(spec: str) -> RewardFn:
 
 
 class RewardWorker(Worker):
+    """Scores claimed responses with the configured sources (:mod:`reward_sources`). A row no
+    source could score is reported, naming it and the source, and gets a NaN reward: the
+    advantage worker then leaves its whole group out of training."""
+
     role = "reward"
 
-    def __init__(self, ctx: Context, fn: RewardFn) -> None:
+    def __init__(self, ctx: Context, fn: RewardFn | None, sources: RewardSet | None = None) -> None:
         super().__init__(ctx)
         self.fn = fn
+        extra = bool(self.config.data.extra_keys)
+        self.sources = sources or build_sources(self.config.reward, fn, extra)
+        self.fields = ["response_ids", "answer"]
+        if any(not isinstance(s, FnSource) for s in self.sources.sources):
+            self.fields.append("prompt_ids")  # models and judges read the prompt too
+        #: Every failure so far, for the run's report.
+        self.failures: list[Failure] = []
 
     def step(self) -> bool:
-        batch = self.claim("reward", ["response_ids", "answer"], 256)
+        batch = self.claim("reward", self.fields, 256)
         if len(batch) == 0:
             return True
         with self.busy("verify"):
             data = batch.read()
             decode = self.ctx.tokenizer.decode
             extra = bool(self.config.data.extra_keys)
-            rewards = []
-            for ids, packed in zip(data["response_ids"], data["answer"], strict=True):
+            rows = []
+            for i, (ids, packed) in enumerate(
+                zip(data["response_ids"], data["answer"], strict=True)
+            ):
                 truth, info = unpack_answer(packed, extra)
-                text = decode(ids.tolist())
-                score = self.fn(text, truth, extra_info=info) if extra else self.fn(text, truth)
-                rewards.append(float(score))
-            self.store.put({"reward": np.array(rewards, np.float32)}, indexes=batch.indexes)
+                prompt = decode(data["prompt_ids"][i].tolist()) if "prompt_ids" in data else ""
+                rows.append(
+                    RewardRow(
+                        int(batch.indexes[i]),
+                        int(batch.groups[i]),
+                        prompt,
+                        decode(ids.tolist()),
+                        truth,
+                        info,
+                    )
+                )
+            rewards, failures = self.sources.score(rows)
+            for failure in failures:
+                log.warning("%s; its group is left out of training", failure)
+            if failures:
+                self.failures += failures
+                self.ctx.state.add(reward_failures=len(failures))
+            self.store.put({"reward": rewards}, indexes=batch.indexes)
         batch.ack()
         return True

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncflow.algorithms.losses import LossSettings, policy_loss
+from asyncflow.algorithms.losses import ALIASES, LossSettings, policy_loss
 from asyncflow.config import Config
 from asyncflow.engines.base import TrainBatch, TrainEngine
 from asyncflow.workers.batches import padded_tokens, split_micro_batches, to_train_batch
@@ -39,8 +39,15 @@ class StepLoss:
             clip_eps=t.clip_eps,
             correction=t.correction,
             is_cap=t.is_cap,
-            kl_coef=t.kl_coef,
-            aggregation=a.loss_aggregation,
+            # REINFORCE++ puts the KL in the reward, not in the loss.
+            kl_coef=0.0 if a.advantage == "reinforce++" else t.kl_coef,
+            # GSPO's loss is a mean over sequences.
+            aggregation="seq-mean-token-mean"
+            if a.policy_loss == "gspo"
+            else ALIASES.get(a.loss_aggregation, a.loss_aggregation),
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            ratio_level="sequence" if a.policy_loss == "gspo" else "token",
         )
         self.rows_per_step = t.groups_per_step * config.rollout.n
         self.budget = t.micro_batch_tokens
@@ -62,8 +69,11 @@ class StepLoss:
             ref_logp=extras.get("ref_logp"),
             sequence_ids=batch.sequence_ids,
         )
-        if self.settings.aggregation == "token":
+        how = self.settings.aggregation
+        if how == "token-mean":
             share = float(batch.response_mask.sum()) / (self.rows_per_step * self.max_tokens)
+        elif how == "seq-mean-token-sum":  # sums scaled to the token mean's size
+            share = batch.sequences / (self.rows_per_step * self.max_tokens)
         else:
             share = batch.sequences / self.rows_per_step
         return loss * share, stats

@@ -156,10 +156,14 @@ class Trainer(Worker):
             if len(batch) == 0:
                 continue
             age = s - batch.versions.astype(np.int64)
-            stale = age > k
+            claimed = batch.read()
+            # Too old (only under the "drop" policy), or left out by the advantage worker (NaN:
+            # a failed reward, or a group without signal under algorithm.filter_groups).
+            left_out = ~np.isfinite(np.array([float(a) for a in claimed["advantage"]]))
+            stale = (age > k) | left_out
             keep = np.flatnonzero(~stale)
-            data = {name: [values[i] for i in keep] for name, values in batch.read().items()}
-            if stale.any():  # only under the "drop" policy can samples arrive too old
+            data = {name: [values[i] for i in keep] for name, values in claimed.items()}
+            if stale.any():
                 batch.ack(batch.indexes[stale])  # (which frees them: read before)
             if keep.size:
                 kept_batches += self._train_on(data, result)

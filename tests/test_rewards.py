@@ -1,0 +1,394 @@
+"""Reward sources (functions, a local classifier, an HTTP judge), their bad input, and the
+algorithm options that use rewards: dynamic sampling, overlong handling, REINFORCE++, clip-higher,
+loss aggregation modes and GSPO."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+import asyncflow as af
+from asyncflow import config as cfg
+from asyncflow.algorithms.advantages import batch_normalised, overlong_penalty
+from asyncflow.algorithms.losses import LossSettings, aggregate, policy_loss
+from asyncflow.config import ConfigError, RewardHttpConfig, RewardModelConfig
+from asyncflow.models.chatml import chatml_tokenizer, save_chatml_tokenizer
+from asyncflow.telemetry.trace import Tracer
+from asyncflow.train import register_tasks
+from asyncflow.workers.advantage import AdvantageWorker
+from asyncflow.workers.base import Context, RunState, step_partition
+from asyncflow.workers.reward import RewardWorker
+from asyncflow.workers.reward_sources import (
+    Failure,
+    FnSource,
+    HttpSource,
+    ModelSource,
+    RewardRow,
+    RewardSet,
+)
+
+
+def rows(*responses: str, truth: str = "4") -> list[RewardRow]:
+    return [RewardRow(10 + i, i // 2, "2+2=", r, truth) for i, r in enumerate(responses)]
+
+
+# ---- fn ------------------------------------------------------------------------------------
+
+
+def test_a_failing_function_is_reported_per_row_naming_row_and_source() -> None:
+    def judge(response: str, truth: str) -> Any:
+        if response == "boom":
+            raise RuntimeError("bad row")
+        if response == "nan":
+            return math.nan
+        if response == "text":
+            return "1.0"
+        return 1.0 if response == truth else 0.0
+
+    out = FnSource(judge).score(rows("4", "boom", "nan", "text", "5"))
+    assert out[0] == 1.0 and out[4] == 0.0
+    failures = [o for o in out if isinstance(o, Failure)]
+    assert [f.row for f in failures] == [11, 12, 13]
+    assert all(f.source == "fn" for f in failures)
+    assert "RuntimeError: bad row" in failures[0].reason
+    assert "nan" in failures[1].reason
+    assert "str, not a number" in failures[2].reason
+    assert "row 11" in str(failures[0]) and "'fn'" in str(failures[0])
+
+
+def test_async_functions_run_concurrently_within_the_bound() -> None:
+    active = peak = 0
+
+    async def judge(response: str, truth: str) -> float:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(0.01)
+        active -= 1
+        return float(response == truth)
+
+    out = FnSource(judge, concurrency=3).score(rows(*["4", "5"] * 5))
+    assert out == [1.0, 0.0] * 5
+    assert peak == 3  # ten rows, at most three at once, and more than one at a time
+
+
+def test_a_batched_function_gets_lists_once_and_a_wrong_length_fails_every_row() -> None:
+    calls: list[list[str]] = []
+
+    def judge(responses: list[str], truths: list[str]) -> list[float]:
+        calls.append(responses)
+        return [float(r == t) for r, t in zip(responses, truths, strict=True)]
+
+    assert FnSource(judge, batched=True).score(rows("4", "3", "4")) == [1.0, 0.0, 1.0]
+    assert calls == [["4", "3", "4"]]
+    short = FnSource(lambda r, t: [1.0], batched=True).score(rows("4", "3"))
+    assert all(isinstance(o, Failure) and "1 scores for 2 rows" in o.reason for o in short)
+
+
+def test_weighted_sources_sum_and_a_failure_makes_the_row_nan() -> None:
+    exact = FnSource(lambda r, t: float(r == t), name="exact")
+    length = FnSource(lambda r, t: 1.0 if r != "x" else math.nan, name="length")
+    rewards, failures = RewardSet([exact, length], [2.0, 0.5]).score(rows("4", "5", "x"))
+    np.testing.assert_allclose(rewards[:2], [2.5, 0.5])
+    assert math.isnan(rewards[2])
+    assert [(f.row, f.source) for f in failures] == [(12, "length")]
+
+
+# ---- model ---------------------------------------------------------------------------------
+
+
+def tiny_classifier(directory: Path, head: bool = True) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    tok = chatml_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_id,
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    model = (Qwen2ForSequenceClassification if head else Qwen2ForCausalLM)(config)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    save_chatml_tokenizer(directory)
+    return directory
+
+
+def test_the_model_source_scores_in_batches_as_one_row_at_a_time(tmp_path: Path) -> None:
+    path = tiny_classifier(tmp_path / "rm")
+    texts = ["4", "a much longer response 4", "5", "12"]
+    batched = ModelSource(RewardModelConfig(path=str(path), batch_size=3, label=1))
+    one = ModelSource(RewardModelConfig(path=str(path), batch_size=1, label=1))
+    got = batched.score(rows(*texts))
+    alone = one.score(rows(*texts))
+    np.testing.assert_allclose(np.array(got, float), np.array(alone, float), atol=1e-5)
+    assert len({round(float(g), 5) for g in got}) == 4  # it does read the text (random head)
+    probs = ModelSource(RewardModelConfig(path=str(path), probability=True)).score(rows(*texts))
+    assert all(0.0 < float(p) < 1.0 for p in probs)
+
+
+def test_a_model_directory_without_a_classification_head_is_refused(tmp_path: Path) -> None:
+    path = tiny_classifier(tmp_path / "lm", head=False)
+    with pytest.raises(ConfigError, match="no sequence-classification head"):
+        ModelSource(RewardModelConfig(path=str(path)))
+    with pytest.raises(ConfigError, match="has 2 label"):
+        ModelSource(RewardModelConfig(path=str(tiny_classifier(tmp_path / "rm")), label=2))
+
+
+# ---- http ----------------------------------------------------------------------------------
+
+
+class Judge(BaseHTTPRequestHandler):
+    """A judge that is slow, fails each text's first request, and answers some unreadably."""
+
+    count = 0
+    seen: ClassVar[set[str]] = set()
+    lock = threading.Lock()
+    in_flight = 0
+    peak = 0
+
+    def do_POST(self) -> None:
+        cls = type(self)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        content = body["messages"][0]["content"]
+        # Requests at once, but for the ones the client has given up on ("hang").
+        counted = int("hang" not in content)
+        with cls.lock:
+            cls.count += 1
+            cls.in_flight += counted
+            cls.peak = max(cls.peak, cls.in_flight)
+        try:
+            time.sleep(0.02)
+            if "hang" in content:
+                time.sleep(5.0)  # beyond the client's timeout
+            with cls.lock:
+                first = content not in cls.seen
+                cls.seen.add(content)
+            if first or "down" in content:
+                self.send_response(503)
+                self.end_headers()
+                return
+            reply = "I cannot say" if "vague" in content else f"Score: {content.count('4')}"
+            data = json.dumps({"choices": [{"message": {"content": reply}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except BrokenPipeError:  # the client gave up waiting (the "hang" text)
+            pass
+        finally:
+            with cls.lock:
+                cls.in_flight -= counted
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def number_of_requests() -> int:
+    return Judge.count
+
+
+@pytest.fixture
+def judge_url() -> Iterator[str]:
+    Judge.count = Judge.peak = 0
+    Judge.seen = set()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_judge_is_retried_bounded_and_its_failures_are_reported(judge_url: str) -> None:
+    waits: list[float] = []
+    source = HttpSource(
+        RewardHttpConfig(
+            url=judge_url, template="{response}", concurrency=3, timeout=1.5, retries=2
+        ),
+        sleep=waits.append,
+    )
+    texts = ["4", "44", "x", "444", "vague", "down", "hang", "4"]
+    out = source.score(rows(*texts))
+    assert out[:4] == [1.0, 2.0, 0.0, 3.0] and out[7] == 1.0  # retried past the 503s
+    assert isinstance(out[4], Failure) and "unparseable reply 'I cannot say'" in out[4].reason
+    assert isinstance(out[5], Failure) and "no answer after 3 tries: HTTP 503" in out[5].reason
+    assert isinstance(out[6], Failure) and "no answer after 3 tries" in out[6].reason
+    assert (out[6].row, out[6].source) == (16, "http")
+    assert source.counts.failures == 3 and source.counts.retries >= 9
+    assert number_of_requests() == source.counts.requests
+    assert set(waits) <= {0.5, 1.0} and 1.0 in waits  # exponential backoff
+    assert 1 < Judge.peak <= 3
+    source.close()
+
+
+# ---- the reward and advantage workers ------------------------------------------------------
+
+
+def context(*overrides: str) -> Context:
+    config = cfg.load(None, ["rollout.n=2", "trainer.groups_per_step=2", *overrides])
+    store = af.Store()
+    register_tasks(store, reference=False)
+    return Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+
+
+def put_group(ctx: Context, group: int, responses: list[str], answer: str = "4") -> None:
+    tok = ctx.tokenizer
+    ctx.store.put(
+        {
+            "prompt_ids": [np.array(tok.encode("2+2="), np.int64)] * len(responses),
+            "response_ids": [np.array(tok.encode(r), np.int64) for r in responses],
+            "behaviour_logprobs": [np.zeros(len(r), np.float32) for r in responses],
+            "answer": [answer.encode()] * len(responses),
+        },
+        partition=step_partition(0),
+        groups=[group] * len(responses),
+        group_size=len(responses),
+    )
+
+
+def test_a_failed_row_drops_its_whole_group_and_the_others_train() -> None:
+    ctx = context("run.poll_interval=0.05", "algorithm.filter_groups=true")
+
+    def judge(response: str, truth: str) -> float:
+        if response == "bad":
+            raise ValueError("cannot judge")
+        return float(response == truth)
+
+    put_group(ctx, 0, ["4", "5"])
+    put_group(ctx, 1, ["4", "bad"])
+    put_group(ctx, 2, ["4", "4"])  # all equal: no signal
+    reward = RewardWorker(ctx, None, RewardSet([FnSource(judge)]))
+    assert reward.step()
+    assert [(f.group, f.source) for f in reward.failures] == [(1, "fn")]
+    assert ctx.state.reward_failures == 1
+    advantage = AdvantageWorker(ctx)
+    assert advantage.step()
+    assert ctx.state.filtered_groups == 1
+    rows_ = ctx.store.claim("train", ["advantage"], 6, timeout=1, partition=step_partition(0))
+    adv = dict(zip(rows_.groups.tolist(), rows_.read()["advantage"], strict=False))
+    by_group: dict[int, list[float]] = {}
+    for g, a in zip(rows_.groups.tolist(), rows_.read()["advantage"], strict=True):
+        by_group.setdefault(g, []).append(float(a))
+    assert adv
+    assert sorted(by_group[0]) == pytest.approx([-1.0, 1.0], abs=1e-4)
+    assert all(math.isnan(a) for a in by_group[1] + by_group[2])
+
+
+def test_overlong_responses_are_filtered_or_penalised() -> None:
+    np.testing.assert_allclose(
+        overlong_penalty(np.array([4, 6, 7, 8]), max_tokens=8, buffer=4, penalty=1.0),
+        [0.0, -0.5, -0.75, -1.0],
+    )
+    ctx = context("algorithm.overlong=filter", "rollout.max_tokens=3")
+    eos = ctx.tokenizer.eos_id
+    worker = AdvantageWorker(ctx)
+    responses = [np.array([5, 6, 7]), np.array([5, 6, eos]), np.array([5]), np.array([5, 6, 7])]
+    adv, _ = worker.advantages(
+        np.array([1.0, 0.0, 1.0, 0.0]), np.array([0, 0, 1, 1]), {"response_ids": responses}
+    )
+    # Cut responses (3 tokens, no end) add no gradient; the one that ended at 3 tokens does.
+    assert adv[0] == 0.0 and adv[3] == 0.0 and adv[1] < 0 < adv[2]
+
+
+def test_reinforce_pp_normalises_over_the_batch_with_the_kl_in_the_reward() -> None:
+    np.testing.assert_allclose(batch_normalised(np.array([1.0, 3.0])), [-1.0, 1.0], atol=1e-5)
+    ctx = context(
+        "algorithm.advantage=reinforce++", "algorithm.reference=true", "trainer.kl_coef=1"
+    )
+    worker = AdvantageWorker(ctx)
+    data = {
+        "behaviour_logprobs": [np.array([-1.0, -1.0]), np.array([-1.0]), np.zeros(1), np.zeros(1)],
+        "ref_logprobs": [np.array([-2.0, -2.0]), np.array([-1.0]), np.zeros(1), np.zeros(1)],
+    }
+    adv, _ = worker.advantages(np.array([1.0, 1.0, 0.0, 0.0]), np.array([0, 0, 1, 1]), data)
+    # rewards less KL: [1 - 2, 1, 0, 0], normalised over all four rows, not per group
+    r = np.array([-1.0, 1.0, 0.0, 0.0])
+    np.testing.assert_allclose(adv, (r - r.mean()) / (r.std() + 1e-6), atol=1e-5)
+
+
+# ---- losses --------------------------------------------------------------------------------
+
+
+def test_clip_higher_lets_positive_ratios_rise_further() -> None:
+    logp, behaviour = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.4]]))
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 1)
+    sym, _ = policy_loss(logp, behaviour, adv, mask, LossSettings(correction="none"))
+    high, stats = policy_loss(
+        logp, behaviour, adv, mask, LossSettings(correction="none", clip_high=0.28)
+    )
+    assert float(sym) == pytest.approx(-1.2) and float(high) == pytest.approx(-1.25)
+    assert stats["clip_fraction"] == 0.0
+
+
+def test_aggregation_modes_by_hand() -> None:
+    values = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    assert float(aggregate(values, mask, "token-mean")) == pytest.approx(8 / 5)
+    assert float(aggregate(values, mask, "seq-mean-token-mean")) == pytest.approx((1 + 4) / 2)
+    assert float(aggregate(values, mask, "seq-mean-token-sum")) == pytest.approx((4 + 4) / 2)
+    packed = aggregate(
+        values.reshape(1, 8),
+        mask.reshape(1, 8),
+        "seq-mean-token-sum",
+        torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]),
+    )
+    assert float(packed) == pytest.approx(4.0)
+
+
+def test_gspo_clips_the_sequence_ratio_not_each_token() -> None:
+    # Token ratios 2 and 0.5: each would be clipped per token; their geometric mean is 1.
+    logp = torch.log(torch.tensor([[0.4, 0.1]])).requires_grad_(True)
+    behaviour = torch.log(torch.tensor([[0.2, 0.2]]))
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 2)
+    settings = LossSettings(correction="none", ratio_level="sequence")
+    loss, stats = policy_loss(logp, behaviour, adv, mask, settings)
+    assert float(loss) == pytest.approx(-1.0) and stats["clip_fraction"] == 0.0
+    loss.backward()
+    assert logp.grad is not None
+    np.testing.assert_allclose(logp.grad.numpy(), [[-0.5, -0.5]], atol=1e-6)
+    token, tstats = policy_loss(logp, behaviour, adv, mask, LossSettings(correction="none"))
+    assert tstats["clip_fraction"] == 1.0 and float(token) != pytest.approx(-1.0)
+
+
+# ---- config --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["reward.type=model"], "needs reward.model.path"),
+        (["reward.type=http"], "needs reward.http.url"),
+        (["reward.sources=[fn,fn]"], "names a source twice"),
+        (["reward.weights=[1,2]"], "2 weights for 1 sources"),
+        (
+            ["reward.type=http", "reward.http.url=http://h", "reward.http.score_pattern=x"],
+            "capture group",
+        ),
+        (["reward.type=http", "reward.http.url=http://h", "reward.http.retries=-1"], "negative"),
+        (["algorithm.clip_low=1"], "below 1"),
+        (["algorithm.loss_aggregation=mean"], "must be one of"),
+        (["algorithm.overlong=penalty", "algorithm.overlong_buffer=99"], "cannot exceed"),
+    ],
+)
+def test_bad_reward_and_algorithm_settings_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        cfg.load(None, overrides)
