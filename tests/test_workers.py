@@ -17,10 +17,13 @@ from asyncflow.engines.base import Completion, LossFn, RolloutEngine, Sampling, 
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
+from asyncflow.tasks.base import Problem
+from asyncflow.tasks.dataset import DatasetTask
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
+from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.rollout import Rollout
 from asyncflow.workers.trainer import Ledger, Trainer
 
@@ -179,3 +182,18 @@ def test_the_trainer_keeps_every_micro_batch_within_the_token_budget_on_long_pro
     if packing:
         assert padding["padding_fraction"] == 0.0
     assert padding["micro_batch_tokens_max"] <= budget
+
+
+def test_the_feeder_puts_prompts_rendered_by_the_chat_template_with_the_system_prompt() -> None:
+    ctx = context("data.system_prompt=Be brief.", "trainer.max_steps=1")
+    chat = [{"role": "user", "content": "1+1="}]
+    task = DatasetTask([Problem(chat, "2"), Problem("2+2=", "4")], [], {})
+    Feeder(ctx, task).step()
+    batch = ctx.store.claim("rollout", ["prompt_ids", "answer"], 2, timeout=1, partition=PROMPTS)
+    rendered = [ctx.tokenizer._tok.decode(ids) for ids in batch.read()["prompt_ids"]]  # type: ignore[attr-defined]
+    system = "<|im_start|>system\nBe brief.<|im_end|>\n"
+    opened = "<|im_end|>\n<|im_start|>assistant\n"
+    assert sorted(rendered) == [
+        f"{system}<|im_start|>user\n1+1={opened}",
+        f"{system}<|im_start|>user\n2+2={opened}",
+    ]
