@@ -392,3 +392,21 @@ def test_gspo_clips_the_sequence_ratio_not_each_token() -> None:
 def test_bad_reward_and_algorithm_settings_are_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         cfg.load(None, overrides)
+
+
+def test_held_out_answers_are_judged_by_async_and_batched_functions_too() -> None:
+    from asyncflow.evaluation import verifier
+    from asyncflow.tasks.base import Problem
+
+    async def judge(response: str, truth: str) -> float:
+        return float(response == truth)
+
+    def judge_lists(responses: list[str], truths: list[str]) -> list[float]:
+        return [float(r == t) for r, t in zip(responses, truths, strict=True)]
+
+    problem = Problem("2+2=", "4")
+    assert verifier(judge, False)("4", problem) == 1.0
+    assert verifier(judge_lists, False, batched=True)("4", problem) == 1.0
+    assert verifier(judge_lists, False, batched=True)("5", problem) == 0.0
+    assert verifier(lambda r, t: math.nan, False)("4", problem) == 0.0
+    assert verifier(lambda r, t: 1 / 0, False)("4", problem) == 0.0

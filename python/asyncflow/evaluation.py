@@ -3,7 +3,12 @@ a verifier (exact match unless the run gives its reward function: see :func:`ver
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import inspect
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 from asyncflow.engines.base import RolloutEngine, Sampling
 from asyncflow.tasks.base import Problem
@@ -11,6 +16,7 @@ from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.workers.reward import RewardFn, exact_match
 
 CHUNK = 256
+log = logging.getLogger(__name__)
 
 #: Whether a response text solves a problem (a score of 1 does).
 Verify = Callable[[str, Problem], float]
@@ -20,11 +26,35 @@ def exact(text: str, problem: Problem) -> float:
     return exact_match(text, problem.answer)
 
 
-def verifier(reward: RewardFn, extra_keys: bool) -> Verify:
-    """The run's reward function as a verifier of held-out answers."""
-    if extra_keys:
-        return lambda text, p: reward(text, p.answer, extra_info=dict(p.extra))
-    return lambda text, p: reward(text, p.answer)
+def verifier(reward: RewardFn, extra_keys: bool, batched: bool = False) -> Verify:
+    """The run's reward function as a verifier of held-out answers: a batched one is given
+    one-element lists, an ``async def`` one is awaited. An answer it cannot score (it raises,
+    or returns what is not a finite number) scores 0, with a warning naming the problem."""
+
+    def verify(text: str, p: Problem) -> float:
+        kwargs: dict[str, Any] = {"extra_info": dict(p.extra)} if extra_keys else {}
+        try:
+            if batched:
+                kwargs = {k: [v] for k, v in kwargs.items()}
+                value = reward([text], [p.answer], **kwargs)
+            else:
+                value = reward(text, p.answer, **kwargs)
+            if inspect.isawaitable(value):
+                value = asyncio.run(_awaited(value))
+            score = float(next(iter(cast(Iterable[Any], value))) if batched else value)
+        except Exception as e:  # a user function
+            log.warning("the reward function failed on held-out problem %r: %s", p.key[:80], e)
+            return 0.0
+        if not math.isfinite(score):
+            log.warning("the reward function gave %s on held-out problem %r", score, p.key[:80])
+            return 0.0
+        return score
+
+    return verify
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
 
 
 def _completions(

@@ -337,7 +337,9 @@ class Run:
         eval_set = task.eval_set()
         # Held-out answers are judged as the rewards judge training ones.
         verify = verifier(
-            resolve_reward(c.reward.fn, bool(c.data.extra_keys)), bool(c.data.extra_keys)
+            resolve_reward(c.reward.fn, bool(c.data.extra_keys)),
+            bool(c.data.extra_keys),
+            c.reward.batched,
         )
         max_tokens = c.rollout.max_tokens
         ckpt = checkpoint.latest(self.run_dir) if self.resume else None
