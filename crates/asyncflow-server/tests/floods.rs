@@ -165,6 +165,8 @@ fn floods_stay_within_the_memory_limit_and_the_transit_pool() {
         claims += 10_000;
     }
     let grew = rss().saturating_sub(before);
-    assert!(grew < 16 * MIB, "grew {} MiB after {claims} claims", grew / MIB);
+    // Replies held to the connection's 4 MiB share; the rest is requests running and the
+    // blocking pool's threads, of which a loaded machine starts more.
+    assert!(grew < transit + slack, "grew {} MiB after {claims} claims", grew / MIB);
     drop(s);
 }
