@@ -329,10 +329,12 @@ def _with_id(frame: bytes, request_id: int) -> bytes:
     return head + frame[HEADER.size :]
 
 
-def stalled_puts(announced: int, sent: int, limit: str = "256MiB", connections: int = 4) -> Flood:
+def stalled_puts(
+    announced: int, sent: int, limit: str = "256MiB", connections: int = 4, stall: float = 3.0
+) -> Flood:
     """``connections`` sockets say hello, announce a put of ``announced`` bytes each and send
     ``sent`` of them, then stall (each gives up writing once the daemon has read nothing of its
-    for 3 s). The daemon's peak memory is measured with the sockets still open."""
+    for ``stall`` seconds). The daemon's peak memory is measured with the sockets still open."""
     flood = Flood(f"{connections} puts announced {announced // MIB} MiB, stalled at "
                   f"{sent // MIB} MiB", unit="MiB sent")  # fmt: skip
     with DaemonProcess("--memory-limit", limit, "--no-shm", token=new_token()) as d:
@@ -350,7 +352,7 @@ def stalled_puts(announced: int, sent: int, limit: str = "256MiB", connections: 
 
         def send(k: int) -> None:
             s = sockets[k]
-            s.settimeout(3.0)
+            s.settimeout(stall)
             chunk = bytes(MIB)
             try:
                 while counts[k] < sent:
