@@ -25,7 +25,7 @@ from asyncflow.algorithms.losses import LossSettings, aggregate, policy_loss
 from asyncflow.config import ConfigError, RewardHttpConfig, RewardModelConfig
 from asyncflow.models.chatml import chatml_tokenizer, save_chatml_tokenizer
 from asyncflow.telemetry.trace import Tracer
-from asyncflow.train import register_tasks
+from asyncflow.train import SAMPLES, register_tasks
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import Context, RunState, step_partition
 from asyncflow.workers.reward import RewardWorker
@@ -410,3 +410,110 @@ def test_held_out_answers_are_judged_by_async_and_batched_functions_too() -> Non
     assert verifier(judge_lists, False, batched=True)("5", problem) == 0.0
     assert verifier(lambda r, t: math.nan, False)("4", problem) == 0.0
     assert verifier(lambda r, t: 1 / 0, False)("4", problem) == 0.0
+
+
+def test_groups_are_filtered_on_their_rewards_before_the_length_penalty() -> None:
+    ctx = context(
+        "algorithm.filter_groups=true",
+        "algorithm.overlong=penalty",
+        "rollout.max_tokens=4",
+        "algorithm.overlong_buffer=2",
+    )
+    worker = AdvantageWorker(ctx)
+    responses = [np.array([5]), np.array([5, 6, 7, 8]), np.array([5]), np.array([5, 6, 7, 8])]
+    adv, filtered = worker.advantages(
+        np.array([1.0, 1.0, 1.0, 0.0]), np.array([0, 0, 1, 1]), {"response_ids": responses}
+    )
+    # Group 0 is all right: the penalty alone would make its rewards differ, but it is dropped.
+    assert filtered == 1 and np.isnan(adv[:2]).all() and adv[2] > 0 > adv[3]
+
+
+def test_a_run_with_a_function_and_a_failing_judge_finishes_dropping_what_fails(
+    judge_url: str, tmp_path: Path
+) -> None:
+    from test_workflow import run
+
+    summary = run(
+        tmp_path,
+        "trainer.max_steps=2",
+        "warm_start.steps=20",
+        "trainer.groups_per_step=4",
+        "rollout.n=4",
+        "reward.sources=[fn,http]",
+        "reward.weights=[1.0,0.1]",
+        f"reward.http.url={judge_url}",
+        "reward.http.template='{response}'",
+        "reward.http.score_pattern='Score: ([1-9])'",  # a reply of "Score: 0" cannot be read
+        "reward.http.backoff=0.01",
+        "reward.http.timeout=10",
+        "algorithm.filter_groups=true",
+        "algorithm.clip_high=0.28",
+    )
+    assert summary["reward_failures"] > 0 and Judge.count > summary["samples_generated"]
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    dropped = sum(len(step["dropped"]) for step in ledger)
+    trained = sum(len(step["trained"]) for step in ledger)
+    assert dropped * 4 == summary["samples_dropped"] and dropped + trained == 8
+    assert summary["groups_filtered"] <= dropped
+
+
+def test_the_reward_model_is_a_task_of_its_own_whose_scores_the_reward_worker_weighs(
+    tmp_path: Path,
+) -> None:
+    from asyncflow.workers.reward import RewardModelWorker
+
+    path = tiny_classifier(tmp_path / "rm")
+    ctx = context(
+        "reward.sources=[fn,model]",
+        "reward.weights=[1.0,0.5]",
+        f"reward.model.path={path}",
+        "run.poll_interval=0.05",
+    )
+    ctx.store.register_task("reward_model", partitions=[SAMPLES])
+    put_group(ctx, 0, ["4", "5"])
+    reward = RewardWorker(ctx, lambda r, t: float(r == t), model_worker=True)
+    assert reward.step()  # no model scores yet: nothing to claim
+    indexes = ctx.store.rows(partition=step_partition(0)).indexes
+    assert not any("reward" in f for f in ctx.store.ready_fields(indexes))
+    model = RewardModelWorker(ctx)
+    assert model.step() and reward.step()
+    got = ctx.store.claim("advantage", ["reward", "model_score"], 2, timeout=1)
+    data = got.read()
+    alone = ModelSource(RewardModelConfig(path=str(path))).score(rows("4", "5"))
+    np.testing.assert_allclose(
+        [float(v) for v in data["model_score"]], np.array(alone, float), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        [float(v) for v in data["reward"]],
+        [1.0 + 0.5 * float(alone[0]), 0.5 * float(alone[1])],  # type: ignore[arg-type]
+        atol=1e-5,
+    )
+
+
+def test_a_run_with_a_reward_model_worker_and_gspo_finishes(tmp_path: Path) -> None:
+    from test_workflow import run
+
+    path = tiny_classifier(tmp_path / "rm")
+    summary = run(
+        tmp_path / "run",
+        "trainer.max_steps=2",
+        "warm_start.steps=20",
+        "trainer.groups_per_step=4",
+        "rollout.n=4",
+        "reward.sources=[fn,model]",
+        "reward.weights=[1.0,0.1]",
+        f"reward.model.path={path}",
+        "algorithm.policy_loss=gspo",
+        "algorithm.advantage=rloo",
+        "algorithm.overlong=penalty",
+        "algorithm.overlong_buffer=2",
+    )
+    assert summary["reward_failures"] == 0 and summary["samples_dropped"] == 0
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    # 16 rows a step: exact-match rewards alone would sum to a whole number; the classifier's
+    # weighted logits make the sum fractional, so the reward came through the model's task.
+    sums = [r["reward_mean"] * 16 for r in records]
+    assert any(abs(x - round(x)) > 1e-3 for x in sums)
+    assert any("reward_model" in r["busy"] for r in records)

@@ -51,7 +51,12 @@ from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
 from asyncflow.workers.batches import to_train_batch
 from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.reference import ReferenceWorker
-from asyncflow.workers.reward import RewardWorker, resolve_reward
+from asyncflow.workers.reward import (
+    RewardModelWorker,
+    RewardWorker,
+    resolve_reward,
+    separate_reward_model,
+)
 from asyncflow.workers.rollout import Rollout
 from asyncflow.workers.routing import Dispatcher, Inbox
 from asyncflow.workers.trainer import Ledger, Trainer
@@ -153,11 +158,13 @@ def prompt_budget(config: Config, model_dir: Path) -> int | None:
     return min(known) - config.rollout.max_tokens if known else None
 
 
-def register_tasks(store: Store, reference: bool) -> None:
+def register_tasks(store: Store, reference: bool, reward_model: bool = False) -> None:
     """Declares the pipeline's consumers, so that rows are kept until each has acked them."""
     store.register_task("rollout", partitions=[PROMPTS])
     for task in ["reward", "advantage", "train"]:
         store.register_task(task, partitions=[SAMPLES])
+    if reward_model:
+        store.register_task("reward_model", partitions=[SAMPLES])
     if reference:
         store.register_task("reference", partitions=[SAMPLES])
 
@@ -406,7 +413,7 @@ class Run:
                 checkpoint.save(self.run_dir, step, trainer_engine, store, state, figures)
             return extra
 
-        register_tasks(store, c.algorithm.reference)
+        register_tasks(store, c.algorithm.reference, separate_reward_model(c))
         if not isinstance(trainer_engine, StepTrainEngine):  # its ranks publish their own
             weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
         supervisor = None
@@ -486,9 +493,14 @@ class Run:
             dispatcher = Dispatcher(ctx, {engine.label: Inbox() for engine in rollouts})
             workers.append(dispatcher)
             workers += [Rollout(ctx, engine, engine.label, dispatcher) for engine in rollouts]
+        separate = separate_reward_model(self.config)
+        if separate:
+            workers.append(RewardModelWorker(ctx))
         workers.append(
             RewardWorker(
-                ctx, resolve_reward(self.config.reward.fn, bool(self.config.data.extra_keys))
+                ctx,
+                resolve_reward(self.config.reward.fn, bool(self.config.data.extra_keys)),
+                model_worker=separate,
             )
         )
         if self.config.algorithm.reference:
@@ -525,6 +537,8 @@ class Run:
             "staleness_histogram": {str(k): v for k, v in sorted(state.staleness.items())},
             "samples_generated": state.generated_samples,
             "samples_dropped": state.dropped_samples,
+            "reward_failures": state.reward_failures,
+            "groups_filtered": state.filtered_groups,
             "responses_truncated": state.truncated_responses,
             "prompts_too_long": self.too_long,
             "groups_rerouted": state.rerouted_groups,

@@ -54,6 +54,8 @@ class AdvantageWorker(Worker):
         """Advantages of a claim's rows (NaN: leave the group out), and the groups filtered."""
         a, max_tokens = self.config.algorithm, self.config.rollout.max_tokens
         drop = failed_groups(rewards, groups)
+        # Signal is judged on the sources' rewards, before length penalties and KL.
+        flat = ~drop & ~informative_groups(np.nan_to_num(rewards), groups)
         truncated = np.zeros(rewards.shape, bool)
         if a.overlong != "none":
             eos = self.ctx.tokenizer.eos_id
@@ -75,7 +77,6 @@ class AdvantageWorker(Worker):
             rewards = rewards - self.config.trainer.kl_coef * kl
         filtered = 0
         if a.filter_groups:
-            flat = ~drop & ~informative_groups(np.nan_to_num(rewards), groups)
             filtered = len(np.unique(groups[flat]))
             drop |= flat
         adv = np.full(rewards.shape, np.nan, np.float32)

@@ -15,14 +15,19 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
-from asyncflow.config import ConfigError
+import numpy as np
+
+from asyncflow.batch import Batch
+from asyncflow.config import Config, ConfigError
 from asyncflow.tasks.base import Problem
 from asyncflow.workers.base import Context, Worker
 from asyncflow.workers.reward_sources import (
     Failure,
     FnSource,
+    ModelSource,
     RewardRow,
     RewardSet,
     build_sources,
@@ -123,6 +128,68 @@ def _resolve(spec: str) -> RewardFn:
     return fn  # type: ignore[no-any-return]
 
 
+def separate_reward_model(config: Config) -> bool:
+    """Whether the reward model runs as a worker of its own (the local launcher; elsewhere it
+    runs inside the reward worker)."""
+    return config.launcher == "local" and "model" in (config.reward.sources or [config.reward.type])
+
+
+class RewardModelWorker(Worker):
+    """The reward model as its own task in the dataflow: claims responses, scores them in
+    batches on the model's own device, and writes ``model_score`` (NaN where it could not), which
+    the reward worker weighs in with the other sources."""
+
+    role = "reward_model"
+
+    def __init__(self, ctx: Context, source: ModelSource | None = None) -> None:
+        super().__init__(ctx)
+        self.source = source or ModelSource(self.config.reward.model)
+        self.failures: list[Failure] = []
+
+    def step(self) -> bool:
+        batch = self.claim("reward_model", ["prompt_ids", "response_ids", "answer"], 256)
+        if len(batch) == 0:
+            return True
+        with self.busy("score"):
+            rows = claimed_rows(batch, self.ctx, self.config)
+            scores = self.source.score(rows)
+            values = np.full(len(rows), np.nan, np.float32)
+            for i, score in enumerate(scores):
+                if isinstance(score, Failure):
+                    log.warning("%s; its group is left out of training", score)
+                    self.failures.append(score)
+                else:
+                    values[i] = score
+            failed = len(rows) - int(np.isfinite(values).sum())
+            if failed:
+                self.ctx.state.add(reward_failures=failed)
+            self.store.put({"model_score": values}, indexes=batch.indexes)
+        batch.ack()
+        return True
+
+
+def claimed_rows(batch: Batch, ctx: Context, config: Config) -> list[RewardRow]:
+    """The claimed rows as reward sources read them: texts decoded, ground truths unpacked."""
+    data = batch.read()
+    decode = ctx.tokenizer.decode
+    extra = bool(config.data.extra_keys)
+    rows = []
+    for i, (ids, packed) in enumerate(zip(data["response_ids"], data["answer"], strict=True)):
+        truth, info = unpack_answer(packed, extra)
+        prompt = decode(data["prompt_ids"][i].tolist()) if "prompt_ids" in data else ""
+        rows.append(
+            RewardRow(
+                int(batch.indexes[i]),
+                int(batch.groups[i]),
+                prompt,
+                decode(ids.tolist()),
+                truth,
+                info,
+            )
+        )
+    return rows
+
+
 class RewardWorker(Worker):
     """Scores claimed responses with the configured sources (:mod:`reward_sources`). A row no
     source could score is reported, naming it and the source, and gets a NaN reward: the
@@ -130,14 +197,41 @@ class RewardWorker(Worker):
 
     role = "reward"
 
-    def __init__(self, ctx: Context, fn: RewardFn | None, sources: RewardSet | None = None) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        fn: RewardFn | None,
+        sources: RewardSet | None = None,
+        model_worker: bool = False,
+    ) -> None:
+        """With ``model_worker`` the reward model's scores come from a
+        :class:`RewardModelWorker` (field ``model_score``) rather than from a source here."""
         super().__init__(ctx)
         self.fn = fn
         extra = bool(self.config.data.extra_keys)
-        self.sources = sources or build_sources(self.config.reward, fn, extra)
+        r = self.config.reward
+        kinds = r.sources or [r.type]
+        weights = r.weights or [1.0] * len(kinds)
+        #: The reward model's weight when its scores come from its own worker.
+        self.model_weight: float | None = None
+        if sources is None and model_worker:
+            self.model_weight = weights[kinds.index("model")]
+            others = [(k, w) for k, w in zip(kinds, weights, strict=True) if k != "model"]
+            sources = (
+                build_sources(
+                    replace(r, sources=[k for k, _ in others], weights=[w for _, w in others]),
+                    fn,
+                    extra,
+                )
+                if others
+                else RewardSet([])
+            )
+        self.sources = sources or build_sources(r, fn, extra)
         self.fields = ["response_ids", "answer"]
         if any(not isinstance(s, FnSource) for s in self.sources.sources):
             self.fields.append("prompt_ids")  # models and judges read the prompt too
+        if self.model_weight is not None:
+            self.fields.append("model_score")
         #: Every failure so far, for the run's report.
         self.failures: list[Failure] = []
 
@@ -146,26 +240,11 @@ class RewardWorker(Worker):
         if len(batch) == 0:
             return True
         with self.busy("verify"):
-            data = batch.read()
-            decode = self.ctx.tokenizer.decode
-            extra = bool(self.config.data.extra_keys)
-            rows = []
-            for i, (ids, packed) in enumerate(
-                zip(data["response_ids"], data["answer"], strict=True)
-            ):
-                truth, info = unpack_answer(packed, extra)
-                prompt = decode(data["prompt_ids"][i].tolist()) if "prompt_ids" in data else ""
-                rows.append(
-                    RewardRow(
-                        int(batch.indexes[i]),
-                        int(batch.groups[i]),
-                        prompt,
-                        decode(ids.tolist()),
-                        truth,
-                        info,
-                    )
-                )
+            rows = claimed_rows(batch, self.ctx, self.config)
             rewards, failures = self.sources.score(rows)
+            if self.model_weight is not None:  # NaN where the model worker failed (reported)
+                scores = np.array([float(v) for v in batch.read()["model_score"]], np.float32)
+                rewards = rewards + np.float32(self.model_weight) * scores
             for failure in failures:
                 log.warning("%s; its group is left out of training", failure)
             if failures:
