@@ -6,6 +6,7 @@ packages: their missing-package path is tested as is, and their calls against st
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 import warnings
@@ -154,6 +155,7 @@ def test_mlflow_writes_to_a_file_store_under_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     recorder = Recorder()
     monkeypatch.setitem(sys.modules, "mlflow", recorder.mlflow())
     run_log(tmp_path, ["mlflow"])
@@ -169,6 +171,9 @@ def test_mlflow_writes_to_a_file_store_under_the_run(
     ]
     assert ("log_artifact", ((str(tmp_path / "summary.png"),), {})) in recorder.calls
     assert recorder.calls[-1][0] == "end_run"
+    assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true", (
+        "MLflow 3 refuses a file store otherwise"
+    )
 
 
 def test_a_tracker_that_fails_mid_run_is_warned_about_once_and_dropped(

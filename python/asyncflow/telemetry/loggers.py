@@ -112,6 +112,9 @@ class MLflow(Tracker):
 
         self.mlflow = mlflow
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):
+            # MLflow 3.x refuses its file store (in maintenance) unless told it is wanted.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(str(config.get("run", {}).get("name", "asyncflow")))
         self.run = mlflow.start_run()
