@@ -283,6 +283,7 @@ def test_a_failed_row_drops_its_whole_group_and_the_others_train() -> None:
     advantage = AdvantageWorker(ctx)
     assert advantage.step()
     assert ctx.state.filtered_groups == 1
+    assert ctx.state.extra_groups == {0: 2}  # groups 1 and 2 are to be replaced
     rows_ = ctx.store.claim("train", ["advantage"], 6, timeout=1, partition=step_partition(0))
     adv = dict(zip(rows_.groups.tolist(), rows_.read()["advantage"], strict=False))
     by_group: dict[int, list[float]] = {}
@@ -447,6 +448,7 @@ def test_a_run_with_a_function_and_a_failing_judge_finishes_dropping_what_fails(
         "reward.http.backoff=0.01",
         "reward.http.timeout=10",
         "algorithm.filter_groups=true",
+        "algorithm.max_extra_groups=0",
         "algorithm.clip_high=0.28",
     )
     assert summary["reward_failures"] > 0 and Judge.count > summary["samples_generated"]
@@ -517,3 +519,29 @@ def test_a_run_with_a_reward_model_worker_and_gspo_finishes(tmp_path: Path) -> N
     sums = [r["reward_mean"] * 16 for r in records]
     assert any(abs(x - round(x)) > 1e-3 for x in sums)
     assert any("reward_model" in r["busy"] for r in records)
+
+
+def test_dynamic_sampling_replaces_left_out_groups_up_to_the_cap(tmp_path: Path) -> None:
+    from asyncflow.workers.feeder import EXTRA_GROUPS
+    from test_workflow import run
+
+    summary = run(
+        tmp_path,
+        "trainer.max_steps=3",
+        "warm_start.steps=20",  # a model mostly wrong: most groups are all-zero
+        "trainer.groups_per_step=4",
+        "rollout.n=4",
+        "algorithm.filter_groups=true",
+        "algorithm.max_extra_groups=3",
+    )
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert len(ledger) == 3
+    for step in ledger:
+        groups = step["trained"] + step["dropped"]
+        extra = [g for g in groups if g >= EXTRA_GROUPS]
+        # Each group left out asks for one in its place, three at most a step.
+        assert len(extra) == min(3, len(step["dropped"]))
+        assert len(groups) == 4 + len(extra)
+    assert summary["groups_filtered"] >= 1 and any(
+        g >= EXTRA_GROUPS for step in ledger for g in step["trained"] + step["dropped"]
+    )

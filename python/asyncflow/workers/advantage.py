@@ -44,9 +44,36 @@ class AdvantageWorker(Worker):
             adv, filtered = self.advantages(rewards, batch.groups, data)
             if filtered:
                 self.ctx.state.add(filtered_groups=filtered)
+            if self.config.algorithm.filter_groups:
+                # Before the advantages are put: the trainer that claims these rows then knows
+                # its step is waiting for their replacements.
+                self.ask_for_replacements(batch.indexes, batch.groups, adv)
             self.store.put({"advantage": adv}, indexes=batch.indexes)
         batch.ack()
         return True
+
+    def ask_for_replacements(
+        self, indexes: np.ndarray, groups: np.ndarray, adv: np.ndarray
+    ) -> None:
+        """Asks the feeder for a new prompt group for each group left out (NaN advantages), up
+        to ``algorithm.max_extra_groups`` per step."""
+        a = self.config.algorithm
+        cap = (
+            self.config.trainer.groups_per_step
+            if a.max_extra_groups is None
+            else a.max_extra_groups
+        )
+        left_out = ~np.isfinite(adv)
+        if cap == 0 or not left_out.any():
+            return
+        partitions = self.store.rows(indexes[left_out]).partitions
+        by_step: dict[int, set[int]] = {}
+        for partition, group in zip(partitions, groups[left_out].tolist(), strict=True):
+            by_step.setdefault(int(partition.rsplit("-", 1)[1]), set()).add(int(group))
+        state = self.ctx.state
+        with state.lock:
+            for step, left in by_step.items():
+                state.extra_groups[step] += max(0, min(len(left), cap - state.extra_groups[step]))
 
     def advantages(
         self, rewards: np.ndarray, groups: np.ndarray, data: dict[str, list[object]]

@@ -51,6 +51,8 @@ class RunState:
     #: ``algorithm.filter_groups`` for rewards all equal.
     reward_failures: int = 0
     filtered_groups: int = 0
+    #: Prompt groups asked for each step in place of groups left out (``filter_groups``).
+    extra_groups: Counter[int] = field(default_factory=Counter)
     #: Prompt groups taken off a rollout engine that fell silent, to be generated elsewhere.
     rerouted_groups: int = 0
     #: Prompt groups the feeder has put (its cursor), read by checkpoints under the lock below.

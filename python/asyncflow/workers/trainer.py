@@ -146,10 +146,10 @@ class Trainer(Worker):
         got = 0
         result = StepResult()
         kept_batches: list[TrainBatch] = []
-        while got < self.rows_per_step:
+        while got < (goal := self._rows_wanted(s)):
             if self.ctx.stop.is_set():
                 return None
-            want = min(self._claim_rows(), self.rows_per_step - got)
+            want = min(self._claim_rows(), goal - got)
             batch = self.claim(
                 "train", self.fields, want, partition=step_partition(s), whole_groups=True
             )
@@ -171,6 +171,12 @@ class Trainer(Worker):
             result.note(batch.groups, age, stale, data["reward"])
             got += len(batch)
         return kept_batches, result
+
+    def _rows_wanted(self, s: int) -> int:
+        """The step's rows: its groups, and those generated in place of groups left out."""
+        with self.ctx.state.lock:
+            extra = self.ctx.state.extra_groups[s]
+        return self.rows_per_step + extra * self.config.rollout.n
 
     def _train_on(self, data: dict[str, list[Any]], result: StepResult) -> list[TrainBatch]:
         """Accumulates the gradients of claimed samples, micro-batch by micro-batch."""
