@@ -194,9 +194,18 @@ impl Connection {
         }
     }
 
+    /// The current link for a request that may not go twice: one whose daemon has closed its
+    /// end is replaced first, even if its reader has not noticed yet, since a request written
+    /// into it is lost with nobody knowing whether it ran.
+    pub fn live_link(&self, wait: Wait<'_>) -> Result<Arc<Link>> {
+        let link = self.link(wait)?;
+        if link.hung_up() { self.link(wait) } else { Ok(link) }
+    }
+
     /// Sends a request on the current link (connecting again first if it broke).
     pub fn send(&self, req: &Request, payload: &[&[u8]], wait: Wait<'_>) -> Result<Pending> {
-        match self.link(wait)?.send(req, payload) {
+        let link = if retry_is_safe(req) { self.link(wait)? } else { self.live_link(wait)? };
+        match link.send(req, payload) {
             // The link broke before the request was all written, so the daemon never ran it:
             // whatever it is, it may go again on a new link.
             Err(Error::Connection(_)) => self.link(wait)?.send(req, payload),

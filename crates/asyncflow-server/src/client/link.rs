@@ -78,6 +78,13 @@ impl Stream {
         poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).is_ok_and(|n| n > 0)
     }
 
+    /// Whether the other end has closed the connection (or it failed).
+    fn hung_up(&self) -> bool {
+        let fd = self.as_fd();
+        let mut fds = [PollFd::new(&fd, PollFlags::RDHUP)];
+        poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).is_ok_and(|n| n > 0)
+    }
+
     fn try_clone(&self) -> std::io::Result<Stream> {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
@@ -542,6 +549,16 @@ impl Link {
             }
         }
         Ok(())
+    }
+
+    /// Whether the daemon has closed its end of this link, which then breaks: it reads nothing
+    /// more, so a request is better sent on a new link than written into this one.
+    pub fn hung_up(&self) -> bool {
+        if !self.stream.hung_up() {
+            return false;
+        }
+        self.fail_all(&format!("the store daemon at {} closed the connection", self.address));
+        true
     }
 
     fn check_usable(&self) -> Result<()> {

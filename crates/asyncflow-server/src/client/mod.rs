@@ -46,7 +46,7 @@ fn send_cells(
     wait: Wait<'_>,
     make: impl FnOnce(PayloadSource) -> Request,
 ) -> Result<Answer> {
-    let link = conn.link(wait)?;
+    let link = conn.live_link(wait)?;
     if !link.is_shm() {
         return link.call(&make(PayloadSource::Inline), &layout.parts(), wait).map_err(unknown);
     }
