@@ -18,6 +18,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
 
 import asyncflow as af
 from asyncflow import config as cfg
@@ -256,6 +257,25 @@ def test_a_placement_the_cluster_cannot_hold_is_an_error_naming_it(
     with pytest.raises(PlacementError, match=r"needs \{CPU: 9\} in all .* has \{CPU: 6"):
         run(cluster, tmp_path, *overrides)
     assert not ray.is_initialized()
+
+
+def test_a_placement_that_fits_but_finds_no_room_now_waits_saying_so_then_fails(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Another job holds every CPU: the run waits (up to ``ray.start_timeout``), then fails
+    naming the group that found no room and what was free."""
+    join(cluster.address, log_to_driver=False)
+    try:
+        hog = placement_group([{"CPU": 3.0}, {"CPU": 3.0}], strategy="SPREAD")
+        ray.get(hog.ready(), timeout=60)
+        overrides = ["warm_start.enabled=false", "ray.start_timeout=3"]
+        with pytest.raises(TimeoutError, match=r"found no room: waited 3s .* trainer placement"):
+            config = cfg.load(None, [*FAST, *overrides])
+            with RayCluster(config):
+                pass
+        remove_placement_group(hog)
+    finally:
+        ray.shutdown()
 
 
 def test_the_readme_ray_command_runs_from_a_cold_start_on_a_small_machine(
