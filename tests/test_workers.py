@@ -121,6 +121,19 @@ def test_waiting_workers_see_new_weights_once_they_are_published() -> None:
     publisher.join()
 
 
+def test_a_version_is_published_only_once_its_manifest_is_ready() -> None:
+    # A store spread over several daemons lists a row once its put is admitted, before its cells
+    # are in; a row of the weights partition without its manifest stands for that here.
+    store = af.Store()
+    weights.publish(store, 3, [("w", torch.ones(2))])
+    store.put({"weights/w": np.zeros((1, 2), np.float32)}, partition=weights.PARTITION, version=4)
+    assert weights.latest_version(store) == 3
+    version, tensors = weights.fetch(store)
+    assert version == 3 and torch.equal(tensors[0][1], torch.ones(2))
+    with pytest.raises(LookupError, match="version 4 is not in the store"):
+        weights.fetch(store, 4)
+
+
 class RecordingTrainEngine(HFTrainEngine):
     """The hf engine, noting the size of every micro-batch it is handed."""
 

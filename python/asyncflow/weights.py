@@ -39,10 +39,24 @@ def publish(store: Store, version: int, weights: Iterable[tuple[str, torch.Tenso
         store.delete(stale)
 
 
+def published(store: Store) -> dict[int, int]:
+    """The row of each published version. A row is listed as soon as its put is admitted, which
+    on a store spread over several daemons is before its cells are in: a version is published
+    once its manifest is ready."""
+    rows = store.rows(partition=PARTITION)
+    if not len(rows):
+        return {}
+    ready = store.ready_fields(rows.indexes)
+    return {
+        int(v): int(i)
+        for i, v, fields in zip(rows.indexes, rows.versions, ready, strict=True)
+        if MANIFEST in fields
+    }
+
+
 def latest_version(store: Store) -> int | None:
     """The newest published version, or None before the first publication."""
-    rows = store.rows(partition=PARTITION)
-    return int(rows.versions.max()) if len(rows) else None
+    return max(published(store), default=None)
 
 
 class Watcher:
@@ -107,14 +121,13 @@ class Watcher:
 def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     """``(version, [(name, tensor)])`` of ``version`` (default: the newest). The tensors view
     store memory (no copy) and must not be written to."""
-    rows = store.rows(partition=PARTITION)
-    if not len(rows):
+    versions = published(store)
+    if not versions:
         raise LookupError("no policy weights have been published yet")
-    versions = [int(v) for v in rows.versions]
     wanted = max(versions) if version is None else version
     if wanted not in versions:
         raise LookupError(f"weights version {wanted} is not in the store (have {sorted(versions)})")
-    index = rows.indexes[versions.index(wanted)]
+    index = versions[wanted]
     manifest = store.read([index], MANIFEST)[MANIFEST][0]
     names = manifest.decode().split("\n")
     cells = store.read([index], [PREFIX + n for n in names])
