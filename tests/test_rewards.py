@@ -266,7 +266,12 @@ def put_group(ctx: Context, group: int, responses: list[str], answer: str = "4")
 
 
 def test_a_failed_row_drops_its_whole_group_and_the_others_train() -> None:
-    ctx = context("run.poll_interval=0.05", "algorithm.filter_groups=true")
+    ctx = context(
+        "run.poll_interval=0.05",
+        "algorithm.filter_groups=true",
+        "algorithm.max_extra_groups=4",
+        "trainer.staleness_policy=drop",
+    )
 
     def judge(response: str, truth: str) -> float:
         if response == "bad":
@@ -533,6 +538,7 @@ def test_dynamic_sampling_replaces_left_out_groups_up_to_the_cap(tmp_path: Path)
         "rollout.n=4",
         "algorithm.filter_groups=true",
         "algorithm.max_extra_groups=3",
+        "trainer.staleness_policy=drop",
     )
     ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert len(ledger) == 3

@@ -180,9 +180,10 @@ class AlgorithmConfig:
     #: Dynamic sampling: groups whose rewards are all equal carry no signal and are not trained.
     filter_groups: bool = False
     #: With ``filter_groups``: prompt groups generated for a step in place of groups left out
-    #: (all-equal rewards, or a failed reward), at most this many per step (None:
-    #: ``trainer.groups_per_step``; 0: none, the step trains on fewer groups).
-    max_extra_groups: int | None = None
+    #: (all-equal rewards, or a failed reward), at most this many per step (0: none, the step
+    #: trains on fewer groups). Needs ``trainer.staleness_policy: drop``: under ``wait`` a
+    #: rollout engine waiting for newer weights could hold back the replacements.
+    max_extra_groups: int = 0
     #: Overlong responses (cut at ``rollout.max_tokens``): ``none``, ``filter`` (left out of the
     #: loss), or ``penalty`` (reward lowered linearly over the last ``overlong_buffer`` tokens,
     #: by at most ``overlong_penalty``).
@@ -589,13 +590,14 @@ def _validate_reward_and_algorithm(c: Config) -> None:
             _require(clip > 0, f"{key} must be positive")
     if a.clip_low is not None:
         _require(a.clip_low < 1, "algorithm.clip_low must be below 1 (the ratio stays positive)")
-    if a.max_extra_groups is not None:
-        _require(a.max_extra_groups >= 0, "algorithm.max_extra_groups cannot be negative")
-    if a.filter_groups and a.max_extra_groups != 0:
+    _require(a.max_extra_groups >= 0, "algorithm.max_extra_groups cannot be negative")
+    if a.filter_groups and a.max_extra_groups > 0:
         _require(
-            c.launcher == "local" and c.trainer.dp_size == 1,
-            "algorithm.filter_groups regenerates left-out groups only with launcher local and "
-            "trainer.dp_size 1; set algorithm.max_extra_groups: 0 to train on fewer groups",
+            c.launcher == "local"
+            and c.trainer.dp_size == 1
+            and c.trainer.staleness_policy == "drop",
+            "algorithm.max_extra_groups > 0 (replacing left-out groups) needs launcher local, "
+            "trainer.dp_size 1 and trainer.staleness_policy drop",
         )
     _require(a.overlong_buffer >= 1, "algorithm.overlong_buffer must be at least 1")
     _require(a.overlong_penalty >= 0, "algorithm.overlong_penalty cannot be negative")

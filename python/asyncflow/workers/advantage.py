@@ -58,11 +58,7 @@ class AdvantageWorker(Worker):
         """Asks the feeder for a new prompt group for each group left out (NaN advantages), up
         to ``algorithm.max_extra_groups`` per step."""
         a = self.config.algorithm
-        cap = (
-            self.config.trainer.groups_per_step
-            if a.max_extra_groups is None
-            else a.max_extra_groups
-        )
+        cap = a.max_extra_groups
         left_out = ~np.isfinite(adv)
         if cap == 0 or not left_out.any():
             return
