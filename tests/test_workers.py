@@ -134,6 +134,25 @@ def test_a_version_is_published_only_once_its_manifest_is_ready() -> None:
         weights.fetch(store, 4)
 
 
+def test_a_version_deleted_while_the_versions_are_listed_is_left_out() -> None:
+    store = af.Store()
+    for version in (1, 2, 3):
+        weights.publish(store, version, [("w", torch.full((2,), float(version)))])
+
+    class DeletingAfterListing:
+        """The store, as a publisher deleting version 2 just after the listing leaves it."""
+
+        def rows(self, **kwargs: object) -> af.Rows:
+            rows = store.rows(**kwargs)  # type: ignore[arg-type]
+            store.delete([i for i, v in zip(rows.indexes, rows.versions, strict=True) if v == 2])
+            return rows
+
+        def ready_fields(self, indexes: np.ndarray) -> list[list[str]]:
+            return store.ready_fields(indexes)
+
+    assert set(weights.published(DeletingAfterListing())) == {3}  # type: ignore[arg-type]
+
+
 class RecordingTrainEngine(HFTrainEngine):
     """The hf engine, noting the size of every micro-batch it is handed."""
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from asyncflow.errors import StoreError
+from asyncflow.errors import StoreError, UnknownIndexError
 from asyncflow.store import Store
 
 PARTITION = "__weights__"
@@ -43,10 +43,15 @@ def published(store: Store) -> dict[int, int]:
     """The row of each published version. A row is listed as soon as its put is admitted, which
     on a store spread over several daemons is before its cells are in: a version is published
     once its manifest is ready."""
-    rows = store.rows(partition=PARTITION)
-    if not len(rows):
-        return {}
-    ready = store.ready_fields(rows.indexes)
+    while True:
+        rows = store.rows(partition=PARTITION)
+        if not len(rows):
+            return {}
+        try:
+            ready = store.ready_fields(rows.indexes)
+        except UnknownIndexError:
+            continue  # a publisher deleted an old version after the listing: list again
+        break
     return {
         int(v): int(i)
         for i, v, fields in zip(rows.indexes, rows.versions, ready, strict=True)
