@@ -8,112 +8,30 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-import asyncflow as af
-from asyncflow import config as cfg
-from asyncflow import weights
-from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.errors import EngineDiedError
-from asyncflow.engines.hf import HFTrainEngine
-from asyncflow.engines.ranks import RankGroup
-from asyncflow.models.chatml import chatml_tokenizer
-from asyncflow.models.tiny import create_tiny_model
-from asyncflow.workers.steps import StepLoss
+from rank_groups import Setting, check_initial_weights, check_one_step, rank_config, rank_group
 
-GROUPS, N = 4, 4
-CONFIG = cfg.load(
-    None,
-    [
-        "model.hidden_size=64",
-        "model.intermediate_size=128",
-        "trainer.dp_size=2",
-        "trainer.zero_stage=3",
-        f"trainer.groups_per_step={GROUPS}",
-        f"rollout.n={N}",
-        # Small enough that the ranks need different numbers of micro-batches.
-        "trainer.micro_batch_tokens=40",
-        "trainer.lr=1e-3",
-        "trainer.timeout=300",
-    ],
-)
-
-
-def samples(seed: int) -> dict[str, list[np.ndarray]]:
-    """A step's worth of rollout samples with advantages, of varied lengths."""
-    rng = np.random.default_rng(seed)
-    tok = chatml_tokenizer()
-    rows = GROUPS * N
-    prompts = [np.array(tok.encode(f"{rng.integers(10, 99)}+7="), np.int64) for _ in range(rows)]
-    responses = [
-        rng.integers(2, len(tok), rng.integers(1, 9)).astype(np.int64) for _ in range(rows)
-    ]
-    return {
-        "prompt_ids": prompts,
-        "response_ids": responses,
-        "behaviour_logprobs": [np.full(len(r), -2.0, np.float32) for r in responses],
-        "advantage": list(rng.normal(size=rows).astype(np.float32)),
-        "reward": list(rng.integers(0, 2, rows).astype(np.float32)),
-    }
+CONFIG = rank_config("trainer.zero_stage=3")
 
 
 @pytest.fixture(scope="module")
-def setting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[af.Store, RankGroup, Path]]:
-    root = tmp_path_factory.mktemp("ranks")
-    model_dir = create_tiny_model(CONFIG.model, root / "model", seed=3)
-    with DaemonProcess() as daemon:
-        store = af.connect(daemon.url)
-        store.register_task("train", partitions=["step-"])
-        group = RankGroup(model_dir, CONFIG, store, daemon.url, root / "logs")
-        yield store, group, model_dir
-        group.close()
+def setting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setting]:
+    yield from rank_group(tmp_path_factory.mktemp("ranks"), CONFIG)
 
 
-def test_ranks_start_and_publish_the_initial_weights(
-    setting: tuple[af.Store, RankGroup, Path],
-) -> None:
-    store, group, model_dir = setting
-    initial = dict(group.export_weights())
-    assert group.version == 0 == weights.latest_version(store)
-    reference = dict(HFTrainEngine(model_dir, CONFIG).export_weights())
-    assert initial.keys() == reference.keys()
-    assert all(torch.equal(initial[k], reference[k]) for k in reference)
+def test_ranks_start_and_publish_the_initial_weights(setting: Setting) -> None:
+    check_initial_weights(setting, CONFIG)
 
 
-def test_a_two_rank_zero3_step_equals_one_step_on_the_whole_batch(
-    setting: tuple[af.Store, RankGroup, Path],
-) -> None:
-    store, group, model_dir = setting
-    data = samples(0)
-    store.put(data, partition="step-0", groups=np.repeat(np.arange(GROUPS), N), group_size=N)
-
-    loss = StepLoss(CONFIG, chatml_tokenizer().pad_id)
-    whole = loss.batch(data)
-    reference = HFTrainEngine(model_dir, CONFIG)
-    assert (group.logprobs(whole) - reference.logprobs(whole)).abs().max() < 1e-5
-
-    result = group.train_step(0, threading.Event())
-    assert result is not None and group.version == 1
-    assert result.trained_groups == list(range(GROUPS)), "every group trained once, on one rank"
-
-    reference.forward_backward(whole, loss)
-    expected = reference.optimizer_step()
-    assert result.optimizer["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
-    published = dict(group.export_weights())
-    want = dict(reference.export_weights())
-    initial = dict(HFTrainEngine(model_dir, CONFIG).export_weights())
-    moved = max(float((want[k] - initial[k]).abs().max()) for k in want)
-    gap = max(float((published[k] - want[k]).abs().max()) for k in want)
-    assert moved > 1e-4, "the step changed the weights"
-    assert gap < 1e-5, f"ranks' weights differ from the single-process step by {gap}"
+def test_a_two_rank_zero3_step_equals_one_step_on_the_whole_batch(setting: Setting) -> None:
+    check_one_step(setting, CONFIG)
 
 
 def test_the_ranks_meet_and_listen_on_loopback_only(
-    setting: tuple[af.Store, RankGroup, Path], listeners_off_loopback: Callable[[], list[str]]
+    setting: Setting, listeners_off_loopback: Callable[[], list[str]]
 ) -> None:
     """Rank 0's rendezvous store and the collectives' sockets (and the store daemon)."""
     _, group, _ = setting
@@ -122,7 +40,7 @@ def test_the_ranks_meet_and_listen_on_loopback_only(
 
 
 def test_a_rank_that_dies_is_an_error_naming_it_not_a_hang(
-    setting: tuple[af.Store, RankGroup, Path],
+    setting: Setting,
 ) -> None:
     _, group, _ = setting
     group.procs[1].kill()
