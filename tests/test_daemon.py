@@ -342,9 +342,11 @@ def test_garbage_on_one_connection_does_not_disturb_another(daemons: Daemons) ->
     for junk in (b"\x00" * 24, b"GET / HTTP/1.1\r\n\r\n", os.urandom(4096)):
         with socket.create_connection((host, int(port)), timeout=10) as bad:
             bad.sendall(junk)
-            bad.shutdown(socket.SHUT_WR)
             bad.settimeout(10)
+            # The daemon may refuse the frame and close before the junk is all read (a reset);
+            # what matters is the other connection, below.
             try:
+                bad.shutdown(socket.SHUT_WR)
                 while bad.recv(4096):
                     pass
             except OSError:
