@@ -15,10 +15,7 @@ and the optimiser is ``torch.optim.AdamW`` under the hf engine's ``LambdaLR`` sc
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,7 @@ from asyncflow.config import Config
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, token_logprobs
 from asyncflow.engines.errors import EngineStartError
 from asyncflow.engines.hf import copy_tokenizer, load_model
-from asyncflow.engines.process_group import Rendezvous, _store, free_port, is_loopback, on_gpu
+from asyncflow.engines.process_group import Rendezvous, free_port, join_group, on_gpu
 
 
 def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
@@ -42,17 +39,7 @@ def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
         if dist.is_initialized():
             return
         rendezvous = Rendezvous(rank=0, world_size=1, master_port=free_port())
-    backend = "nccl" if on_gpu() else "gloo"
-    if is_loopback(rendezvous.master_addr) and sys.platform == "linux":
-        os.environ.setdefault(f"{backend.upper()}_SOCKET_IFNAME", "lo")
-    os.environ.update(rendezvous.environ())
-    dist.init_process_group(
-        backend,
-        store=_store(rendezvous, timedelta(seconds=timeout)),
-        rank=rendezvous.rank,
-        world_size=rendezvous.world_size,
-        timeout=timedelta(seconds=timeout),
-    )
+    join_group(rendezvous, timeout)
     if on_gpu():
         torch.cuda.set_device(rendezvous.rank % max(1, torch.cuda.device_count()))
 

@@ -107,6 +107,27 @@ def _skip_inference_comm_op() -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
+def join_group(rendezvous: Rendezvous, timeout: float) -> str:
+    """Creates the default process group with torch alone: rank 0 serves the rendezvous on its
+    address, and ranks meeting on loopback keep their collectives' sockets there. Returns the
+    backend (nccl on GPUs, gloo on CPUs)."""
+    import torch.distributed as dist
+
+    os.environ.update(rendezvous.environ())
+    backend = "nccl" if on_gpu() else "gloo"
+    if is_loopback(rendezvous.master_addr) and sys.platform == "linux":
+        # Left alone, both pick the address of the machine's name or first interface.
+        os.environ.setdefault(f"{backend.upper()}_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        backend,
+        store=_store(rendezvous, timedelta(seconds=timeout)),
+        rank=rendezvous.rank,
+        world_size=rendezvous.world_size,
+        timeout=timedelta(seconds=timeout),
+    )
+    return backend
+
+
 def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
     """Joins (or, alone, creates) the default process group. Without ``rendezvous`` an existing
     group is reused, else a group of one is made on a free port."""
@@ -120,20 +141,9 @@ def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
             deepspeed.init_distributed(dist_backend=dist.get_backend())
             return
         rendezvous = Rendezvous(rank=0, world_size=1, master_port=free_port())
-    os.environ.update(rendezvous.environ())
     _skip_inference_comm_op()
-    backend = "nccl" if on_gpu() else "gloo"
-    if is_loopback(rendezvous.master_addr) and sys.platform == "linux":
-        # Left alone, both pick the address of the machine's name or first interface.
-        os.environ.setdefault(f"{backend.upper()}_SOCKET_IFNAME", "lo")
     # DeepSpeed adopts the group made here, on the store made here.
-    dist.init_process_group(
-        backend,
-        store=_store(rendezvous, timedelta(seconds=timeout)),
-        rank=rendezvous.rank,
-        world_size=rendezvous.world_size,
-        timeout=timedelta(seconds=timeout),
-    )
+    backend = join_group(rendezvous, timeout)
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout))
     if on_gpu():
         from deepspeed.accelerator import get_accelerator
