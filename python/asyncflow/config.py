@@ -105,6 +105,15 @@ class RolloutConfig:
     max_model_len: int | None = None
     #: vLLM: fraction of device memory (on CPU: of host memory) it checks is free at start-up.
     gpu_memory_utilization: float = 0.1
+    #: Weights published while responses are being generated: ``off`` loads them between
+    #: generation calls only; ``continue`` loads them between two decode steps and goes on with
+    #: the in-flight sequences (their KV cache from the old weights kept); ``abort`` cuts the
+    #: in-flight sequences, loads them, and re-admits the sequences with their generated prefix
+    #: (prefilled again under the new weights). See docs/partial-rollout.md.
+    partial: Literal["off", "continue", "abort"] = "off"
+    #: Sequences the request-level loop (``partial`` other than ``off``) keeps in flight; new
+    #: prompt groups are admitted as others finish.
+    max_num_seqs: int = 64
 
 
 @dataclass
@@ -456,6 +465,7 @@ def validate(c: Config) -> None:
         ("rollout.max_tokens", c.rollout.max_tokens),
         ("rollout.groups_per_call", c.rollout.groups_per_call),
         ("rollout.engines", c.rollout.engines),
+        ("rollout.max_num_seqs", c.rollout.max_num_seqs),
         ("trainer.max_steps", c.trainer.max_steps),
         ("trainer.groups_per_step", c.trainer.groups_per_step),
         ("trainer.micro_batch_tokens", c.trainer.micro_batch_tokens),
