@@ -1,23 +1,31 @@
-"""The algorithms side by side on the built-in task: ``python benches/algorithms.py OUT_DIR``
-runs the default job (2-digit addition, the default model and RL settings, hf engines) cut to the
-held-out test's size (a warm start of 450 steps, then 4 RL steps, 200 held-out problems) for
-seeds 0-2 with each algorithm below, and prints a markdown table of held-out accuracy before and
-after RL and of RL wall-clock (mean and range over the seeds); with a second argument it also
-draws them into that PNG. Runs already in OUT_DIR are read, not run again.
+"""The algorithms side by side on the built-in task:
+``python benches/algorithms.py OUT_DIR [PNG] [--only=KEY,...]`` runs the default job (2-digit
+addition, the default model and RL settings, hf engines) cut to the held-out test's size (a warm
+start of 450 steps, then 4 RL steps, 200 held-out problems) for seeds 0-2 with each algorithm
+below, and prints a markdown table of held-out accuracy before and after RL and of RL wall-clock
+(mean and range over the seeds that finished); with PNG it also draws them into that file. Runs
+already in OUT_DIR are read, not run again; ``--only`` runs just those algorithms (key: the first
+word of a name, lower case), and the table shows every algorithm with results in OUT_DIR.
+A run that fails prints its error, is counted as failed in the table (its full output stays in
+``OUT_DIR/<key>-seed<S>.log``), and makes the script exit non-zero.
 
 The settings are fixed here before any run, from the papers' published values (DAPO: clip_high
-0.28, token-mean loss; GSPO: sequence ratios; REINFORCE++: batch-normalised advantages), never
-tuned on these results. Each seed's warm start is the same for every algorithm.
+0.28, token-mean loss; GSPO: sequence ratios; REINFORCE++: batch-normalised advantages; PPO: GAE
+with gamma 1 and lambda 0.95 and a value clip of 0.2, from Ziegler et al. 2019, arXiv 1909.08593,
+``lm-human-preferences/train_policy.py``), never tuned on these results. Each seed's warm start
+is the same for every algorithm.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 SEEDS = (0, 1, 2)
 DASH = "\u2013"
@@ -39,20 +47,43 @@ ALGORITHMS = {
         "algorithm.loss_aggregation=token-mean",
         "algorithm.overlong=filter",
     ],
+    "RLOO": ["algorithm.advantage=rloo"],
     "GSPO": ["algorithm.policy_loss=gspo"],
     "REINFORCE++": ["algorithm.advantage=reinforce++"],
+    "PPO (GAE, critic)": ["algorithm.advantage=gae"],
 }
+#: Lines of a failed run's output shown with its error.
+TAIL = 30
 
 
-def run(out: Path, name: str, seed: int, overrides: list[str]) -> dict[str, float]:
-    run_dir = out / f"{name.split()[0].lower()}-seed{seed}"
+def key(name: str) -> str:
+    return name.split()[0].lower()
+
+
+def run(out: Path, name: str, seed: int, overrides: list[str]) -> dict[str, float] | None:
+    """One seed of one algorithm: its figures, or None (its error printed) if it failed."""
+    run_dir = out / f"{key(name)}-seed{seed}"
     summary_file = run_dir / "summary.json"
     if not summary_file.exists():
+        shutil.rmtree(run_dir, ignore_errors=True)  # what a failed earlier try left
         cli = str(Path(sys.executable).parent / "asyncflow")
         command = [cli, "train", "--run-dir", str(run_dir), *COMMON, f"run.seed={seed}", *overrides]
-        subprocess.run(command, check=True, capture_output=True)
+        log = out / f"{key(name)}-seed{seed}.log"
+        with log.open("w") as f:
+            done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
+        if done.returncode != 0 or not summary_file.exists():
+            tail = log.read_text(errors="replace").splitlines()[-TAIL:]
+            print(
+                f"FAILED: {name} seed {seed} (exit {done.returncode}); last lines of {log}:",
+                *tail,
+                sep="\n",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
     summary = json.loads(summary_file.read_text())
     return {
+        "seed": seed,
         "before": summary["accuracy_before"],
         "after": summary["accuracy_after"],
         "rl_seconds": summary["phase_seconds"].get("rl", float("nan")),
@@ -60,6 +91,8 @@ def run(out: Path, name: str, seed: int, overrides: list[str]) -> dict[str, floa
 
 
 def cell(values: list[float], digits: int) -> str:
+    if not values:
+        return "n/a"
     mean = statistics.mean(values)
     return f"{mean:.{digits}f} ({min(values):.{digits}f}{DASH}{max(values):.{digits}f})"
 
@@ -72,15 +105,16 @@ def plot(out: Path, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (acc, secs) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for i, name in enumerate(ALGORITHMS):
-        results = json.loads((out / f"{name.split()[0].lower()}.json").read_text())
-        for axis, key in [(acc, "after"), (secs, "rl_seconds")]:
-            values = [r[key] for r in results]
+    names = [n for n in ALGORITHMS if finished(out, n)]
+    for i, name in enumerate(names):
+        results = finished(out, name)
+        for axis, figure in [(acc, "after"), (secs, "rl_seconds")]:
+            values = [r[figure] for r in results]
             axis.bar(i, statistics.mean(values), color="lightsteelblue")
             axis.plot([i] * len(values), values, "o", color="black", markersize=4)
         acc.plot([i - 0.4, i + 0.4], [statistics.mean(r["before"] for r in results)] * 2, "r--")
     for axis, title in [(acc, "held-out accuracy after 4 RL steps"), (secs, "RL seconds")]:
-        axis.set_xticks(range(len(ALGORITHMS)), [n.split()[0] for n in ALGORITHMS])
+        axis.set_xticks(range(len(names)), [n.split()[0] for n in names])
         axis.set_title(title)
     acc.set_ylim(0, 1)
     fig.suptitle("seeds 0-2 (dots), mean (bar), accuracy before RL (dashed)", fontsize=9)
@@ -88,25 +122,51 @@ def plot(out: Path, png: Path) -> None:
     fig.savefig(png, dpi=100)
 
 
+def finished(out: Path, name: str) -> list[dict[str, Any]]:
+    """The seeds of ``name`` that finished, as recorded by the last run of it."""
+    path = out / f"{key(name)}.json"
+    if not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text()) if r.get("after") is not None]
+
+
 def main() -> None:
-    out = Path(sys.argv[1])
+    args = [a for a in sys.argv[1:] if not a.startswith("--only")]
+    only = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")]
+    wanted = set(only[0].split(",")) if only else {key(n) for n in ALGORITHMS}
+    out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    failed = 0
     for name, overrides in ALGORITHMS.items():
+        if key(name) not in wanted:
+            continue
         results = [run(out, name, seed, overrides) for seed in SEEDS]
-        (out / f"{name.split()[0].lower()}.json").write_text(json.dumps(results, indent=1))
+        failed += sum(r is None for r in results)
+        recorded: list[dict[str, Any]] = [
+            r if r is not None else {"seed": s, "after": None}
+            for s, r in zip(SEEDS, results, strict=True)
+        ]
+        (out / f"{key(name)}.json").write_text(json.dumps(recorded, indent=1))
+    rows = []
+    for name in ALGORITHMS:
+        path = out / f"{key(name)}.json"
+        if not path.exists():
+            continue
+        done = finished(out, name)
         rows.append(
-            f"| {name} | {cell([r['before'] for r in results], 3)} | "
-            f"{cell([r['after'] for r in results], 3)} | "
-            f"{cell([r['rl_seconds'] for r in results], 1)} |"
+            f"| {name} | {len(done)}/{len(json.loads(path.read_text()))} | "
+            f"{cell([r['before'] for r in done], 3)} | "
+            f"{cell([r['after'] for r in done], 3)} | "
+            f"{cell([r['rl_seconds'] for r in done], 1)} |"
         )
-        print(rows[-1], flush=True)
-    print("| algorithm | held-out accuracy before RL | after 4 RL steps | RL seconds |")
-    print("|---|---|---|---|")
+    print("| algorithm | seeds finished | accuracy before RL | after 4 RL steps | RL seconds |")
+    print("|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"finished {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
-    if len(sys.argv) > 2:
-        plot(out, Path(sys.argv[2]))
+    if len(args) > 1:
+        plot(out, Path(args[1]))
+    if failed:
+        sys.exit(f"{failed} run(s) failed; see the errors above")
 
 
 if __name__ == "__main__":
