@@ -44,7 +44,7 @@ class ModelConfig:
 class DataConfig:
     #: ``arithmetic`` (built in) or ``dataset``: local files (``train_file``/``eval_file``) with
     #: verl-style columns. ``parquet`` is the older name of ``dataset``.
-    task: Literal["arithmetic", "dataset", "parquet"] = "arithmetic"
+    task: Literal["arithmetic", "dataset", "parquet", "multiply-tools"] = "arithmetic"
     train_file: str | None = None
     eval_file: str | None = None
     #: ``auto`` (by the file's name: ``.parquet``, ``.json``/``.jsonl``, ``.arrow`` or a directory
@@ -317,6 +317,59 @@ class RunConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Limits of the sandboxed processes the ``python`` tool (and a calculator in a subprocess)
+    runs: CPU seconds, address space, wall-clock seconds (then its process group is killed),
+    bytes of output kept, and processes at once (as root, where the child runs as nobody)."""
+
+    cpu_seconds: int = 5
+    memory: str = "512MiB"
+    wall_seconds: float = 10.0
+    output_bytes: int = 16384
+    processes: int = 8
+
+
+@dataclass
+class LatencyConfig:
+    """Extra seconds before each tool answers, standing in for sandboxes and remote services:
+    ``lognormal`` (``median`` seconds, log-space ``sigma``), ``fixed`` (``median``) or ``none``.
+    With ``subprocess`` the calculator computes in a real sandboxed process as well."""
+
+    distribution: Literal["none", "fixed", "lognormal"] = "none"
+    median: float = 0.2
+    sigma: float = 0.5
+    subprocess: bool = False
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn rollouts (see docs/agents.md): each trajectory alternates model turns and
+    environment turns until the environment says done or a budget runs out."""
+
+    enabled: bool = False
+    #: A registered environment (``tools``: the model's tool calls answered by ``tools``).
+    environment: str = "tools"
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    #: How tool calls are read from the model's text (``hermes``: ``<tool_call>{json}</tool_call>``).
+    parser: str = "hermes"
+    #: Model turns per trajectory, and tokens after the prompt (model and environment together).
+    max_turns: int = 4
+    max_tokens: int = 256
+    #: Where a trajectory's reward comes from: ``verifier`` (``reward.fn`` on the last model
+    #: turn's text), ``env`` (the rewards the environment gave) or ``both`` (summed).
+    reward: Literal["verifier", "env", "both"] = "verifier"
+    #: Seconds a tool call may take before it is answered with an error.
+    tool_timeout: float = 10.0
+    #: The tokens that wrap an environment's observation (ChatML's, as Qwen's template writes
+    #: tool responses); ``{observation}`` is replaced by its text.
+    observation_template: str = (
+        "\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    latency: LatencyConfig = field(default_factory=LatencyConfig)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -328,6 +381,7 @@ class Config:
     store: StoreSettings = field(default_factory=StoreSettings)
     run: RunConfig = field(default_factory=RunConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     launcher: Literal["local", "ray"] = "local"
 
     def to_dict(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
 };
 
@@ -47,6 +47,14 @@ pub fn recv_with_fds(
             fds.extend(received);
         }
     }
+    if msg.flags.contains(ReturnFlags::CTRUNC) {
+        // The kernel closed descriptors it could not hand over: the stream's bytes are read,
+        // what came with them is lost.
+        return Err(io::Error::other(
+            "descriptors sent with this message were dropped: the process has no room for more \
+             (see its open-file limit, RLIMIT_NOFILE)",
+        ));
+    }
     Ok(msg.bytes)
 }
 
@@ -67,5 +75,22 @@ mod tests {
         assert_eq!(recv_with_fds(&b, &mut buf, &mut fds, RecvFlags::empty()).unwrap(), 1);
         let mapped = Segment::open(7, fds.pop().unwrap(), 4096).unwrap();
         assert_eq!(&mapped.bytes()[..6], b"shared");
+    }
+
+    /// Descriptors the receiver cannot take (here: more than its buffer has room for) are
+    /// closed by the kernel; the receive says so instead of returning the bytes without them.
+    #[test]
+    fn descriptors_the_kernel_dropped_fail_the_receive() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let seg = Segment::create(7, 4096).unwrap();
+        let many = vec![seg.fd(); 4 * MAX_FDS];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4 * MAX_FDS))];
+        let mut ancillary = SendAncillaryBuffer::new(&mut space);
+        assert!(ancillary.push(SendAncillaryMessage::ScmRights(&many)));
+        let iov = [io::IoSlice::new(b"x")];
+        rustix::net::sendmsg(&a, &iov, &mut ancillary, SendFlags::empty()).unwrap();
+        let (mut buf, mut fds) = ([0u8; 4], Vec::new());
+        let err = recv_with_fds(&b, &mut buf, &mut fds, RecvFlags::empty()).unwrap_err();
+        assert!(err.to_string().contains("RLIMIT_NOFILE"), "{err}");
     }
 }
