@@ -168,9 +168,13 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    #: ``grpo``/``rloo`` (group baselines) or ``reinforce++`` (rewards less ``trainer.kl_coef``
-    #: times the sequence's KL to the reference, normalised over the whole batch).
-    advantage: Literal["grpo", "rloo", "reinforce++"] = "grpo"
+    #: ``grpo``/``rloo`` (group baselines), ``reinforce++`` (rewards less ``trainer.kl_coef``
+    #: times the sequence's KL to the reference, normalised over the whole batch), or ``gae``:
+    #: PPO with a critic (see ``critic``), per-token advantages by GAE from its values.
+    advantage: Literal["grpo", "rloo", "reinforce++", "gae"] = "grpo"
+    #: GAE's discount and lambda (Ziegler et al. 2019, arXiv 1909.08593: 1 and 0.95).
+    gamma: float = 1.0
+    lam: float = 0.95
     #: GRPO: divide by the group's reward standard deviation.
     normalize_std: bool = True
     #: ``token-mean`` (``token``): mean over all response tokens of a step;
@@ -201,6 +205,21 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     #: Compute reference log-probs (needed for ``kl_coef > 0``).
     reference: bool = False
+
+
+@dataclass
+class CriticConfig:
+    """The value model of ``algorithm.advantage: gae``: a task of its own that writes per-token
+    ``values`` for each sample and trains on the returns, with its own optimiser."""
+
+    #: A model directory reading the same token ids as the policy (None: a copy of the policy's
+    #: starting weights); a new value head goes on top of its backbone.
+    path: str | None = None
+    #: Learning rate (None: ``trainer.lr``).
+    lr: float | None = None
+    #: A value moves at most this far from the one the sample was scored with, per update
+    #: (Ziegler et al. 2019: 0.2).
+    value_clip: float = 0.2
 
 
 @dataclass
@@ -377,6 +396,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     store: StoreSettings = field(default_factory=StoreSettings)
     run: RunConfig = field(default_factory=RunConfig)
@@ -672,3 +692,19 @@ def _validate_reward_and_algorithm(c: Config) -> None:
         )
     if a.advantage == "reinforce++" and c.trainer.kl_coef > 0:
         _require(a.reference, "algorithm.advantage reinforce++ with kl_coef needs reference")
+    if a.advantage == "gae":
+        _validate_critic(c)
+
+
+def _validate_critic(c: Config) -> None:
+    a, k = c.algorithm, c.critic
+    _require(0 <= a.gamma <= 1, "algorithm.gamma must be in [0, 1]")
+    _require(0 <= a.lam <= 1, "algorithm.lam must be in [0, 1]")
+    _require(k.value_clip > 0, "critic.value_clip must be positive")
+    _require(k.lr is None or k.lr > 0, "critic.lr must be positive")
+    _require(
+        c.launcher == "local",
+        "algorithm.advantage gae (the critic worker) runs with launcher local only",
+    )
+    if k.path is not None:
+        _require(Path(k.path).is_dir(), f"critic.path {k.path!r} is not a directory")

@@ -25,6 +25,7 @@ from asyncflow import checkpoint, weights
 from asyncflow.config import Config, ConfigError
 from asyncflow.daemon import DaemonProcess, connect, new_token
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
+from asyncflow.engines.critic import HFCriticEngine
 from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
 from asyncflow.engines.rank_process import RANK_ENGINES
 from asyncflow.engines.ranks import RankGroup
@@ -49,6 +50,7 @@ from asyncflow.warm_start import warm_start
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
 from asyncflow.workers.batches import to_train_batch
+from asyncflow.workers.critic import CriticWorker
 from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.reference import ReferenceWorker
 from asyncflow.workers.reward import (
@@ -158,7 +160,9 @@ def prompt_budget(config: Config, model_dir: Path) -> int | None:
     return min(known) - config.rollout.max_tokens if known else None
 
 
-def register_tasks(store: Store, reference: bool, reward_model: bool = False) -> None:
+def register_tasks(
+    store: Store, reference: bool, reward_model: bool = False, critic: bool = False
+) -> None:
     """Declares the pipeline's consumers, so that rows are kept until each has acked them."""
     store.register_task("rollout", partitions=[PROMPTS])
     for task in ["reward", "advantage", "train"]:
@@ -167,6 +171,9 @@ def register_tasks(store: Store, reference: bool, reward_model: bool = False) ->
         store.register_task("reward_model", partitions=[SAMPLES])
     if reference:
         store.register_task("reference", partitions=[SAMPLES])
+    if critic:  # scoring samples (values), and training on their returns
+        for task in ["critic", "critic_train"]:
+            store.register_task(task, partitions=[SAMPLES])
 
 
 class Run:
@@ -183,6 +190,8 @@ class Run:
         self.placement: dict[str, Any] = {}
         #: Prompts left out for being too long, by split.
         self.too_long: dict[str, int] = {}
+        #: The critic's worker (``algorithm.advantage: gae``), for its figures in the summary.
+        self.critic: CriticWorker | None = None
 
     # -- preparation --------------------------------------------------------------------------
 
@@ -413,7 +422,12 @@ class Run:
                 checkpoint.save(self.run_dir, step, trainer_engine, store, state, figures)
             return extra
 
-        register_tasks(store, c.algorithm.reference, separate_reward_model(c))
+        register_tasks(
+            store,
+            c.algorithm.reference,
+            separate_reward_model(c),
+            critic=c.algorithm.advantage == "gae",
+        )
         if not isinstance(trainer_engine, StepTrainEngine):  # its ranks publish their own
             weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
         supervisor = None
@@ -505,6 +519,9 @@ class Run:
         )
         if self.config.algorithm.reference:
             workers.append(ReferenceWorker(ctx, HFTrainEngine(model_dir, self.config)))
+        if self.config.algorithm.advantage == "gae":
+            self.critic = CriticWorker(ctx, HFCriticEngine(model_dir, self.config))
+            workers.append(self.critic)
         workers.append(AdvantageWorker(ctx))
         return workers
 
@@ -546,6 +563,7 @@ class Run:
             "busy_fraction": busy,
             "model_parameters": parameter_count(model_dir),
             "launcher": c.launcher,
+            **({"critic": self.critic.summary()} if self.critic is not None else {}),
             **({"placement": self.placement} if self.placement else {}),
             "run_dir": str(self.run_dir),
         }

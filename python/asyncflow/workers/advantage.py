@@ -1,9 +1,14 @@
-"""Advantages: whole groups of rewarded responses -> advantages (GRPO, RLOO, or REINFORCE++).
+"""Advantages: whole groups of rewarded responses -> advantages (GRPO, RLOO, REINFORCE++, or
+GAE from the critic's per-token ``values``: PPO with a critic).
 
 Groups the trainer must leave out get a NaN advantage: a group with a row no reward source could
 score, and with ``algorithm.filter_groups`` a group whose rewards are all equal (no signal).
 Overlong responses (cut at ``rollout.max_tokens``) are either left out of the loss (advantage 0:
 no policy gradient) or have their reward lowered before the advantages (soft penalty).
+
+With GAE the worker also reads each sample's ``values`` (written by the critic worker) and writes
+per-token ``token_advantages`` (whitened over the claim) and ``returns`` (the critic's targets,
+NaN for rows left out); ``advantage`` then holds each row's mean token advantage, or NaN.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from asyncflow.algorithms.advantages import (
     informative_groups,
     overlong_penalty,
 )
+from asyncflow.algorithms.value import gae, token_rewards, whiten
 from asyncflow.workers.base import Context, Worker
 
 
@@ -29,9 +35,13 @@ class AdvantageWorker(Worker):
         self.fields = ["reward"]
         if a.overlong != "none":
             self.fields.append("response_ids")
-        self.kl_in_reward = a.advantage == "reinforce++" and self.config.trainer.kl_coef > 0
+        self.kl_in_reward = (
+            a.advantage in ("reinforce++", "gae") and self.config.trainer.kl_coef > 0
+        )
         if self.kl_in_reward:
             self.fields += ["behaviour_logprobs", "ref_logprobs"]
+        if a.advantage == "gae":
+            self.fields += [f for f in ("response_ids", "values") if f not in self.fields]
 
     def step(self) -> bool:
         n = self.config.rollout.n
@@ -48,7 +58,11 @@ class AdvantageWorker(Worker):
                 # Before the advantages are put: the trainer that claims these rows then knows
                 # its step is waiting for their replacements.
                 self.ask_for_replacements(batch.indexes, batch.groups, adv)
-            self.store.put({"advantage": adv}, indexes=batch.indexes)
+            if self.config.algorithm.advantage == "gae":
+                shaped = self.token_advantages(self.shaped_rewards, adv, data)
+                self.store.put(shaped, indexes=batch.indexes)
+            else:
+                self.store.put({"advantage": adv}, indexes=batch.indexes)
         batch.ack()
         return True
 
@@ -71,6 +85,36 @@ class AdvantageWorker(Worker):
             for step, left in by_step.items():
                 state.extra_groups[step] += max(0, min(len(left), cap - state.extra_groups[step]))
 
+    def token_advantages(
+        self, rewards: np.ndarray, adv: np.ndarray, data: dict[str, list[object]]
+    ) -> dict[str, object]:
+        """GAE: per-token advantages (whitened over the claim's kept rows) and returns, from the
+        critic's values and the rewards (``adv`` says which rows are kept: finite; and which
+        are left out of the loss: 0)."""
+        a, kl_coef = self.config.algorithm, self.config.trainer.kl_coef
+        values = [np.asarray(v, np.float64) for v in data["values"]]
+        keep = np.flatnonzero(np.isfinite(adv))
+        raw, returns = [], [np.full(v.size, np.nan, np.float32) for v in values]
+        for i in keep.tolist():
+            kl = None
+            if self.kl_in_reward:
+                behaviour = np.asarray(data["behaviour_logprobs"][i], np.float64)
+                kl = behaviour - np.asarray(data["ref_logprobs"][i], np.float64)
+            r = token_rewards(float(rewards[i]), values[i].size, kl, kl_coef)
+            advantages, returns[i] = gae(r, values[i], a.gamma, a.lam)
+            raw.append(advantages)
+        token_adv = [np.zeros(v.size, np.float32) for v in values]
+        for i, white in zip(keep.tolist(), whiten(raw), strict=True):
+            # Left out of the loss (overlong filtered): no gradient from its tokens.
+            token_adv[i] = white if adv[i] != 0 else np.zeros_like(white)
+        mean = np.full(adv.shape, np.nan, np.float32)
+        mean[keep] = [float(token_adv[i].mean()) if token_adv[i].size else 0.0 for i in keep]
+        return {
+            "advantage": mean,
+            "token_advantages": token_adv,
+            "returns": [np.asarray(r, np.float32) for r in returns],
+        }
+
     def advantages(
         self, rewards: np.ndarray, groups: np.ndarray, data: dict[str, list[object]]
     ) -> tuple[np.ndarray, int]:
@@ -90,7 +134,9 @@ class AdvantageWorker(Worker):
                 rewards = rewards + overlong_penalty(
                     lengths, max_tokens, a.overlong_buffer, a.overlong_penalty
                 )
-        if self.kl_in_reward:
+        #: GAE's rewards: the sources' less length penalties (the KL goes on each token).
+        self.shaped_rewards = rewards
+        if self.kl_in_reward and a.advantage != "gae":
             kl = np.array(
                 [
                     float(np.sum(np.asarray(b, np.float64) - np.asarray(r, np.float64)))
@@ -105,7 +151,9 @@ class AdvantageWorker(Worker):
         adv = np.full(rewards.shape, np.nan, np.float32)
         keep = ~drop
         if keep.any():
-            if a.advantage == "reinforce++":
+            if a.advantage == "gae":
+                adv[keep] = 1.0  # kept; the per-token advantages come from the critic's values
+            elif a.advantage == "reinforce++":
                 adv[keep] = batch_normalised(rewards[keep])
             else:
                 adv[keep] = group_advantages(

@@ -27,6 +27,8 @@ SAMPLE_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage"
 
 def sample_fields(config: Config) -> list[str]:
     extra = ["ref_logprobs"] if config.algorithm.reference else []
+    if config.algorithm.advantage == "gae":  # PPO with a critic: an advantage per token
+        extra.append("token_advantages")
     return [*SAMPLE_FIELDS, *extra]
 
 
@@ -82,12 +84,16 @@ class StepLoss:
         per_token = {"behaviour_logp": data["behaviour_logprobs"]}
         if "ref_logprobs" in data:
             per_token["ref_logp"] = data["ref_logprobs"]
+        per_row = {"advantage": np.array([float(a) for a in data["advantage"]])}
+        if "token_advantages" in data:
+            per_token["advantage"] = data["token_advantages"]
+            per_row = {}
         return to_train_batch(
             data["prompt_ids"],
             data["response_ids"],
             self.pad_id,
             per_token=per_token,
-            per_row={"advantage": np.array([float(a) for a in data["advantage"]])},
+            per_row=per_row,
             packed=self.packed,
         )
 
