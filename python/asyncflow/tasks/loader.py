@@ -6,10 +6,13 @@ from asyncflow.config import ConfigError, DataConfig
 from asyncflow.tasks.arithmetic import ArithmeticTask
 from asyncflow.tasks.base import Problem, Task
 from asyncflow.tasks.dataset import DatasetTask, read_problems
+from asyncflow.tasks.multiply_tools import MultiplyToolsTask
 from asyncflow.tasks.prompts import PromptEncoder, PromptError
 
 
 def load_task(data: DataConfig, prompts: PromptEncoder) -> Task:
+    if data.task == "multiply-tools":
+        return MultiplyToolsTask(eval_size=data.eval_size)
     if data.task == "arithmetic":
         task = ArithmeticTask(digits=data.digits, eval_size=data.eval_size)
         _check_generated(task, prompts)

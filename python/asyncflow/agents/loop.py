@@ -1,0 +1,243 @@
+"""The agent loop: many trajectories in flight at once on one asyncio event loop, each
+alternating a model turn and an environment turn until the environment says done or
+``agent.max_turns`` / ``agent.max_tokens`` run out.
+
+Model turns go through :class:`TurnBatcher`: whatever turns are waiting are generated together
+in one engine call (in a thread, so the event loop goes on), and the turns that become ready
+meanwhile make the next call. While one trajectory waits on a tool, the engine generates the
+others' turns: it idles only when every trajectory is waiting on its environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from asyncflow.agents.env import Environment, Step, environment_factory
+from asyncflow.agents.tools import Tool, create_tool
+from asyncflow.agents.trajectory import Trajectory
+from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.models.tokenizer import Tokenizer
+from asyncflow.tasks.base import Problem
+
+if TYPE_CHECKING:
+    from asyncflow.config import AgentConfig
+
+log = logging.getLogger(__name__)
+
+#: Whether an answer text solves a problem (reward.fn as the evaluation's verifier).
+Verify = Callable[[str, Problem], float]
+
+
+class TurnBatcher:
+    """Collects model turns from many trajectories and generates them in shared engine calls."""
+
+    def __init__(self, engine: RolloutEngine, sampling: Sampling) -> None:
+        self.engine = engine
+        self.sampling = replace(sampling, n=1, seed=None)
+        self._pending: list[tuple[list[int], asyncio.Future[tuple[Completion, int]]]] = []
+        self._wake = asyncio.Event()
+        #: Engine calls made, and turns they generated (how well turns were batched).
+        self.calls = 0
+        self.turns = 0
+
+    async def generate(self, ids: list[int]) -> tuple[Completion, int]:
+        """One turn continuing ``ids``; with the policy version that generated it."""
+        future: asyncio.Future[tuple[Completion, int]] = asyncio.get_running_loop().create_future()
+        self._pending.append((ids, future))
+        self._wake.set()
+        return await future
+
+    async def run(self) -> None:
+        """Serves turns until cancelled."""
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(0)  # trajectories woken by the same event queue their turns too
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            if not batch:
+                continue
+            version = self.engine.version
+            try:
+                outputs = await asyncio.to_thread(
+                    self.engine.generate, [ids for ids, _ in batch], self.sampling
+                )
+            except Exception as e:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            self.calls += 1
+            self.turns += len(batch)
+            for (_, future), group in zip(batch, outputs, strict=True):
+                if not future.done():
+                    future.set_result((group[0], version))
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, awaited if it is a coroutine function; a plain one runs in a thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    result = await asyncio.to_thread(fn, *args)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _as_step(result: Any) -> Step:
+    if isinstance(result, Step):
+        return result
+    observation, reward, done = result
+    return Step(str(observation), float(reward), bool(done))
+
+
+class AgentLoop:
+    """Runs trajectories for prompts (token ids) and their problems."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        tokenizer: Tokenizer,
+        verify: Verify | None = None,
+        tools: Mapping[str, Tool] | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.verify = verify
+        self.tools = (
+            dict(tools)
+            if tools is not None
+            else {name: create_tool(name, config) for name in config.tools}
+        )
+        self.make_env = environment_factory(config.environment)
+        self.eos = tokenizer.eos_id
+        #: Totals over every trajectory run so far (for the run's summary).
+        self.totals: Counter[str] = Counter()
+
+    def run(
+        self,
+        engine: RolloutEngine,
+        prompts: Sequence[list[int]],
+        problems: Sequence[Problem],
+        sampling: Sampling,
+    ) -> list[list[Trajectory]]:
+        """``sampling.n`` trajectories for each prompt, all in flight at once."""
+        return asyncio.run(self.run_async(engine, prompts, problems, sampling))
+
+    async def run_async(
+        self,
+        engine: RolloutEngine,
+        prompts: Sequence[list[int]],
+        problems: Sequence[Problem],
+        sampling: Sampling,
+    ) -> list[list[Trajectory]]:
+        batcher = TurnBatcher(engine, sampling)
+        server = asyncio.create_task(batcher.run())
+        try:
+            jobs = [
+                self.trajectory(batcher, list(prompt), problem)
+                for prompt, problem in zip(prompts, problems, strict=True)
+                for _ in range(sampling.n)
+            ]
+            flat = await asyncio.gather(*jobs)
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+        for t in flat:
+            self._count(t)
+        self.totals["engine_calls"] += batcher.calls
+        self.totals["model_turns"] += batcher.turns
+        n = sampling.n
+        return [flat[k * n : (k + 1) * n] for k in range(len(prompts))]
+
+    def _count(self, t: Trajectory) -> None:
+        self.totals["trajectories"] += 1
+        self.totals["turns"] += t.turns
+        self.totals["tool_calls"] += t.tool_calls
+        self.totals["tool_milliseconds"] += round(t.tool_seconds * 1000)
+        self.totals[f"finish_{t.finish_reason}"] += 1
+        for kind, count in t.errors.items():
+            self.totals[f"error_{kind}"] += count
+
+    def observation_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(self.config.observation_template.format(observation=text))
+
+    async def trajectory(
+        self, batcher: TurnBatcher, prompt: list[int], problem: Problem
+    ) -> Trajectory:
+        """One trajectory. An environment that raises or hangs ends it with the error counted;
+        only the engine's failures raise (a broken engine is the run's failure)."""
+        t = Trajectory(prompt)
+        budget = self.config.max_tokens
+        try:
+            env: Environment = self.make_env(self.config, self.tools)
+        except Exception as e:
+            return self._failed(t, problem, "env_raised", e)
+        ok, first = await self._env_call(t, env.reset, problem)
+        if not ok:
+            return self._finish(t, problem, "error")
+        if first:
+            t.add_observation(self.observation_ids(str(first))[:budget])
+        while True:
+            if t.turns >= self.config.max_turns:
+                return self._finish(t, problem, "turns")
+            if len(t.response_ids) >= budget:
+                return self._finish(t, problem, "length")
+            completion, version = await batcher.generate(t.prompt_ids + t.response_ids)
+            room = budget - len(t.response_ids)
+            ids, logprobs = completion.token_ids[:room], completion.logprobs[:room]
+            t.add_model_turn(ids, logprobs, [version] * len(ids))
+            t.final_text = self.tokenizer.decode(ids)
+            if not ids or ids[-1] != self.eos:  # cut short by the turn's or the budget's end
+                return self._finish(t, problem, "length")
+            ok, result = await self._env_call(t, env.step, t.final_text)
+            if not ok:
+                return self._finish(t, problem, "error")
+            try:
+                step = _as_step(result)
+            except (TypeError, ValueError) as e:
+                return self._failed(t, problem, "env_bad_step", e)
+            t.env_reward += step.reward
+            t.tool_calls += step.tool_calls
+            t.tool_seconds += step.tool_seconds
+            t.errors.update(step.errors)
+            if step.done:
+                return self._finish(t, problem, "stop")
+            obs = self.observation_ids(step.observation)
+            if len(t.response_ids) + len(obs) > budget:
+                t.add_observation(obs[: budget - len(t.response_ids)])
+                return self._finish(t, problem, "length")
+            t.add_observation(obs)
+
+    async def _env_call(
+        self, t: Trajectory, fn: Callable[..., Any], *args: Any
+    ) -> tuple[bool, Any]:
+        """``fn(*args)`` of the environment, bounded in time; a failure is counted in ``t``."""
+        try:
+            return True, await asyncio.wait_for(_call(fn, *args), self.config.tool_timeout * 2)
+        except TimeoutError:
+            t.errors["env_timeout"] += 1
+        except Exception as e:
+            log.warning("agent environment failed: %s: %s", type(e).__name__, e)
+            t.errors["env_raised"] += 1
+        return False, None
+
+    def _failed(self, t: Trajectory, problem: Problem, kind: str, e: Exception) -> Trajectory:
+        log.warning("agent environment failed: %s: %s", type(e).__name__, e)
+        t.errors[kind] += 1
+        return self._finish(t, problem, "error")
+
+    def _finish(self, t: Trajectory, problem: Problem, reason: str) -> Trajectory:
+        t.finish_reason = reason
+        t.reward = self._reward(t, problem)
+        return t
+
+    def _reward(self, t: Trajectory, problem: Problem) -> float:
+        mode = self.config.reward
+        score = t.env_reward if mode in ("env", "both") else 0.0
+        if mode in ("verifier", "both") and self.verify is not None:
+            score += self.verify(t.final_text, problem)
+        return score

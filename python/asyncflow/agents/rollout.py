@@ -1,0 +1,143 @@
+"""The rollout worker in agent mode (``agent.enabled``): the same claims, staleness rule and
+routing as :class:`~asyncflow.workers.rollout.Rollout`, with each call's prompt groups run as
+multi-turn trajectories by the :class:`~asyncflow.agents.loop.AgentLoop` (all of a call's
+trajectories in flight at once). A trajectory is one sample row: ``response_ids`` holds model and
+environment tokens in order, ``loss_mask`` tells which the model wrote, and ``agent_reward`` is
+its reward (the reward worker passes it on)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from asyncflow.agents.loop import AgentLoop
+from asyncflow.agents.trajectory import Trajectory, TrajectoryCompletion
+from asyncflow.engines.base import Completion, RolloutEngine
+from asyncflow.evaluation import verifier
+from asyncflow.tasks.base import Problem
+from asyncflow.workers.base import Context, step_partition
+from asyncflow.workers.reward import resolve_reward, unpack_answer
+from asyncflow.workers.rollout import PromptGroups, Rollout
+from asyncflow.workers.routing import Dispatcher
+
+
+def agent_loop_for(ctx: Context) -> AgentLoop:
+    """The run's agent loop, judging answers with ``reward.fn`` as held-out evaluation does."""
+    c = ctx.config
+    extra = bool(c.data.extra_keys)
+    verify = verifier(resolve_reward(c.reward.fn, extra), extra, c.reward.batched)
+    return AgentLoop(c.agent, ctx.tokenizer, verify)
+
+
+class AgentRollout(Rollout):
+    def __init__(
+        self,
+        ctx: Context,
+        engine: RolloutEngine,
+        name: str = "rollout",
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        super().__init__(ctx, engine, name, dispatcher)
+        self.loop = agent_loop_for(ctx)
+
+    def _problems(self, work: PromptGroups) -> list[Problem]:
+        extra = bool(self.config.data.extra_keys)
+        problems = []
+        for prompt, packed in zip(work.prompts, work.answers, strict=True):
+            truth, info = unpack_answer(bytes(packed), extra)
+            problems.append(Problem(self.ctx.tokenizer.decode(prompt.tolist()), truth, info))
+        return problems
+
+    def step(self) -> bool:
+        self.sync_weights()
+        with self.waiting("engine room"):
+            if not self.engine.wait_for_room(self.config.run.poll_interval):
+                return True
+        work = self._claim() if self.inbox is None else self._take()
+        if work is None:
+            return True
+        if self.config.trainer.staleness_policy == "wait":
+            oldest_allowed = work.target - self.config.trainer.max_staleness
+            if self.engine.version < oldest_allowed:
+                self._settle(work, done=False)
+                self._wait_for_weights(oldest_allowed)
+                return True
+        version = self.engine.version
+        with self.busy(f"agent trajectories v{version}"):
+            runs = self.loop.run(
+                self.engine, [p.tolist() for p in work.prompts], self._problems(work), self.sampling
+            )
+        outputs: list[list[Completion]] = [[TrajectoryCompletion.of(t) for t in g] for g in runs]
+        routing = self.dispatcher.lock if self.dispatcher is not None else contextlib.nullcontext()
+        with self.ctx.state.snapshot_lock, routing:
+            if work.assignments is not None:
+                work, outputs = self._drop_rerouted(work, outputs)
+                if not work.prompts:
+                    return True
+            fresh, fresh_outputs = self._drop_already_put(work, outputs)
+            if fresh.prompts:
+                self._put_samples(
+                    fresh.target, version, fresh.prompts, fresh.answers, fresh.groups, fresh_outputs
+                )
+            self._settle(work, done=True)
+        return True
+
+    def _put_samples(
+        self,
+        target: int,
+        version: int,
+        prompts: list[np.ndarray],
+        answers: list[bytes],
+        groups: np.ndarray,
+        outputs: list[list[Completion]],
+    ) -> None:
+        columns: dict[str, list[object]] = {
+            name: []
+            for name in [
+                "prompt_ids",
+                "response_ids",
+                "behaviour_logprobs",
+                "token_versions",
+                "loss_mask",
+                "answer",
+            ]
+        }
+        rewards, turns, tool_seconds, rows_group = [], [], [], []
+        tokens = truncated = 0
+        for prompt, answer, group, completions in zip(
+            prompts, answers, groups, outputs, strict=True
+        ):
+            for c in completions:
+                assert isinstance(c, TrajectoryCompletion) and c.trajectory is not None
+                t: Trajectory = c.trajectory
+                columns["prompt_ids"].append(prompt)
+                columns["response_ids"].append(np.array(t.response_ids, np.int64))
+                columns["behaviour_logprobs"].append(np.array(t.logprobs, np.float32))
+                columns["token_versions"].append(np.array(t.versions, np.int64))
+                columns["loss_mask"].append(np.array(t.loss_mask, np.uint8))
+                columns["answer"].append(answer)
+                rewards.append(t.reward)
+                turns.append(t.turns)
+                tool_seconds.append(t.tool_seconds)
+                rows_group.append(int(group))
+                tokens += sum(t.loss_mask)
+                truncated += t.finish_reason == "length"
+        with self.busy("put samples"):
+            self.store.put(
+                {
+                    **columns,
+                    "agent_reward": np.array(rewards, np.float32),
+                    "agent_turns": np.array(turns, np.int32),
+                    "tool_seconds": np.array(tool_seconds, np.float32),
+                },
+                partition=step_partition(target),
+                groups=np.array(rows_group),
+                group_size=self.sampling.n,
+                version=version,
+            )
+        self.ctx.state.add(
+            generated_tokens=tokens,
+            generated_samples=len(rewards),
+            truncated_responses=truncated,
+        )

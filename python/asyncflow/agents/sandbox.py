@@ -1,0 +1,148 @@
+"""Runs untrusted Python in a child process with limits: CPU seconds and address space
+(``setrlimit``), a wall-clock timeout after which the child's whole process group is killed,
+output truncated to a byte budget, no network (a fresh, empty network namespace), and, when we
+run as root, the child dropped to ``nobody`` with a cap on its processes.
+
+The limits are applied by a small launcher (:mod:`asyncflow.agents._sandbox_child`) that the child
+runs before the code, not by a ``preexec_fn``: forking a threaded process and running Python
+between ``fork`` and ``exec`` can deadlock. Limitations, stated plainly: without root the process
+cap counts all of the user's processes (so it is not set), a child that calls ``setsid`` leaves
+the process group that the timeout kills (the process cap bounds how many can), and there is no
+filesystem isolation beyond the working directory and (as root) the unprivileged user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CHILD = Path(__file__).with_name("_sandbox_child.py")
+#: Seconds between looks at whether the child has exited.
+POLL = 0.005
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    cpu_seconds: int = 5
+    memory_bytes: int = 512 * 1024 * 1024
+    wall_seconds: float = 10.0
+    #: Bytes of output (stdout and stderr together) kept; the rest is counted and dropped.
+    output_bytes: int = 16 * 1024
+    #: Processes the child may have at once (applied when running as root, as ``nobody``).
+    processes: int = 8
+    #: Largest file the child may write.
+    file_bytes: int = 1024 * 1024
+
+
+@dataclass
+class SandboxResult:
+    output: str
+    #: The exit status; negative: killed by that signal.
+    exit_code: int
+    timed_out: bool
+    #: Bytes of output dropped beyond ``output_bytes``.
+    dropped_bytes: int
+    seconds: float
+    #: Whether the network namespace was made (else the child had the host's network).
+    network_isolated: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class _Capture:
+    """Reads a stream to its end, keeping the first ``limit`` bytes; the rest is drained (a
+    child blocked on a full pipe would otherwise hang until the timeout) and counted."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.dropped = 0
+
+    async def read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            room = self.limit - len(self.kept)
+            self.kept += chunk[:room]
+            self.dropped += max(0, len(chunk) - room)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Runs ``code`` under ``limits``; never raises for anything the code does."""
+    workdir = tempfile.mkdtemp(prefix="asyncflow-sandbox-")
+    os.chmod(workdir, 0o777)  # the child may run as nobody
+    settings = {
+        "cpu": limits.cpu_seconds,
+        "memory": limits.memory_bytes,
+        "processes": limits.processes,
+        "file": limits.file_bytes,
+    }
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-I",
+        "-S",
+        str(CHILD),
+        json.dumps(settings),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        cwd=workdir,
+        env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
+        start_new_session=True,  # its own process group, killed as a whole
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    timed_out = False
+    try:
+        proc.stdin.write(code.encode())
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            await proc.stdin.drain()
+        proc.stdin.close()
+        capture = _Capture(limits.output_bytes + 64)
+        reading = asyncio.ensure_future(capture.read(proc.stdout))
+        # Polled, not ``proc.wait()``: that also waits for the pipes, which children of the
+        # code may hold open after it has exited.
+        deadline = started + limits.wall_seconds
+        while proc.returncode is None and not timed_out:
+            await asyncio.sleep(POLL)
+            timed_out = time.monotonic() >= deadline
+        _kill_group(proc.pid)  # on a timeout, and any children left behind either way
+        # A descendant that left the group may hold the pipe open: stop reading soon after.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(reading), 1.0)
+        reading.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 1.0)
+        raw, dropped = bytes(capture.kept), capture.dropped
+    finally:
+        if proc.returncode is None:  # cancelled, or the pipe broke
+            _kill_group(proc.pid)
+        shutil.rmtree(workdir, ignore_errors=True)
+    # The launcher's first line says whether it made the namespace.
+    header, _, body = raw.partition(b"\n")
+    isolated = header == b"net:1"
+    if header not in (b"net:0", b"net:1"):
+        body = raw  # it failed before writing it
+    dropped += max(0, len(body) - limits.output_bytes)
+    return SandboxResult(
+        body[: limits.output_bytes].decode(errors="replace"),
+        int(proc.returncode if proc.returncode is not None else -9),
+        timed_out,
+        dropped,
+        time.monotonic() - started,
+        isolated,
+    )
