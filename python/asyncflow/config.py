@@ -336,6 +336,21 @@ class RunConfig:
 
 
 @dataclass
+class WeightsConfig:
+    """How each new policy version reaches the rollout engines (see docs/weights.md)."""
+
+    #: ``store``: the store carries whole versions (the portable default). ``broadcast``: the
+    #: trainer's rank 0 sends each version in buckets over a torch.distributed group (gloo on
+    #: CPUs, NCCL on GPUs) that includes the rollout processes; the store carries only its
+    #: layout. ``ipc`` (CUDA IPC handles on a shared GPU) is not implemented yet.
+    transport: Literal["store", "broadcast", "ipc"] = "store"
+    #: Bytes per broadcast bucket: one is packed while the one before it is on the wire.
+    bucket_size: str = "64MiB"
+    #: Seconds a broadcast may take before every member fails (a peer died or stalled).
+    timeout: float = 120.0
+
+
+@dataclass
 class SandboxConfig:
     """Limits of the sandboxed processes the ``python`` tool (and a calculator in a subprocess)
     runs: CPU seconds, address space, wall-clock seconds (then its process group is killed),
@@ -402,6 +417,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     launcher: Literal["local", "ray"] = "local"
 
     def to_dict(self) -> dict[str, Any]:
@@ -611,6 +627,7 @@ def validate(c: Config) -> None:
         _require(amount >= 0, f"{key} cannot be negative")
     _require(c.ray.start_timeout > 0, "ray.start_timeout must be positive")
     _validate_reward_and_algorithm(c)
+    _validate_weights(c.weights)
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
     if c.data.max_prompt_length is not None:
@@ -633,6 +650,20 @@ def validate(c: Config) -> None:
         ]:
             if file is not None:
                 _require(Path(file).exists(), f"{key} {file!r} does not exist")
+
+
+def _validate_weights(w: WeightsConfig) -> None:
+    _require(
+        w.transport != "ipc",
+        "weights.transport ipc needs CUDA (trainer and rollout engine sharing one GPU) and is "
+        "not implemented yet; use store or broadcast",
+    )
+    try:
+        bucket = parse_size(w.bucket_size) or 0
+    except ValueError as e:
+        raise ConfigError(f"weights.bucket_size: {e}") from None
+    _require(bucket > 0, "weights.bucket_size must be a positive size such as 64MiB")
+    _require(w.timeout > 0, "weights.timeout must be positive")
 
 
 def _validate_reward_and_algorithm(c: Config) -> None:

@@ -1,0 +1,228 @@
+"""The ``broadcast`` transport: the trainer's rank 0 sends each version over the weight-sync
+group (see :mod:`asyncflow.weight_sync.group`) in fixed-size buckets, packing bucket ``i + 1``
+while bucket ``i`` is on the wire. The store carries only each version's layout, which is also
+the signal that a version is coming: a receiver enters a broadcast only once one is announced, so
+an idle receiver never waits inside a collective (whose timeout is then a true fault bound).
+
+Each receiving process receives into a staging buffer and swaps it in only once the whole version
+is there: engines load from the last complete version, never from a half-received one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from asyncflow.engines.base import RolloutEngine
+from asyncflow.errors import StoreError
+from asyncflow.store import Store
+from asyncflow.weight_sync import Publisher, Receiver, WeightSyncError
+from asyncflow.weight_sync.group import Group
+from asyncflow.weight_sync.layout import Layout, pack
+
+#: The store partition and field of the announced versions' layouts.
+PARTITION = "__weight_layouts__"
+LAYOUT = "weight_layout"
+#: Layouts kept (older ones are deleted as new ones are announced).
+KEEP_LAYOUTS = 2
+#: int64 header sent before the buckets: version, total bytes, bucket size.
+HEADER = 3
+
+
+def announce(store: Store, layout: Layout) -> None:
+    """Puts ``layout`` in the store and deletes layouts older than the last few."""
+    store.put({LAYOUT: [layout.to_json().encode()]}, partition=PARTITION, version=layout.version)
+    rows = store.rows(partition=PARTITION)
+    keep = sorted(int(v) for v in rows.versions)[-KEEP_LAYOUTS:]
+    stale = [int(i) for i, v in zip(rows.indexes, rows.versions, strict=True) if int(v) not in keep]
+    if stale:
+        store.delete(stale)
+
+
+def announced(store: Store) -> dict[int, int]:
+    """The row of each announced version whose layout is in."""
+    rows = store.rows(partition=PARTITION)
+    if not len(rows):
+        return {}
+    try:
+        ready = store.ready_fields(rows.indexes)
+    except StoreError:
+        return {}  # a version was deleted after the listing: the caller asks again
+    return {
+        int(v): int(i)
+        for i, v, fields in zip(rows.indexes, rows.versions, ready, strict=True)
+        if LAYOUT in fields
+    }
+
+
+class BroadcastPublisher(Publisher):
+    """Rank 0 of the group."""
+
+    def __init__(self, store: Store, group: Group, bucket_size: int) -> None:
+        if group.rank != 0:
+            raise ValueError("the publisher is rank 0 of the weight-sync group")
+        self.store, self.group, self.bucket_size = store, group, bucket_size
+        self._buffers: list[torch.Tensor] = []
+
+    def _bucket_buffers(self) -> list[torch.Tensor]:
+        """Two buckets: one on the wire, one being packed."""
+        if not self._buffers:
+            self._buffers = [
+                torch.empty(self.bucket_size, dtype=torch.uint8, device=self.group.device)
+                for _ in range(2)
+            ]
+        return self._buffers
+
+    def publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        named = list(weights)
+        layout = Layout.of(version, named, self.bucket_size)
+        tensors = [t for _, t in named]
+        announce(self.store, layout)
+        started, bucket = time.monotonic(), 0
+        buckets = layout.buckets()
+        try:
+            header = torch.tensor([version, layout.total, layout.bucket_size], dtype=torch.int64)
+            self.group.broadcast(header.to(self.group.device)).wait()
+            buffers = self._bucket_buffers()
+            sending: list[Any] = [None, None]
+            for bucket, (start, end) in enumerate(buckets):
+                slot = bucket % 2
+                if sending[slot] is not None:
+                    sending[slot].wait()
+                filled = pack(buffers[slot], start, end, layout, tensors)
+                sending[slot] = self.group.broadcast(filled)
+            for work in sending:
+                if work is not None:
+                    work.wait()
+            self.group.barrier()  # every receiver has swapped the version in
+        except RuntimeError as e:
+            receivers = ", ".join(self.group.labels[1:])
+            raise WeightSyncError(
+                f"weights v{version}: broadcasting to {receivers} failed at bucket "
+                f"{bucket + 1}/{len(buckets)} after {time.monotonic() - started:.1f}s "
+                f"(a receiver died or stalled): {e}"
+            ) from e
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class BroadcastReceiver(Receiver):
+    """A member of rank >= 1: a thread receives each announced version into a staging buffer
+    and swaps it in once complete; engines load from the swapped-in copy."""
+
+    def __init__(self, store: Store, group: Group, poll_interval: float = 0.05) -> None:
+        if group.rank == 0:
+            raise ValueError("rank 0 of the weight-sync group is the publisher")
+        self.store, self.group, self.poll_interval = store, group, poll_interval
+        self._lock = threading.Lock()
+        self._received = threading.Condition(self._lock)
+        #: The newest complete version, its layout and its bytes.
+        self._ready: tuple[Layout, torch.Tensor] | None = None
+        self._spare: torch.Tensor | None = None
+        self.error: WeightSyncError | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weight-sync", daemon=True)
+        self._thread.start()
+
+    # -- the receiving thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            have = self.latest_received()
+            if not any(v > (-1 if have is None else have) for v in announced(self.store)):
+                self._closed.wait(self.poll_interval)
+                continue
+            try:
+                self._receive_one(have)
+            except (RuntimeError, ValueError, LookupError) as e:
+                with self._received:
+                    self.error = e if isinstance(e, WeightSyncError) else WeightSyncError(str(e))
+                    self._received.notify_all()
+                return
+
+    def _receive_one(self, have: int | None) -> None:
+        header = torch.zeros(HEADER, dtype=torch.int64, device=self.group.device)
+        started, version, bucket, buckets = time.monotonic(), None, 0, []
+        try:
+            self.group.broadcast(header).wait()
+            version = int(header[0])
+            layout = self._layout(version)
+            buffer = self._staging(layout.total)
+            buckets = layout.buckets()
+            works = [self.group.broadcast(buffer[start:end]) for start, end in buckets]
+            for bucket in range(len(works)):
+                works[bucket].wait()
+        except RuntimeError as e:
+            root = self.group.labels[0]
+            where = f" at bucket {bucket + 1}/{len(buckets)}" if buckets else ""
+            raise WeightSyncError(
+                f"weights v{version if version is not None else '?'}: the broadcast from "
+                f"{root} failed{where} after {time.monotonic() - started:.1f}s (it died or "
+                f"stalled); engines keep v{have}: {e}"
+            ) from e
+        with self._received:
+            old = self._ready
+            self._ready = (layout, buffer)
+            self._spare = None if old is None else old[1]
+            self._received.notify_all()
+        self.group.barrier()
+
+    def _layout(self, version: int) -> Layout:
+        rows = announced(self.store)
+        if version not in rows:
+            raise LookupError(f"weights v{version} is being broadcast but its layout is gone")
+        layout = Layout.from_json(self.store.read([rows[version]], LAYOUT)[LAYOUT][0])
+        if layout.version != version:
+            raise ValueError(f"the layout of weights v{version} says v{layout.version}")
+        return layout
+
+    def _staging(self, total: int) -> torch.Tensor:
+        spare = self._spare
+        if spare is None or spare.numel() != total:
+            spare = torch.empty(total, dtype=torch.uint8, device=self.group.device)
+        return spare
+
+    # -- the engines' side --------------------------------------------------------------------
+
+    def latest_received(self) -> int | None:
+        with self._lock:
+            return None if self._ready is None else self._ready[0].version
+
+    def latest(self) -> int | None:
+        if self.error is not None:
+            raise self.error
+        return self.latest_received()
+
+    def wait_for(self, version: int, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds until ``version`` (or newer) is received."""
+        with self._received:
+            self._received.wait_for(
+                lambda: (
+                    self.error is not None
+                    or (self._ready is not None and self._ready[0].version >= version)
+                ),
+                timeout,
+            )
+        if self.error is not None:
+            raise self.error
+        newest = self.latest_received()
+        return newest is not None and newest >= version
+
+    def load(self, engine: RolloutEngine, version: int | None = None) -> int:
+        with self._lock:  # the receiving thread swaps buffers only between loads
+            if self._ready is None:
+                raise LookupError("no policy weights have been received yet")
+            layout, buffer = self._ready
+            if version is not None and version != layout.version:
+                raise LookupError(f"weights v{version} is not here (have v{layout.version})")
+            engine.load_weights(layout.version, layout.views(buffer))
+            return layout.version
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=self.poll_interval * 4)

@@ -1,0 +1,249 @@
+"""Weight transports: each version reaches the rollout engine bit for bit, loaded in place; a
+broadcast whose peer dies fails within the group's timeout, naming the peer, and leaves the
+engine on the version it had. The broadcast tests run the gloo group over loopback between
+processes of this machine."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncflow as af
+from asyncflow.config import Config, ModelConfig
+from asyncflow.daemon import DaemonProcess
+from asyncflow.engines.hf import HFRolloutEngine
+from asyncflow.engines.process_group import free_port
+from asyncflow.models.tiny import create_tiny_model
+from asyncflow.weight_sync import WeightSyncError
+from asyncflow.weight_sync import broadcast as bc
+from asyncflow.weight_sync.broadcast import BroadcastPublisher, BroadcastReceiver
+from asyncflow.weight_sync.group import Group, GroupSpec
+from asyncflow.weight_sync.layout import Layout, as_bytes, pack
+from asyncflow.weight_sync.store_transport import StorePublisher, StoreReceiver
+
+#: Small buckets, so the tiny model's versions take many (and tensors straddle their ends).
+BUCKET = 16 << 10
+#: The groups' timeout: a dead peer must fail the others well within the test's own waits.
+TIMEOUT = 10.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=0)
+
+
+def version_weights(model_dir: Path, version: int) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's weights at ``version``: the model's own, moved by a seeded random step
+    (so every version differs from the last in every tensor)."""
+    engine = HFRolloutEngine(model_dir, Config())
+    generator = torch.Generator().manual_seed(version)
+    out = []
+    for name, param in engine.model.named_parameters():
+        step = torch.randn(param.shape, generator=generator) * 1e-2 * version
+        out.append((name, (param.detach() + step).contiguous()))
+    return out
+
+
+def engine_bytes(engine: HFRolloutEngine) -> dict[str, bytes]:
+    return {n: as_bytes(p).numpy().tobytes() for n, p in engine.model.named_parameters()}
+
+
+def assert_bit_exact(got: dict[str, bytes], weights: list[tuple[str, torch.Tensor]]) -> None:
+    assert set(got) == {n for n, _ in weights}
+    for name, tensor in weights:
+        assert got[name] == as_bytes(tensor).numpy().tobytes(), f"{name} differs"
+
+
+# -- the layout ----------------------------------------------------------------------------------
+
+
+def test_layout_packs_mixed_dtypes_into_buckets_and_views_them_back_bit_exact() -> None:
+    tensors = [
+        ("a", torch.randn(37, 5)),
+        ("b", torch.randn(301).to(torch.bfloat16)),
+        ("c", torch.arange(9, dtype=torch.int64).view(3, 3)),
+        ("d", torch.randn(2, 2, 3).to(torch.float16)),
+        ("e", torch.tensor([True, False, True])),
+    ]
+    layout = Layout.from_json(Layout.of(4, tensors, bucket_size=100).to_json())
+    assert layout.version == 4
+    buckets = layout.buckets()
+    assert buckets[0][0] == 0 and buckets[-1][1] == layout.total
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(buckets))
+    flat = torch.zeros(layout.total, dtype=torch.uint8)
+    scratch = torch.empty(layout.bucket_size, dtype=torch.uint8)
+    for start, end in buckets:
+        flat[start:end] = pack(scratch, start, end, layout, [t for _, t in tensors])
+    for (name, want), (got_name, got) in zip(tensors, layout.views(flat), strict=True):
+        assert got_name == name and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(as_bytes(got), as_bytes(want))
+
+
+def test_layout_refuses_a_buffer_of_another_size() -> None:
+    layout = Layout.of(0, [("a", torch.zeros(10))], bucket_size=64)
+    with pytest.raises(ValueError, match="64 bytes"):
+        layout.views(torch.zeros(128, dtype=torch.uint8))
+
+
+# -- the store transport -------------------------------------------------------------------------
+
+
+def test_store_transport_loads_each_version_in_place_bit_exact(model_dir: Path) -> None:
+    store = af.Store()
+    publisher, receiver = StorePublisher(store), StoreReceiver(store)
+    engine = HFRolloutEngine(model_dir, Config())
+    params_before = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    for version in (1, 2):
+        weights = version_weights(model_dir, version)
+        publisher.publish(version, weights)
+        assert receiver.latest() == version
+        assert receiver.load(engine) == version == engine.version
+        assert_bit_exact(engine_bytes(engine), weights)
+    # In place: the engine's parameters are the same tensors as before.
+    assert params_before == {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+
+
+# -- the broadcast transport ---------------------------------------------------------------------
+
+
+def _receiving_process(
+    spec: GroupSpec, rank: int, store_url: str, model_dir: Path, versions: list[int], conn: Any
+) -> None:
+    """A process holding one rollout engine: loads each version as it arrives and sends its
+    engine's bytes back."""
+    store = af.connect(store_url)
+    receiver = BroadcastReceiver(store, Group(spec, rank, f"rollout process {rank}"), 0.02)
+    engine = HFRolloutEngine(model_dir, Config())
+    for version in versions:
+        try:
+            if not receiver.wait_for(version, TIMEOUT * 3):
+                conn.send(("timeout", version))
+                return
+        except WeightSyncError as e:
+            conn.send(("error", str(e)))
+            return
+        receiver.load(engine, version)
+        conn.send(("loaded", engine.version, engine_bytes(engine)))
+    conn.recv()  # stays in the group until the test is done
+
+
+def _spawn(target: Any, *args: Any) -> tuple[Any, Connection]:
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    proc = context.Process(target=target, args=(*args, theirs), daemon=True)
+    proc.start()
+    theirs.close()
+    return proc, ours
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    d = DaemonProcess()
+    yield d
+    d.stop()
+
+
+def test_broadcast_delivers_each_version_to_every_engine_bit_exact(
+    model_dir: Path, daemon: DaemonProcess
+) -> None:
+    spec = GroupSpec(port=free_port(), world_size=3, timeout=TIMEOUT)
+    versions = [1, 2]
+    children = [
+        _spawn(_receiving_process, spec, r, daemon.url, model_dir, versions) for r in (1, 2)
+    ]
+    store = daemon.connect()
+    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0"), BUCKET)
+    try:
+        for version in versions:
+            weights = version_weights(model_dir, version)
+            publisher.publish(version, weights)
+            for _, conn in children:
+                assert conn.poll(TIMEOUT * 3), f"no engine report of v{version}"
+                kind, got_version, got = conn.recv()
+                assert (kind, got_version) == ("loaded", version)
+                assert_bit_exact(got, weights)
+        # The store carried the layouts only: no tensor was put.
+        assert not len(store.rows(partition="__weights__"))
+    finally:
+        for proc, conn in children:
+            conn.send("done")
+            proc.join(timeout=TIMEOUT)
+        publisher.close()
+
+
+def _publishing_process(
+    spec: GroupSpec, store_url: str, model_dir: Path, die_at_bucket: int, conn: Any
+) -> None:
+    """Rank 0: publishes v1 whole, then dies while sending v2."""
+    publisher = BroadcastPublisher(af.connect(store_url), Group(spec, 0, "trainer rank 0"), BUCKET)
+    publisher.publish(1, version_weights(model_dir, 1))
+    conn.recv()
+    real_pack, packed = bc.pack, [0]
+
+    def pack_then_die(*args: Any) -> torch.Tensor:
+        packed[0] += 1
+        if packed[0] > die_at_bucket:
+            os._exit(3)
+        return real_pack(*args)
+
+    bc.pack = pack_then_die  # type: ignore[assignment]
+    publisher.publish(2, version_weights(model_dir, 2))
+
+
+def test_broadcast_root_dying_mid_version_fails_the_receiver_and_keeps_the_engine_on_the_last(
+    model_dir: Path, daemon: DaemonProcess
+) -> None:
+    spec = GroupSpec(port=free_port(), world_size=2, timeout=TIMEOUT)
+    proc, conn = _spawn(_publishing_process, spec, daemon.url, model_dir, 3)
+    receiver = BroadcastReceiver(daemon.connect(), Group(spec, 1, "rollout process 1"), 0.02)
+    engine = HFRolloutEngine(model_dir, Config())
+    try:
+        assert receiver.wait_for(1, TIMEOUT * 3)
+        receiver.load(engine)
+        conn.send("go")
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"v2: the broadcast from trainer rank 0 failed"):
+            receiver.wait_for(2, TIMEOUT * 3)
+        assert time.monotonic() - started < TIMEOUT * 2
+        proc.join(timeout=TIMEOUT)
+        assert proc.exitcode == 3
+        # Nothing of v2 reached the engine, and v1 is still what a load gives.
+        assert receiver.latest_received() == 1
+        assert receiver.load(engine) == 1
+        assert_bit_exact(engine_bytes(engine), version_weights(model_dir, 1))
+    finally:
+        receiver.close()
+        proc.kill()
+
+
+def _dying_receiver(spec: GroupSpec, store_url: str, conn: Any) -> None:
+    """Joins the group and exits as soon as a version is announced."""
+    store = af.connect(store_url)
+    Group(spec, 1, "rollout process 1")
+    while not bc.announced(store):
+        time.sleep(0.02)
+    os._exit(4)
+
+
+def test_broadcast_receiver_dying_fails_the_publisher_naming_the_receivers(
+    model_dir: Path, daemon: DaemonProcess
+) -> None:
+    spec = GroupSpec(port=free_port(), world_size=2, timeout=TIMEOUT)
+    proc, _ = _spawn(_dying_receiver, spec, daemon.url)
+    publisher = BroadcastPublisher(daemon.connect(), Group(spec, 0, "trainer rank 0"), BUCKET)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=r"v1: broadcasting to rollout process 1"):
+            publisher.publish(1, version_weights(model_dir, 1))
+        assert time.monotonic() - started < TIMEOUT * 2
+    finally:
+        proc.kill()
