@@ -52,6 +52,7 @@ from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
 from asyncflow.workers.batches import to_train_batch
 from asyncflow.workers.critic import CriticWorker
 from asyncflow.workers.feeder import Feeder
+from asyncflow.workers.partial import rollout_worker
 from asyncflow.workers.reference import ReferenceWorker
 from asyncflow.workers.reward import (
     RewardModelWorker,
@@ -59,7 +60,6 @@ from asyncflow.workers.reward import (
     resolve_reward,
     separate_reward_model,
 )
-from asyncflow.workers.rollout import Rollout
 from asyncflow.workers.routing import Dispatcher, Inbox
 from asyncflow.workers.trainer import Ledger, Trainer
 
@@ -502,11 +502,13 @@ class Run:
         """The workers between the feeder and the trainer, as threads of this process."""
         workers: list[Worker] = []
         if len(rollouts) == 1:
-            workers.append(Rollout(ctx, rollouts[0], rollouts[0].label))
+            workers.append(rollout_worker(ctx, rollouts[0], rollouts[0].label))
         else:
             dispatcher = Dispatcher(ctx, {engine.label: Inbox() for engine in rollouts})
             workers.append(dispatcher)
-            workers += [Rollout(ctx, engine, engine.label, dispatcher) for engine in rollouts]
+            workers += [
+                rollout_worker(ctx, engine, engine.label, dispatcher) for engine in rollouts
+            ]
         separate = separate_reward_model(self.config)
         if separate:
             workers.append(RewardModelWorker(ctx))
@@ -552,6 +554,12 @@ class Run:
             "steps": c.trainer.max_steps,
             "max_staleness": c.trainer.max_staleness,
             "staleness_histogram": {str(k): v for k, v in sorted(state.staleness.items())},
+            "partial_rollout": c.rollout.partial,
+            # Samples whose tokens come from several policy versions, and samples by span
+            # (newest token's version less the oldest's).
+            "multi_version_sample_share": state.multi_version_share(),
+            "version_span_histogram": {str(k): v for k, v in sorted(state.version_spans.items())},
+            "weight_load_failures": list(state.weight_failures),
             "samples_generated": state.generated_samples,
             "samples_dropped": state.dropped_samples,
             "reward_failures": state.reward_failures,

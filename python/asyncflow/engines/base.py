@@ -41,6 +41,38 @@ class Completion:
     text: str
     #: ``"stop"`` (end of sequence or a stop string) or ``"length"``.
     finish_reason: str = "stop"
+    #: The policy version that sampled each token (None: all by the version the call began
+    #: with, as engines that load weights only between calls do).
+    token_versions: list[int] | None = None
+
+
+@dataclass
+class Request:
+    """One sequence of the request-level loop: its prompt and what has been generated so far,
+    each token with the log-prob it was sampled with and the policy version that sampled it.
+    An aborted request keeps these; added again, its prompt and prefix are prefilled anew."""
+
+    key: Any
+    prompt: list[int]
+    sampling: Sampling
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    #: None while in flight; then ``"stop"`` or ``"length"``.
+    finish_reason: str | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_tokens - len(self.token_ids)
+
+    def completion(self, text: str) -> Completion:
+        return Completion(
+            list(self.token_ids),
+            list(self.logprobs),
+            text,
+            self.finish_reason or "length",
+            list(self.versions),
+        )
 
 
 class RolloutEngine(ABC):
@@ -60,6 +92,32 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replaces the weights in place (no restart) and records ``version``."""
+
+    #: Whether the engine runs the request-level loop (:meth:`add_request`, :meth:`step`,
+    #: :meth:`abort_requests`), which ``rollout.partial`` needs.
+    supports_requests: bool = False
+
+    def add_request(self, request: Request) -> None:
+        """Queues ``request`` (one sequence, ``sampling.n`` ignored); it is admitted by a later
+        :meth:`step` once fewer than the engine's ``max_num_seqs`` are in flight."""
+        raise NotImplementedError(f"rollout engine {self.name!r} has no request-level loop")
+
+    def step(self) -> list[Request]:
+        """One decode step of every sequence in flight (admitting queued ones first); returns
+        the requests that finished in it."""
+        raise NotImplementedError(f"rollout engine {self.name!r} has no request-level loop")
+
+    def abort_requests(self) -> list[Request]:
+        """Cuts every queued and in-flight request; returns them with their prefix so far."""
+        raise NotImplementedError(f"rollout engine {self.name!r} has no request-level loop")
+
+    def in_flight(self) -> int:
+        """Requests queued or being generated."""
+        return 0
+
+    def finish_text(self, request: Request) -> Completion:
+        """The finished ``request`` as a completion: its text decoded, cut at a stop string."""
+        raise NotImplementedError(f"rollout engine {self.name!r} has no request-level loop")
 
     def wait_for_room(self, timeout: float) -> bool:
         """Waits up to ``timeout`` seconds until a new call's sequences would start at once;

@@ -20,3 +20,8 @@ class EngineTimeoutError(EngineError, builtins.TimeoutError):
 
 class EngineDiedError(EngineError):
     """An engine's process exited while it was working or being waited for."""
+
+
+class WeightLoadError(EngineError):
+    """A version of the weights could not be loaded (a missing tensor, a wrong shape, a
+    truncated publication); the engine still holds, whole, the version it had."""

@@ -17,12 +17,15 @@ from asyncflow.config import Config
 from asyncflow.engines.base import (
     Completion,
     LossFn,
+    Request,
     RolloutEngine,
     Sampling,
     TrainBatch,
     TrainEngine,
     token_logprobs,
 )
+from asyncflow.engines.errors import WeightLoadError
+from asyncflow.engines.hf_decode import DecodeLoop
 from asyncflow.models.tokenizer import Tokenizer, load_tokenizer
 
 TOKENIZER_FILES = (
@@ -116,25 +119,74 @@ def sample(
     return [completions[k * sampling.n : (k + 1) * sampling.n] for k in range(len(prompts))]
 
 
+def finish_text(
+    token_ids: list[int], stop: tuple[str, ...], tokenizer: Tokenizer
+) -> tuple[str, bool]:
+    """The text of ``token_ids``, cut at the first stop string; and whether one was found."""
+    text = tokenizer.decode(token_ids)
+    for s in stop:
+        if s in text:
+            return text[: text.index(s)], True
+    return text, False
+
+
 class HFRolloutEngine(RolloutEngine):
-    """Generation with a transformers model and a KV cache."""
+    """Generation with a transformers model and a KV cache: whole calls (:meth:`generate`), or
+    request by request, step by step (:meth:`add_request`, :meth:`step`)."""
 
     name = "hf"
+    supports_requests = True
 
     def __init__(self, model_dir: Path, config: Config) -> None:
         super().__init__()
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, config.model.dtype).eval()
+        self.loop = DecodeLoop(self.model, self.tokenizer.eos_id, config.rollout.max_num_seqs)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         return sample(self.model, prompts, sampling, self.tokenizer)
 
+    def add_request(self, request: Request) -> None:
+        self.loop.add(request)
+
+    def step(self) -> list[Request]:
+        return self.loop.step(self.version)
+
+    def abort_requests(self) -> list[Request]:
+        return self.loop.abort()
+
+    def in_flight(self) -> int:
+        return len(self.loop)
+
+    def finish_text(self, request: Request) -> Completion:
+        text, stopped = finish_text(request.token_ids, request.sampling.stop, self.tokenizer)
+        completion = request.completion(text)
+        if stopped:
+            completion.finish_reason = "stop"
+        return completion
+
     @torch.no_grad()
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checks every tensor before copying any: a set that lacks a parameter or has one of
+        another shape raises :class:`WeightLoadError` and leaves the weights as they were."""
         params = dict(self.model.named_parameters())
-        for name, tensor in weights:
-            if name in params:
-                params[name].copy_(tensor)
+        incoming = {name: tensor for name, tensor in weights if name in params}
+        missing = sorted(set(params) - set(incoming))
+        if missing:
+            raise WeightLoadError(
+                f"hf rollout engine: weights v{version} lack {len(missing)} tensors "
+                f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); "
+                f"still on v{self.version}"
+            )
+        for name, tensor in incoming.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise WeightLoadError(
+                    f"hf rollout engine: weights v{version} give {name} the shape "
+                    f"{tuple(tensor.shape)}, the model has {tuple(params[name].shape)}; "
+                    f"still on v{self.version}"
+                )
+        for name, tensor in incoming.items():
+            params[name].copy_(tensor)
         self.version = version
 
 

@@ -33,9 +33,9 @@ from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.telemetry.trace import Span, Tracer
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import Context, RunState, Worker
+from asyncflow.workers.partial import rollout_worker
 from asyncflow.workers.reference import ReferenceWorker
 from asyncflow.workers.reward import RewardWorker, resolve_reward
-from asyncflow.workers.rollout import Rollout
 
 
 @dataclass
@@ -73,7 +73,7 @@ class WorkerActor:
                 resolve_engine_name("rollout", c.rollout.engine), model_dir, c
             )
             self.engine.label = label
-            return Rollout(ctx, self.engine, label)
+            return rollout_worker(ctx, self.engine, label)
         if role == "reward":
             return RewardWorker(ctx, resolve_reward(c.reward.fn, bool(c.data.extra_keys)))
         if role == "reference":

@@ -7,6 +7,7 @@ whose input fields are ready, computes, writes its output fields to the same row
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -58,6 +59,10 @@ class RunState:
     #: Prompt groups the feeder has put (its cursor), read by checkpoints under the lock below.
     issued_groups: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
+    #: Samples by version span (newest token's policy version less the oldest's; above 0 only
+    #: when weights change during generation), and weight versions that failed to load.
+    version_spans: Counter[int] = field(default_factory=Counter)
+    weight_failures: list[str] = field(default_factory=list)
     #: Held while prompt rows are added (feeder) or turned into samples (rollout), and while a
     #: checkpoint snapshots the store: the snapshot then sees each prompt group exactly once.
     snapshot_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -66,6 +71,22 @@ class RunState:
         with self.lock:
             for key, value in deltas.items():
                 setattr(self, key, getattr(self, key) + value)
+
+    def note_version_spans(self, spans: Sequence[int]) -> None:
+        with self.lock:
+            self.version_spans.update(spans)
+
+    def note_weight_failure(self, why: str) -> None:
+        logging.getLogger("asyncflow.rollout").warning("%s", why)
+        with self.lock:
+            self.weight_failures.append(why)
+
+    def multi_version_share(self) -> float:
+        """The share of generated samples whose tokens come from more than one policy version."""
+        with self.lock:
+            total = sum(self.version_spans.values())
+            spanning = total - self.version_spans.get(0, 0)
+        return spanning / total if total else 0.0
 
 
 @dataclass

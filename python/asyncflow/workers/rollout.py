@@ -20,6 +20,9 @@ import numpy as np
 from asyncflow import weights
 from asyncflow.batch import Batch
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.engines.errors import WeightLoadError
+from asyncflow.errors import StoreError
+from asyncflow.store import Store
 from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 
@@ -56,17 +59,26 @@ class Rollout(Worker):
         self.inbox: Inbox | None = dispatcher.inboxes[name] if dispatcher is not None else None
         r = self.config.rollout
         self.sampling = Sampling(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens)
+        #: Versions whose weights failed to load; newer ones are still tried.
+        self._unloadable: set[int] = set()
 
-    def sync_weights(self) -> None:
-        """Loads the newest published weights if they are newer than the engine's."""
+    def sync_weights(self) -> bool:
+        """Loads the newest published weights if they are newer than the engine's; returns
+        whether it did. A version that fails to load (see :func:`load_newest`) is reported and
+        skipped; the engine goes on with the version it had."""
         newest = self.ctx.weights.latest()
-        if newest is not None and newest > self.engine.version:
-            with self.busy(f"load weights v{newest}"):
-                version, tensors = weights.fetch(self.store, newest)
-                self.engine.load_weights(version, tensors)
+        if newest is None or newest <= self.engine.version or newest in self._unloadable:
+            return False
+        with self.busy(f"load weights v{newest}"):
+            failure = load_version(self.store, self.engine, newest)
+        if failure is not None:
+            self._unloadable.add(newest)
+            self.ctx.state.note_weight_failure(failure)
+            return False
+        return True
 
-    def _claim(self) -> PromptGroups | None:
-        batch = self.claim("rollout", FIELDS, self.config.rollout.groups_per_call)
+    def _claim(self, groups: int | None = None) -> PromptGroups | None:
+        batch = self.claim("rollout", FIELDS, groups or self.config.rollout.groups_per_call)
         if len(batch) == 0:
             return None
         data = batch.read()
@@ -144,6 +156,12 @@ class Rollout(Worker):
         version = self.engine.version
         with self.busy(f"generate v{version}"):
             outputs = self.engine.generate([p.tolist() for p in work.prompts], self.sampling)
+        self._deliver(work, version, outputs)
+        return True
+
+    def _deliver(self, work: PromptGroups, version: int, outputs: list[list[Completion]]) -> None:
+        """Puts the samples of ``work`` (``version``: that of tokens without their own) and acks
+        its prompts."""
         # Holding the router while the samples go in: a group it hands to another engine meanwhile
         # would be generated twice.
         routing = self.dispatcher.lock if self.dispatcher is not None else contextlib.nullcontext()
@@ -151,14 +169,13 @@ class Rollout(Worker):
             if work.assignments is not None:
                 work, outputs = self._drop_rerouted(work, outputs)
                 if not work.prompts:
-                    return True
+                    return
             fresh, fresh_outputs = self._drop_already_put(work, outputs)
             if fresh.prompts:
                 self._put_samples(
                     fresh.target, version, fresh.prompts, fresh.answers, fresh.groups, fresh_outputs
                 )
             self._settle(work, done=True)
-        return True
 
     def _drop_rerouted(
         self, work: PromptGroups, outputs: list[list[Completion]]
@@ -210,6 +227,7 @@ class Rollout(Worker):
     ) -> None:
         n = self.sampling.n
         rows_prompt, rows_resp, rows_lp, rows_ans, rows_group = [], [], [], [], []
+        rows_versions: list[np.ndarray] = []
         tokens = truncated = 0
         for prompt, answer, group, completions in zip(
             prompts, answers, groups, outputs, strict=True
@@ -218,6 +236,8 @@ class Rollout(Worker):
                 rows_prompt.append(prompt)
                 rows_resp.append(np.array(c.token_ids, np.int64))
                 rows_lp.append(np.array(c.logprobs, np.float32))
+                per_token = c.token_versions or [version] * len(c.token_ids)
+                rows_versions.append(np.array(per_token, np.int64))
                 rows_ans.append(answer)
                 rows_group.append(int(group))
                 tokens += len(c.token_ids)
@@ -228,15 +248,40 @@ class Rollout(Worker):
                     "prompt_ids": rows_prompt,
                     "response_ids": rows_resp,
                     "behaviour_logprobs": rows_lp,
+                    "token_versions": rows_versions,
                     "answer": rows_ans,
                 },
                 partition=step_partition(target),
                 groups=np.array(rows_group),
                 group_size=n,
-                version=version,
+                # A sample is as old as its oldest token.
+                version=np.array([oldest(v, version) for v in rows_versions], np.uint64),
             )
         self.ctx.state.add(
             generated_tokens=tokens,
             generated_samples=len(rows_resp),
             truncated_responses=truncated,
         )
+        self.ctx.state.note_version_spans(
+            [int(v.max() - v.min()) if len(v) else 0 for v in rows_versions]
+        )
+
+
+def oldest(token_versions: np.ndarray, default: int) -> int:
+    """The version of a sample: that of its oldest token (``default`` for an empty response)."""
+    return int(token_versions.min()) if len(token_versions) else default
+
+
+def load_version(store: Store, engine: RolloutEngine, version: int) -> str | None:
+    """Fetches weights ``version`` and loads them into ``engine``; returns None, or why they could
+    not be loaded (naming the version) while the engine kept the version it had. A publication
+    that cannot be read whole (a missing tensor, a truncated one) never reaches the engine."""
+    try:
+        got, tensors = weights.fetch(store, version)
+        engine.load_weights(got, tensors)
+    except (StoreError, LookupError, WeightLoadError) as e:
+        return (
+            f"{engine.label}: weights v{version} failed to load ({type(e).__name__}: {e}); "
+            f"still generating with v{engine.version}"
+        )
+    return None

@@ -29,6 +29,8 @@ def sample_fields(config: Config) -> list[str]:
     extra = ["ref_logprobs"] if config.algorithm.reference else []
     if config.algorithm.advantage == "gae":  # PPO with a critic: an advantage per token
         extra.append("token_advantages")
+    if config.agent.enabled:  # multi-turn: only the model's own tokens are trained
+        extra.append("loss_mask")
     return [*SAMPLE_FIELDS, *extra]
 
 
@@ -88,7 +90,9 @@ class StepLoss:
         if "token_advantages" in data:
             per_token["advantage"] = data["token_advantages"]
             per_row = {}
-        return to_train_batch(
+        if "loss_mask" in data:
+            per_token["loss_mask"] = data["loss_mask"]
+        tb = to_train_batch(
             data["prompt_ids"],
             data["response_ids"],
             self.pad_id,
@@ -96,6 +100,11 @@ class StepLoss:
             per_row=per_row,
             packed=self.packed,
         )
+        if "loss_mask" in tb.extras:
+            # Environment tokens (tool output) are in the response but not the policy's: the
+            # loss, its KL term and its normalisation count only the tokens the model wrote.
+            tb.response_mask = tb.response_mask * tb.extras.pop("loss_mask")
+        return tb
 
     def parts(self, data: Mapping[str, Sequence[Any]], min_count: int = 1) -> list[list[int]]:
         """The rows of ``data`` in micro-batches within the token budget, by their real token

@@ -210,6 +210,8 @@ class Trainer(Worker):
             "accuracy": float(np.mean(np.array(rewards) >= 1.0)),
             "staleness": {str(a): c for a, c in sorted(result.staleness.items())},
             "dropped_groups": len(result.dropped_groups),
+            # Of the samples generated so far, those whose tokens span several policy versions.
+            "multi_version_share": state.multi_version_share(),
             "tokens_per_s": (tokens - self._last_tokens) / max(now - self._last_step_end, 1e-9),
             "busy": self.ctx.tracer.busy_fraction(self._last_step_end, now),
             **result.optimizer,

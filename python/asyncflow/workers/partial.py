@@ -1,0 +1,157 @@
+"""Partial rollout: the rollout worker drives its engine request by request, one decode step at a
+time, keeping up to ``rollout.max_num_seqs`` sequences in flight and admitting prompt groups as
+others finish; newer weights are loaded between two decode steps, while sequences are in flight.
+
+``rollout.partial``: ``continue`` loads them in place and goes on with every in-flight sequence
+(the KV cache its earlier tokens left, computed by the old weights, is kept); ``abort`` cuts the
+in-flight sequences, loads them, and admits the sequences again with their generated prefix,
+which the engine prefills under the new weights. Every token keeps the version that sampled it
+and the log-prob it was sampled with (``token_versions`` beside ``behaviour_logprobs``); a
+sample's version, by which staleness is judged, is that of its oldest token.
+
+A group's samples go into the store together once all of its sequences have finished, and only
+then are its prompt rows acked: a worker that dies loses only its in-flight sequences, whose
+prompts return to the store (released here, or when their lease expires).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from asyncflow.engines.base import Completion, Request, RolloutEngine
+from asyncflow.errors import StoreError
+from asyncflow.workers.base import Context
+from asyncflow.workers.rollout import PromptGroups, Rollout
+from asyncflow.workers.routing import Dispatcher
+
+
+@dataclass
+class _Group:
+    """One prompt group in flight: its work item and its finished samples so far."""
+
+    work: PromptGroups
+    done: dict[int, Completion] = field(default_factory=dict)
+
+
+class PartialRollout(Rollout):
+    """The rollout worker of ``rollout.partial: continue | abort``."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        engine: RolloutEngine,
+        name: str = "rollout",
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        super().__init__(ctx, engine, name, dispatcher)
+        if not engine.supports_requests:
+            raise ValueError(
+                f"rollout.partial={self.config.rollout.partial} needs a rollout engine with a "
+                f"request-level loop; {engine.name!r} has none (use rollout.engine=hf)"
+            )
+        self.mode = self.config.rollout.partial
+        self.groups: dict[int, _Group] = {}
+        #: Admission waits for this version under the ``wait`` staleness policy.
+        self._needs_version = 0
+
+    def step(self) -> bool:
+        try:
+            self._update_weights()
+            self._admit()
+            if self.engine.in_flight():
+                with self.busy(f"decode v{self.engine.version}"):
+                    finished = self.engine.step()
+                for request in finished:
+                    self._finish(request)
+        except BaseException:
+            self.release_in_flight()
+            raise
+        return True
+
+    def _update_weights(self) -> None:
+        if self.mode == "abort" and self.engine.in_flight():
+            newest = self.ctx.weights.latest()
+            if newest is None or newest <= self.engine.version or newest in self._unloadable:
+                return
+            cut = self.engine.abort_requests()
+            self.sync_weights()
+            for request in cut:  # their prefix is prefilled again under the weights loaded now
+                self.engine.add_request(request)
+            return
+        self.sync_weights()
+
+    def _room(self) -> int:
+        return self.config.rollout.max_num_seqs - self.engine.in_flight()
+
+    def _admit(self) -> None:
+        """Claims prompt groups while their sequences fit (a group at a time at least, when the
+        engine is idle)."""
+        n = self.sampling.n
+        idle = self.engine.in_flight() == 0
+        if self.engine.version < self._needs_version or (self._room() < n and not idle):
+            if idle and self.engine.version < self._needs_version:
+                self._wait_for_weights(self._needs_version)
+            elif self.dispatcher is not None:
+                self.dispatcher.report(self.role)
+            return
+        groups = max(1, min(self.config.rollout.groups_per_call, self._room() // n))
+        work = self._claim(groups) if self.inbox is None else self._take()
+        if work is None:
+            return
+        if self.config.trainer.staleness_policy == "wait":
+            oldest_allowed = work.target - self.config.trainer.max_staleness
+            if self.engine.version < oldest_allowed:
+                self._settle(work, done=False)
+                self._needs_version = oldest_allowed
+                return
+        for one in split(work):
+            group = int(one.groups[0])
+            self.groups[group] = _Group(one)
+            for i in range(n):
+                sampling = replace(self.sampling, n=1)
+                self.engine.add_request(Request((group, i), one.prompts[0].tolist(), sampling))
+
+    def _finish(self, request: Request) -> None:
+        group, i = request.key
+        entry = self.groups[group]
+        entry.done[i] = self.engine.finish_text(request)
+        if len(entry.done) < self.sampling.n:
+            return
+        del self.groups[group]
+        outputs = [[entry.done[k] for k in range(self.sampling.n)]]
+        self._deliver(entry.work, self.engine.version, outputs)
+
+    def release_in_flight(self) -> None:
+        """Hands the prompts of every unfinished group back (none of their tokens is kept)."""
+        groups, self.groups = self.groups, {}
+        for entry in groups.values():
+            # Should the store refuse, the prompts' leases expire and return them anyway.
+            with contextlib.suppress(StoreError):
+                self._settle(entry.work, done=False)
+
+
+def split(work: PromptGroups) -> list[PromptGroups]:
+    """One work item per prompt group, each settled on its own."""
+    return [
+        PromptGroups(
+            [work.prompts[k]],
+            [work.answers[k]],
+            np.array([work.groups[k]]),
+            work.target,
+            batch=work.batch,
+            assignments=None if work.assignments is None else [work.assignments[k]],
+        )
+        for k in range(len(work.prompts))
+    ]
+
+
+def rollout_worker(
+    ctx: Context, engine: RolloutEngine, name: str, dispatcher: Dispatcher | None = None
+) -> Rollout:
+    """The rollout worker ``rollout.partial`` asks for."""
+    if ctx.config.rollout.partial == "off":
+        return Rollout(ctx, engine, name, dispatcher)
+    return PartialRollout(ctx, engine, name, dispatcher)

@@ -1,0 +1,358 @@
+"""Partial rollout: weights that change while sequences are being generated. Every recorded token
+must carry the policy version that sampled it and the log-prob it was sampled with, as a replay of
+the same weight schedule recomputes them (bit for bit: the hf engine in fp32 on a CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import asyncflow as af
+from asyncflow import config as cfg
+from asyncflow import weights
+from asyncflow.engines.base import Request, Sampling
+from asyncflow.engines.errors import EngineDiedError, WeightLoadError
+from asyncflow.engines.hf import HFRolloutEngine, load_model
+from asyncflow.models.chatml import chatml_tokenizer
+from asyncflow.models.tiny import create_tiny_model
+from asyncflow.progress import Reporter
+from asyncflow.telemetry.trace import Tracer
+from asyncflow.train import register_tasks, train
+from asyncflow.weights import Watcher
+from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
+from asyncflow.workers.partial import PartialRollout
+from asyncflow.workers.trainer import Ledger, Trainer
+
+TEMPERATURE = 1.0
+PROMPT = [3, 4, 5, 6]
+#: Tokens generated under the first version before the second is loaded.
+SWITCH = 4
+
+
+def settings(*overrides: str) -> cfg.Config:
+    return cfg.load(
+        None,
+        [
+            "rollout.n=2",
+            "rollout.max_tokens=16",
+            "rollout.max_num_seqs=4",
+            "trainer.groups_per_step=1",
+            "run.poll_interval=0.01",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(settings().model, tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def versions(model_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Three policy versions: the model's own weights, and two perturbations of them."""
+    base = {n: p.detach().clone() for n, p in load_model(model_dir, "float32").named_parameters()}
+    out = {0: base}
+    gen = torch.Generator().manual_seed(1)
+    for v in (1, 2):
+        out[v] = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+    return out
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> Iterator[None]:
+    torch.manual_seed(7)
+    yield
+
+
+def replay(
+    model_dir: Path,
+    versions: dict[int, dict[str, torch.Tensor]],
+    prompt: list[int],
+    tokens: list[int],
+    token_versions: list[int],
+    mode: str,
+) -> list[float]:
+    """Each token's log-prob, recomputed with the forward passes the engine ran: one token at a
+    time on the cache so far, under the version recorded for it. A version change keeps the cache
+    (``continue``: the prefix's keys and values from the old weights) or prefills prompt and prefix
+    anew under the new weights (``abort``)."""
+    model = load_model(model_dir, "float32").eval()
+    params = dict(model.named_parameters())
+    cache, loaded, pending, logps = None, None, list(prompt), []
+    with torch.no_grad():
+        for i, (token, version) in enumerate(zip(tokens, token_versions, strict=True)):
+            if version != loaded:
+                for name, tensor in versions[version].items():
+                    params[name].copy_(tensor)
+                if mode == "abort" and loaded is not None:
+                    cache, pending = None, [*prompt, *tokens[:i]]
+                loaded = version
+            out = model(input_ids=torch.tensor([pending]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logp = torch.log_softmax(out.logits[0, -1].float() / TEMPERATURE, -1)
+            logps.append(float(logp[token]))
+            pending = [token]
+    return logps
+
+
+def engine_at(
+    model_dir: Path, config: cfg.Config, tensors: dict[str, torch.Tensor]
+) -> HFRolloutEngine:
+    engine = HFRolloutEngine(model_dir, config)
+    engine.load_weights(0, tensors.items())
+    return engine
+
+
+def generate_with_switch(
+    engine: HFRolloutEngine, new: dict[str, torch.Tensor], mode: str
+) -> list[Request]:
+    """Two long sequences; version 1 arrives after ``SWITCH`` decode steps."""
+    for key in range(2):
+        engine.add_request(Request(key, PROMPT, Sampling(max_tokens=16)))
+    done: list[Request] = []
+    for _ in range(SWITCH):
+        done += engine.step()
+    cut = engine.abort_requests() if mode == "abort" else []
+    engine.load_weights(1, new.items())
+    for request in cut:
+        engine.add_request(request)
+    while engine.in_flight():
+        done += engine.step()
+    return sorted(done, key=lambda r: r.key)
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_each_token_carries_the_version_and_log_prob_it_was_sampled_with(
+    model_dir: Path, versions: dict[int, dict[str, torch.Tensor]], mode: str
+) -> None:
+    engine = engine_at(model_dir, settings(), versions[0])
+    done = generate_with_switch(engine, versions[1], mode)
+    spanning = [r for r in done if len(r.token_ids) > SWITCH]
+    assert spanning, "a sequence outlived the switch (the seed gives long ones)"
+    for r in done:
+        n = len(r.token_ids)
+        assert r.versions == [0] * min(n, SWITCH) + [1] * max(0, n - SWITCH)
+        assert r.logprobs == replay(model_dir, versions, PROMPT, r.token_ids, r.versions, mode)
+    # The replay tells the two schedules apart: the other one's log-probs differ.
+    other = "abort" if mode == "continue" else "continue"
+    r = spanning[0]
+    assert r.logprobs != replay(model_dir, versions, PROMPT, r.token_ids, r.versions, other)
+
+
+def test_queued_sequences_are_admitted_as_others_finish(model_dir: Path) -> None:
+    engine = HFRolloutEngine(model_dir, settings("rollout.max_num_seqs=2"))
+    for key in range(5):
+        engine.add_request(Request(key, PROMPT, Sampling(max_tokens=3)))
+    finished_at = {}
+    for step in range(10):
+        assert len(engine.loop.running) <= 2
+        for r in engine.step():
+            finished_at[r.key] = step
+    assert finished_at == {0: 2, 1: 2, 2: 5, 3: 5, 4: 8}
+
+
+def context(*overrides: str) -> Context:
+    store = af.Store()
+    register_tasks(store, reference=False)
+    ctx = Context(store, settings(*overrides), chatml_tokenizer(), Tracer(), RunState())
+    ctx.weights = Watcher(store, 0.0)  # every step sees the newest publication
+    return ctx
+
+
+def put_prompts(store: af.Store, target: int, groups: int = 1) -> None:
+    store.put(
+        {
+            "prompt_ids": [np.array(PROMPT, np.int64)] * groups,
+            "answer": [b"7"] * groups,
+            "target_step": np.full(groups, target, np.int64),
+        },
+        partition=PROMPTS,
+        groups=list(range(groups)),
+        group_size=1,
+    )
+
+
+def run_until_samples(
+    worker: PartialRollout, target: int, rows: int, publish: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    """Steps the worker until ``rows`` samples of step ``target`` are in; ``publish`` maps a step
+    count to the weights published (as the next version) after that many steps."""
+    store = worker.store
+    for count in range(1, 200):
+        worker.step()
+        if count in publish:
+            newest = weights.latest_version(store) or 0
+            weights.publish(store, newest + 1, publish[count].items())
+        if len(store.rows(partition=step_partition(target))) >= rows:
+            return
+    raise AssertionError("the samples never came")
+
+
+def read_samples(store: af.Store, target: int) -> tuple[np.ndarray, dict[str, list[np.ndarray]]]:
+    rows = store.rows(partition=step_partition(target))
+    data = store.read(rows.indexes, ["response_ids", "behaviour_logprobs", "token_versions"])
+    return rows.versions.astype(np.int64), data
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_the_store_records_each_tokens_version_and_the_row_is_as_old_as_its_oldest_token(
+    model_dir: Path, versions: dict[int, dict[str, torch.Tensor]], mode: str
+) -> None:
+    ctx = context(f"rollout.partial={mode}")
+    weights.publish(ctx.store, 0, versions[0].items())
+    engine = HFRolloutEngine(model_dir, ctx.config)
+    put_prompts(ctx.store, target=0)
+    run_until_samples(PartialRollout(ctx, engine), 0, 2, {SWITCH: versions[1]})
+    row_versions, data = read_samples(ctx.store, 0)
+    assert engine.version == 1
+    for k in range(2):
+        tokens = data["response_ids"][k].tolist()
+        recorded = data["token_versions"][k].tolist()
+        assert recorded == sorted(recorded) and set(recorded) <= {0, 1}
+        assert row_versions[k] == min(recorded)
+        expected = replay(model_dir, versions, PROMPT, tokens, recorded, mode)
+        assert data["behaviour_logprobs"][k].tolist() == pytest.approx(expected, abs=0, rel=1e-7)
+    assert ctx.state.multi_version_share() > 0
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_under_wait_no_token_is_older_than_the_staleness_bound(
+    model_dir: Path, versions: dict[int, dict[str, torch.Tensor]], mode: str
+) -> None:
+    ctx = context(f"rollout.partial={mode}", "trainer.max_staleness=1")
+    weights.publish(ctx.store, 0, versions[0].items())
+    engine = HFRolloutEngine(model_dir, ctx.config)
+    worker = PartialRollout(ctx, engine)
+    put_prompts(ctx.store, target=2)  # needs version 1 at least
+    worker._wait_for_weights = lambda version: None  # type: ignore[method-assign]
+    for _ in range(3):
+        worker.step()
+    assert engine.in_flight() == 0, "nothing is generated for step 2 under version 0"
+    run_until_samples(worker, 2, 2, {1: versions[1], SWITCH: versions[2]})
+    row_versions, data = read_samples(ctx.store, 2)
+    for k in range(2):
+        assert min(data["token_versions"][k]) >= 1
+        assert row_versions[k] == min(data["token_versions"][k])
+    assert max(max(v) for v in data["token_versions"]) == 2, "weights changed mid-generation"
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_under_drop_a_sample_is_dropped_for_its_oldest_token_though_its_newest_is_fresh(
+    model_dir: Path, versions: dict[int, dict[str, torch.Tensor]], mode: str, tmp_path: Path
+) -> None:
+    ctx = context(
+        f"rollout.partial={mode}", "trainer.max_staleness=1", "trainer.staleness_policy=drop"
+    )
+    weights.publish(ctx.store, 0, versions[0].items())
+    engine = HFRolloutEngine(model_dir, ctx.config)
+    put_prompts(ctx.store, target=2)
+    run_until_samples(PartialRollout(ctx, engine), 2, 2, {1: versions[2]})
+    row_versions, data = read_samples(ctx.store, 2)
+    # Its newest tokens (version 1) are within the bound of step 2; its oldest (version 0) not.
+    assert max(max(v) for v in data["token_versions"]) == 1
+    assert list(row_versions) == [0, 0]
+    idx = ctx.store.rows(partition=step_partition(2)).indexes
+    ctx.store.put(
+        {"advantage": np.ones(2, np.float32), "reward": np.ones(2, np.float32)}, indexes=idx
+    )
+    trainer = Trainer(ctx, None, None, Ledger(tmp_path / "ledger"))  # type: ignore[arg-type]
+    outcome = trainer._accumulate(2)
+    assert outcome is not None
+    batches, result = outcome
+    assert batches == [] and result.dropped_groups == [0] and not result.trained_groups
+
+
+def test_weights_that_fail_their_checks_leave_the_engine_whole_on_its_version(
+    model_dir: Path, versions: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    engine = engine_at(model_dir, settings(), versions[0])
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    missing = dict(list(versions[1].items())[:-1])
+    names = list(versions[1])
+    wrong_shape = {**versions[1], names[-1]: versions[1][names[-1]][:-1]}
+    for broken, why in [(missing, "lack 1 tensors"), (wrong_shape, "the shape")]:
+        with pytest.raises(WeightLoadError, match=f"v1 .*{why}|v1 {why}"):
+            engine.load_weights(1, broken.items())
+        assert engine.version == 0
+        for n, p in engine.model.named_parameters():
+            assert torch.equal(p, before[n]), f"{n} was overwritten by a refused version"
+
+
+def test_a_truncated_publication_is_reported_and_generation_goes_on_with_the_old_version(
+    model_dir: Path, versions: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    ctx = context("rollout.partial=continue")
+    weights.publish(ctx.store, 0, versions[0].items())
+    engine = HFRolloutEngine(model_dir, ctx.config)
+    put_prompts(ctx.store, target=0)
+    name = next(iter(versions[1]))
+    truncated = {**versions[1], name: versions[1][name][:5]}  # its first rows only
+    run_until_samples(PartialRollout(ctx, engine), 0, 2, {2: truncated})
+    assert engine.version == 0
+    assert (
+        len(ctx.state.weight_failures) == 1 and "weights v1 failed" in ctx.state.weight_failures[0]
+    )
+    _, data = read_samples(ctx.store, 0)
+    assert all(set(v.tolist()) == {0} for v in data["token_versions"])
+
+
+class DiesMidSequence(HFRolloutEngine):
+    """Its process is killed at its ``fatal_step``-th decode step."""
+
+    fatal_step = 5
+    steps = 0
+
+    def step(self) -> list[Request]:
+        self.steps += 1
+        if self.steps == self.fatal_step:
+            raise EngineDiedError("hf rollout engine died")
+        return super().step()
+
+
+def test_an_engine_killed_mid_sequence_loses_only_its_in_flight_groups(model_dir: Path) -> None:
+    # Room for one group at a time: group 0 finishes (3 tokens), group 1 is cut mid-sequence.
+    ctx = context("rollout.partial=continue", "rollout.max_tokens=3", "rollout.max_num_seqs=2")
+    engine = DiesMidSequence(model_dir, ctx.config)
+    put_prompts(ctx.store, target=0, groups=2)
+    worker = PartialRollout(ctx, engine)
+    with pytest.raises(EngineDiedError):
+        for _ in range(10):
+            worker.step()
+    samples = ctx.store.rows(partition=step_partition(0))
+    assert sorted(samples.groups.tolist()) == [0, 0]
+    again = ctx.store.claim("rollout", "prompt_ids", 2, timeout=1, allow_partial=True)
+    assert again.groups.tolist() == [1], "the cut group's prompt is back; the finished one is acked"
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_the_main_job_runs_with_partial_rollout_and_reports_version_spans(
+    tmp_path: Path, mode: str
+) -> None:
+    config = cfg.load(
+        None,
+        [
+            "data.digits=1",
+            "data.eval_size=20",
+            "model.hidden_size=64",
+            "model.intermediate_size=256",
+            "warm_start.steps=20",
+            "trainer.max_steps=3",
+            "trainer.groups_per_step=4",
+            "rollout.n=4",
+            "rollout.engine=hf",
+            "trainer.engine=hf",
+            f"rollout.partial={mode}",
+            "rollout.max_num_seqs=8",
+        ],
+    )
+    summary = train(config, run_dir=tmp_path, reporter=Reporter(enabled=False))
+    assert summary["partial_rollout"] == mode
+    assert sum(summary["version_span_histogram"].values()) == summary["samples_generated"]
+    assert 0 <= summary["multi_version_sample_share"] <= 1
+    assert max(int(a) for a in summary["staleness_histogram"]) <= 1
+    assert sum(summary["staleness_histogram"].values()) == 3 * 4 * 4
