@@ -236,6 +236,8 @@ class RewardWorker(Worker):
         self.failures: list[Failure] = []
 
     def step(self) -> bool:
+        if self.config.agent.enabled:
+            return self._pass_on_agent_rewards()
         batch = self.claim("reward", self.fields, 256)
         if len(batch) == 0:
             return True
@@ -251,5 +253,17 @@ class RewardWorker(Worker):
                 self.failures += failures
                 self.ctx.state.add(reward_failures=len(failures))
             self.store.put({"reward": rewards}, indexes=batch.indexes)
+        batch.ack()
+        return True
+
+    def _pass_on_agent_rewards(self) -> bool:
+        """Agent runs: the agent loop scored each trajectory already (``agent.reward``: the
+        verifier on its last model turn, the environment's rewards, or both), as it alone knows
+        where the answer ends and tool output begins."""
+        batch = self.claim("reward", ["agent_reward"], 256)
+        if len(batch) == 0:
+            return True
+        rewards = np.array([float(r) for r in batch.read()["agent_reward"]], np.float32)
+        self.store.put({"reward": rewards}, indexes=batch.indexes)
         batch.ack()
         return True
