@@ -1,0 +1,176 @@
+"""PPO with a critic: GAE by hand, the clipped value loss, the critic learning on a fixed batch,
+the advantage worker reading the critic's ``values`` from the store, and a short run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import asyncflow as af
+from asyncflow import config as cfg
+from asyncflow.algorithms.value import gae, token_rewards, value_loss, whiten
+from asyncflow.config import ConfigError, ModelConfig
+from asyncflow.engines.critic import HFCriticEngine
+from asyncflow.models.chatml import chatml_tokenizer
+from asyncflow.models.tiny import create_tiny_model
+from asyncflow.telemetry.trace import Tracer
+from asyncflow.train import register_tasks
+from asyncflow.workers.advantage import AdvantageWorker
+from asyncflow.workers.base import Context, RunState, step_partition
+from asyncflow.workers.critic import CriticWorker
+
+
+def test_gae_matches_a_hand_computation() -> None:
+    rewards = token_rewards(1.0, 3)
+    assert rewards.tolist() == [0.0, 0.0, 1.0]
+    values = np.array([0.5, 0.25, 0.75])
+    adv, returns = gae(rewards, values, gamma=0.9, lam=0.5)
+    # delta_2 = 1 - 0.75 = 0.25;  delta_1 = 0.9 * 0.75 - 0.25 = 0.425;
+    # delta_0 = 0.9 * 0.25 - 0.5 = -0.275;  A_1 = 0.425 + 0.45 * 0.25 = 0.5375;
+    # A_0 = -0.275 + 0.45 * 0.5375 = -0.033125
+    np.testing.assert_allclose(adv, [-0.033125, 0.5375, 0.25], atol=1e-12)
+    np.testing.assert_allclose(returns, [0.466875, 0.7875, 1.0], atol=1e-12)
+    # gamma = lam = 1: the Monte Carlo advantage, the reward less each value.
+    adv, returns = gae(rewards, values, gamma=1.0, lam=1.0)
+    np.testing.assert_allclose(adv, [0.5, 0.75, 0.25])
+    np.testing.assert_allclose(returns, [1.0, 1.0, 1.0])
+
+
+def test_the_kl_penalty_goes_on_each_token_and_whitening_spans_all_responses() -> None:
+    r = token_rewards(1.0, 2, kl=np.array([0.5, -1.0]), kl_coef=0.1)
+    np.testing.assert_allclose(r, [-0.05, 1.1])
+    white = whiten([np.array([1.0, 2.0]), np.array([3.0])])
+    flat = np.concatenate(white)
+    assert abs(flat.mean()) < 1e-6 and abs(flat.std() - 1) < 1e-4
+    assert white[0][0] < white[0][1] < white[1][0]
+
+
+def test_the_value_loss_is_clipped_around_the_scoring_values() -> None:
+    values = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[0.5, 0.5]])
+    returns = torch.zeros(1, 2)
+    loss, stats = value_loss(values, old, returns, torch.ones(1, 2), clip=0.2)
+    # token 0: max(1^2, 0.7^2) / 2 = 0.5; token 1: max(0^2, 0.3^2) / 2 = 0.045; mean 0.2725
+    assert float(loss.detach()) == pytest.approx(0.2725)
+    assert stats["value_clip_fraction"] == pytest.approx(1.0)
+    loss.backward()
+    assert values.grad is not None
+    # Token 1's clipped term wins and does not move with the value: no gradient there.
+    assert values.grad[0].tolist() == pytest.approx([0.5, 0.0])
+
+
+def critic_config(*overrides: str) -> cfg.Config:
+    return cfg.load(
+        None, ["rollout.n=2", "trainer.groups_per_step=2", "algorithm.advantage=gae", *overrides]
+    )
+
+
+def test_the_value_loss_falls_on_a_fixed_batch(tmp_path: Path) -> None:
+    model = create_tiny_model(
+        ModelConfig(hidden_size=32, intermediate_size=64, layers=1), tmp_path / "m", seed=0
+    )
+    config = critic_config("trainer.lr=1e-3")
+    tok = chatml_tokenizer()
+    ctx = Context(af.Store(), config, tok, Tracer(), RunState())
+    worker = CriticWorker(ctx, HFCriticEngine(model, config))
+    rng = np.random.default_rng(0)
+    data: dict[str, list[np.ndarray]] = {
+        "prompt_ids": [np.array(tok.encode(f"{i}+{i}="), np.int64) for i in range(4)],
+        "response_ids": [rng.integers(3, 20, size=3 + i) for i in range(4)],
+        "returns": [rng.uniform(0, 1, size=3 + i).astype(np.float32) for i in range(4)],
+    }
+    tokens = sum(len(r) for r in data["response_ids"])
+    losses = []
+    for _ in range(40):
+        # As in the pipeline: the samples are scored, then trained on with those values.
+        data["values"] = [np.zeros(len(r), np.float32) for r in data["response_ids"]]
+        for part, tb in worker.micro_batches(data):
+            v = worker.engine.values(tb)
+            for row, i in enumerate(part):
+                p = len(data["prompt_ids"][i])
+                data["values"][i] = v[row, p : p + len(data["response_ids"][i])].numpy()
+        total = 0.0
+        for _, tb in worker.micro_batches(data, with_targets=True):
+            stats = worker.engine.forward_backward(tb, worker.loss_share(tokens))
+            total += stats["value_loss"] * float(tb.response_mask.sum()) / tokens
+        worker.engine.optimizer_step()
+        losses.append(total)
+    assert losses[0] > 0.1  # values start at 0, the returns average 0.5
+    assert losses[-1] < 0.3 * losses[0]
+    assert worker.engine.version == 40
+
+
+def test_the_advantage_worker_reads_the_critics_values_from_the_store() -> None:
+    config = critic_config("run.poll_interval=0.05", "algorithm.gamma=0.9", "algorithm.lam=0.5")
+    store = af.Store()
+    register_tasks(store, reference=False, critic=True)
+    ctx = Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+    values = [np.array([0.5, 0.25, 0.75], np.float32), np.array([0.0, 0.5], np.float32)]
+    idx = store.put(
+        {
+            "prompt_ids": [np.array([1, 2], np.int64)] * 2,
+            "response_ids": [np.array([5, 6, 7], np.int64), np.array([5, 6], np.int64)],
+            "reward": [1.0, 0.0],
+        },
+        partition=step_partition(0),
+        groups=[0, 0],
+        group_size=2,
+    )
+    worker = AdvantageWorker(ctx)
+    assert worker.step()  # no values yet: nothing is claimed
+    claimed = store.claim("train", ["advantage"], 2, timeout=0.05, allow_partial=True)
+    assert len(claimed) == 0
+    claimed.release()
+    store.put({"values": values}, indexes=idx)  # what the critic worker writes
+    worker.step()
+    with store.claim("train", ["token_advantages", "returns", "advantage"], 2, timeout=5) as b:
+        got = b.read()
+        order = np.argsort(b.indexes)
+    returns = [np.asarray(got["returns"][i]) for i in order]
+    np.testing.assert_allclose(returns[0], [0.466875, 0.7875, 1.0], atol=1e-6)
+    # second: delta_1 = -0.5, delta_0 = 0.9 * 0.5 - 0 = 0.45; A_0 = 0.45 - 0.225 = 0.225
+    np.testing.assert_allclose(returns[1], [0.225, 0.0], atol=1e-6)
+    raw = [np.array([-0.033125, 0.5375, 0.25]), np.array([0.225, -0.5])]
+    expected = whiten(raw)
+    for i, k in enumerate(order):
+        np.testing.assert_allclose(np.asarray(got["token_advantages"][k]), expected[i], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.gamma=1.5"], "algorithm.gamma"),
+        (["algorithm.lam=-0.1"], "algorithm.lam"),
+        (["critic.value_clip=0"], "critic.value_clip"),
+        (["critic.path=/nonexistent/critic"], "critic.path"),
+        (["launcher=ray"], "launcher local"),
+    ],
+)
+def test_bad_critic_settings_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        critic_config(*overrides)
+
+
+def test_a_ppo_run_trains_the_policy_and_the_critic(tmp_path: Path) -> None:
+    from test_workflow import run
+
+    summary = run(
+        tmp_path,
+        "trainer.max_steps=3",
+        "trainer.groups_per_step=4",
+        "rollout.n=4",
+        "algorithm.advantage=gae",
+    )
+    critic = summary["critic"]
+    assert critic["updates"] >= 1
+    assert critic["value_loss_first"] > 0 and np.isfinite(critic["value_loss_last"])
+    assert summary["samples_dropped"] == 0
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [len(step["trained"]) for step in ledger] == [4, 4, 4]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(np.isfinite(r["pg_loss"]) for r in records)
+    assert any("critic" in r["busy"] for r in records)
