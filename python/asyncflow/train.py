@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from asyncflow import checkpoint, weights
+from asyncflow.agents.evaluation import agent_totals, agent_view
+from asyncflow.agents.rollout import AgentRollout
 from asyncflow.config import Config, ConfigError
 from asyncflow.daemon import DaemonProcess, connect, new_token
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
@@ -52,7 +54,7 @@ from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
 from asyncflow.workers.batches import to_train_batch
 from asyncflow.workers.critic import CriticWorker
 from asyncflow.workers.feeder import Feeder
-from asyncflow.workers.partial import rollout_worker
+from asyncflow.workers.partial import rollout_worker as partial_rollout_worker
 from asyncflow.workers.reference import ReferenceWorker
 from asyncflow.workers.reward import (
     RewardModelWorker,
@@ -357,6 +359,9 @@ class Run:
             bool(c.data.extra_keys),
             c.reward.batched,
         )
+        # Agent runs are evaluated on whole trajectories, each judged on its last model turn.
+        scored = agent_view(c, rollouts[0], eval_set, prompts)
+        evaluator = agent_view(c, evaluator, eval_set, prompts)
         max_tokens = c.rollout.max_tokens
         ckpt = checkpoint.latest(self.run_dir) if self.resume else None
         if ckpt is not None:
@@ -364,9 +369,9 @@ class Run:
             before, pass_before = saved["accuracy_before"], saved["pass_at_k_before"]
         else:
             since = time.monotonic()
-            before = accuracy(rollouts[0], eval_set, prompts, max_tokens, verify=verify)
+            before = accuracy(scored, eval_set, prompts, max_tokens, verify=verify)
             pass_before = pass_at_k(
-                rollouts[0],
+                scored,
                 eval_set,
                 prompts,
                 PASS_K,
@@ -459,9 +464,9 @@ class Run:
         since = time.monotonic()
         version, final = weights.fetch(store, trainer_engine.version)
         rollouts[0].load_weights(version, final)
-        after = accuracy(rollouts[0], eval_set, prompts, max_tokens, verify=verify)
+        after = accuracy(scored, eval_set, prompts, max_tokens, verify=verify)
         pass_after = pass_at_k(
-            rollouts[0],
+            scored,
             eval_set,
             prompts,
             PASS_K,
@@ -486,6 +491,8 @@ class Run:
             busy,
             model_dir,
         )
+        if c.agent.enabled:  # turns, tool calls and failures by kind, over training rollouts
+            summary["agent"] = agent_totals(middle)
         write_summary_png(self.run_dir / "summary.png", metrics.history, evals, busy)
         metrics.finish(self.run_dir / "summary.png")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -501,6 +508,7 @@ class Run:
     ) -> list[Worker]:
         """The workers between the feeder and the trainer, as threads of this process."""
         workers: list[Worker] = []
+        rollout_worker = AgentRollout if self.config.agent.enabled else partial_rollout_worker
         if len(rollouts) == 1:
             workers.append(rollout_worker(ctx, rollouts[0], rollouts[0].label))
         else:

@@ -4,12 +4,14 @@ trajectories, each judged on its last model turn."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from asyncflow.agents.loop import AgentLoop
 from asyncflow.agents.trajectory import TrajectoryCompletion
+from asyncflow.config import Config
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.prompts import PromptEncoder
@@ -49,3 +51,22 @@ class AgentEvaluator(RolloutEngine):
 
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.load_weights(version, weights)
+
+
+def agent_view(
+    config: Config, engine: RolloutEngine, problems: Sequence[Problem], prompts: PromptEncoder
+) -> RolloutEngine:
+    """``engine`` as evaluation should see it: through the agent loop in agent runs."""
+    if not config.agent.enabled:
+        return engine
+    return AgentEvaluator(engine, AgentLoop(config.agent, prompts.tokenizer), problems, prompts)
+
+
+def agent_totals(workers: Iterable[object]) -> dict[str, int]:
+    """The agent loops' counters (turns, tool calls, errors by kind) over the run's workers."""
+    totals: Counter[str] = Counter()
+    for worker in workers:
+        loop = getattr(worker, "loop", None)
+        if isinstance(loop, AgentLoop):
+            totals.update(loop.totals)
+    return dict(sorted(totals.items()))
