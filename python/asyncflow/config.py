@@ -641,7 +641,7 @@ def validate(c: Config) -> None:
             f"trainer.micro_batch_tokens ({c.trainer.micro_batch_tokens}) must hold one sample: "
             f"data.max_prompt_length + rollout.max_tokens = {longest}",
         )
-    if c.data.task != "arithmetic":
+    if c.data.task not in ("arithmetic", "multiply-tools"):  # (built in: no files)
         task = c.data.task
         _require(c.data.train_file is not None, f"data.task: {task} needs data.train_file")
         for key, file in [
