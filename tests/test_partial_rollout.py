@@ -16,7 +16,7 @@ from asyncflow import config as cfg
 from asyncflow import weights
 from asyncflow.engines.base import Request, Sampling
 from asyncflow.engines.errors import EngineDiedError, WeightLoadError
-from asyncflow.engines.hf import HFRolloutEngine, load_model
+from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.progress import Reporter
@@ -26,11 +26,7 @@ from asyncflow.weights import Watcher
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
 from asyncflow.workers.partial import PartialRollout
 from asyncflow.workers.trainer import Ledger, Trainer
-
-TEMPERATURE = 1.0
-PROMPT = [3, 4, 5, 6]
-#: Tokens generated under the first version before the second is loaded.
-SWITCH = 4
+from partial_replay import PROMPT, SWITCH, generate_with_switch, policy_versions, replay
 
 
 def settings(*overrides: str) -> cfg.Config:
@@ -54,13 +50,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def versions(model_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """Three policy versions: the model's own weights, and two perturbations of them."""
-    base = {n: p.detach().clone() for n, p in load_model(model_dir, "float32").named_parameters()}
-    out = {0: base}
-    gen = torch.Generator().manual_seed(1)
-    for v in (1, 2):
-        out[v] = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
-    return out
+    return policy_versions(model_dir)
 
 
 @pytest.fixture(autouse=True)
@@ -69,61 +59,12 @@ def seeded() -> Iterator[None]:
     yield
 
 
-def replay(
-    model_dir: Path,
-    versions: dict[int, dict[str, torch.Tensor]],
-    prompt: list[int],
-    tokens: list[int],
-    token_versions: list[int],
-    mode: str,
-) -> list[float]:
-    """Each token's log-prob, recomputed with the forward passes the engine ran: one token at a
-    time on the cache so far, under the version recorded for it. A version change keeps the cache
-    (``continue``: the prefix's keys and values from the old weights) or prefills prompt and prefix
-    anew under the new weights (``abort``)."""
-    model = load_model(model_dir, "float32").eval()
-    params = dict(model.named_parameters())
-    cache, loaded, pending, logps = None, None, list(prompt), []
-    with torch.no_grad():
-        for i, (token, version) in enumerate(zip(tokens, token_versions, strict=True)):
-            if version != loaded:
-                for name, tensor in versions[version].items():
-                    params[name].copy_(tensor)
-                if mode == "abort" and loaded is not None:
-                    cache, pending = None, [*prompt, *tokens[:i]]
-                loaded = version
-            out = model(input_ids=torch.tensor([pending]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            logp = torch.log_softmax(out.logits[0, -1].float() / TEMPERATURE, -1)
-            logps.append(float(logp[token]))
-            pending = [token]
-    return logps
-
-
 def engine_at(
     model_dir: Path, config: cfg.Config, tensors: dict[str, torch.Tensor]
 ) -> HFRolloutEngine:
     engine = HFRolloutEngine(model_dir, config)
     engine.load_weights(0, tensors.items())
     return engine
-
-
-def generate_with_switch(
-    engine: HFRolloutEngine, new: dict[str, torch.Tensor], mode: str
-) -> list[Request]:
-    """Two long sequences; version 1 arrives after ``SWITCH`` decode steps."""
-    for key in range(2):
-        engine.add_request(Request(key, PROMPT, Sampling(max_tokens=16)))
-    done: list[Request] = []
-    for _ in range(SWITCH):
-        done += engine.step()
-    cut = engine.abort_requests() if mode == "abort" else []
-    engine.load_weights(1, new.items())
-    for request in cut:
-        engine.add_request(request)
-    while engine.in_flight():
-        done += engine.step()
-    return sorted(done, key=lambda r: r.key)
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort"])

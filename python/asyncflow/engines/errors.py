@@ -22,6 +22,6 @@ class EngineDiedError(EngineError):
     """An engine's process exited while it was working or being waited for."""
 
 
-class WeightLoadError(EngineError):
+class WeightLoadError(EngineError, ValueError):
     """A version of the weights could not be loaded (a missing tensor, a wrong shape, a
     truncated publication); the engine still holds, whole, the version it had."""

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from asyncflow.config import Config
-from asyncflow.engines.base import Completion, RolloutEngine, Sampling
-from asyncflow.engines.errors import EngineError, EngineStartError
+from asyncflow.engines.base import Completion, Request, RolloutEngine, Sampling
+from asyncflow.engines.errors import EngineError, EngineStartError, WeightLoadError
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.units import parse_size
 
@@ -64,15 +64,30 @@ def checkpoint_names(model_dir: Path) -> set[str]:
     return names
 
 
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the model's own checkpoint."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
 def is_tied(model_dir: Path) -> bool:
     config = json.loads((model_dir / "config.json").read_text())
     return bool(config.get("tie_word_embeddings", False))
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """Generation with vLLM; weights swap in place, the engine is never restarted."""
+    """Generation with vLLM; weights swap in place, the engine is never restarted. Whole calls
+    (:meth:`generate`), or request by request, one engine step at a time (:meth:`add_request`,
+    :meth:`step`): between two steps new weights may be loaded while requests are in flight."""
 
     name = "vllm"
+    supports_requests = True
 
     def __init__(self, model_dir: Path, config: Config, label: str = "rollout") -> None:
         super().__init__()
@@ -94,7 +109,16 @@ class VLLMRolloutEngine(RolloutEngine):
 
             self.tokenizer = load_tokenizer(model_dir)
             self.expected_names = checkpoint_names(model_dir)
+            self.expected_shapes = checkpoint_shapes(model_dir)
             self.tied = is_tied(model_dir)
+            #: The request-level loop, in flight by vLLM request id.
+            self._requests: dict[str, Request] = {}
+            self._next_id = 0
+            partial: dict[str, Any] = {}
+            if r.partial != "off":
+                # Cached prompt blocks would carry keys and values of whichever weights computed
+                # them into sequences admitted later; the loop bounds what is in flight.
+                partial = {"enable_prefix_caching": False, "max_num_seqs": r.max_num_seqs}
             self.llm = LLM(
                 model=str(model_dir),
                 tokenizer=str(model_dir),
@@ -111,6 +135,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 # vLLM's CPU runner cannot rewind a seeded request's generator when a long
                 # prompt's prefill is split over steps: there, prompts are prefilled whole.
                 enable_chunked_prefill=not current_platform.is_cpu(),
+                **partial,
             )
         except Exception as e:
             raise EngineStartError(
@@ -118,20 +143,87 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"{type(e).__name__}: {e}"
             ) from e
 
-    def _params(self, sampling: Sampling) -> Any:
+    def _params(self, sampling: Sampling, **overrides: Any) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(
-            n=1 if sampling.greedy else sampling.n,
-            temperature=0.0 if sampling.greedy else sampling.temperature,
-            max_tokens=sampling.max_tokens,
-            stop=list(sampling.stop) or None,
+        settings: dict[str, Any] = {
+            "n": 1 if sampling.greedy else sampling.n,
+            "temperature": 0.0 if sampling.greedy else sampling.temperature,
+            "max_tokens": sampling.max_tokens,
+            "stop": list(sampling.stop) or None,
             # Stop strings need vLLM to detokenize; otherwise our tokenizer decodes, faster.
-            detokenize=bool(sampling.stop),
-            seed=sampling.seed,
-            logprobs=0,
-            flat_logprobs=True,
+            "detokenize": bool(sampling.stop),
+            "seed": sampling.seed,
+            "logprobs": 0,
+            "flat_logprobs": True,
+        }
+        return SamplingParams(**(settings | overrides))
+
+    def add_request(self, request: Request) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        # Each step returns the tokens it added, so each gets the version that sampled it.
+        params = self._params(
+            request.sampling, n=1, max_tokens=request.remaining, output_kind=RequestOutputKind.DELTA
         )
+        rid = str(self._next_id)
+        self._next_id += 1
+        prompt = TokensPrompt(prompt_token_ids=[*request.prompt, *request.token_ids])
+        try:
+            with MODEL_LOCK:
+                self.llm.llm_engine.add_request(rid, prompt, params)
+        except Exception as e:
+            raise EngineError(
+                f"vllm rollout engine {self.label!r} refused a request: {type(e).__name__}: {e}"
+            ) from e
+        self._requests[rid] = request
+
+    def step(self) -> list[Request]:
+        try:
+            with MODEL_LOCK:
+                outputs = self.llm.llm_engine.step()
+        except Exception as e:
+            raise EngineError(
+                f"vllm rollout engine {self.label!r} failed in a decode step with "
+                f"{len(self._requests)} requests in flight: {type(e).__name__}: {e}"
+            ) from e
+        finished = []
+        for out in outputs:
+            request = self._requests.get(out.request_id)
+            if request is None:
+                continue
+            for piece in out.outputs:
+                request.token_ids += list(piece.token_ids)
+                if piece.logprobs is not None:
+                    request.logprobs += [float(x) for x in piece.logprobs.logprobs]
+                request.versions += [self.version] * len(piece.token_ids)
+                if out.finished:
+                    request.finish_reason = "length" if piece.finish_reason == "length" else "stop"
+            if out.finished:
+                request.finish_reason = request.finish_reason or "stop"
+                del self._requests[out.request_id]
+                finished.append(request)
+        return finished
+
+    def abort_requests(self) -> list[Request]:
+        cut = list(self._requests.values())
+        if self._requests:
+            with MODEL_LOCK:
+                self.llm.llm_engine.abort_request(list(self._requests))
+            self._requests.clear()
+        return cut
+
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def finish_text(self, request: Request) -> Completion:
+        text = self.tokenizer.decode(request.token_ids)
+        completion = request.completion(text)
+        for s in request.sampling.stop:
+            if s in text:
+                completion.text = text[: text.index(s)]
+        return completion
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
@@ -167,10 +259,19 @@ class VLLMRolloutEngine(RolloutEngine):
         names = {name for name, _ in tensors}
         missing = self.expected_names - names
         if missing:
-            raise ValueError(
-                f"vllm rollout engine {self.label!r} needs the full weights; missing "
-                f"{sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}"
+            raise WeightLoadError(
+                f"vllm rollout engine {self.label!r} needs the full weights; v{version} is "
+                f"missing {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}; "
+                f"still on v{self.version}"
             )
+        # vLLM copies tensor by tensor: one of the wrong shape would leave it half-loaded.
+        for name, tensor in tensors:
+            shape = self.expected_shapes.get(name)
+            if shape is not None and tuple(tensor.shape) != shape:
+                raise WeightLoadError(
+                    f"vllm rollout engine {self.label!r}: weights v{version} give {name} the "
+                    f"shape {tuple(tensor.shape)}, the model has {shape}; still on v{self.version}"
+                )
         if self.tied and TIED[1] not in names:
             tensors.append((TIED[1], dict(tensors)[TIED[0]]))
         try:

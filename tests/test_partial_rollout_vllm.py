@@ -1,0 +1,83 @@
+"""Partial rollout on the vllm engine (its CPU build here): weights loaded between two engine
+steps while requests are in flight. Each token's recorded version and log-prob must match a
+replay of the same weight schedule, within fp32 tolerance (vLLM's kernels are not the replay's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncflow import config as cfg
+from asyncflow.engines.base import Request, Sampling
+from asyncflow.engines.errors import WeightLoadError
+from asyncflow.engines.vllm import VLLMRolloutEngine
+from asyncflow.models.tiny import create_tiny_model
+from partial_replay import PROMPT, SWITCH, generate_with_switch, policy_versions, replay
+
+CONFIG = cfg.load(None, ["rollout.partial=continue", "rollout.max_num_seqs=4"])
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(CONFIG.model, tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[VLLMRolloutEngine]:
+    e = VLLMRolloutEngine(model_dir, CONFIG)
+    yield e
+    e.close()
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> Iterator[None]:
+    torch.manual_seed(7)
+    yield
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_each_token_carries_the_version_and_log_prob_it_was_sampled_with(
+    engine: VLLMRolloutEngine, model_dir: Path, mode: str
+) -> None:
+    versions = policy_versions(model_dir)
+    engine.load_weights(0, versions[0].items())
+    done = generate_with_switch(engine, versions[1], mode)
+    spanning = [r for r in done if len(r.token_ids) > SWITCH]
+    assert spanning, "a sequence outlived the switch"
+    for r in done:
+        n = len(r.token_ids)
+        assert r.versions == [0] * min(n, SWITCH) + [1] * max(0, n - SWITCH)
+        expected = replay(model_dir, versions, PROMPT, r.token_ids, r.versions, mode)
+        assert r.logprobs == pytest.approx(expected, abs=TOLERANCE)
+    other = "abort" if mode == "continue" else "continue"
+    r = spanning[0]
+    wrong = replay(model_dir, versions, PROMPT, r.token_ids, r.versions, other)
+    assert max(abs(a - b) for a, b in zip(r.logprobs, wrong, strict=True)) > 10 * TOLERANCE
+
+
+def test_weights_of_the_wrong_shape_are_refused_before_any_is_loaded(
+    engine: VLLMRolloutEngine, model_dir: Path
+) -> None:
+    versions = policy_versions(model_dir)
+    engine.load_weights(0, versions[0].items())
+    before = [r.token_ids for r in greedy_pair(engine)]
+    name = next(iter(versions[2]))
+    broken = {**versions[2], name: versions[2][name][:5]}
+    with pytest.raises(WeightLoadError, match="v7 give"):
+        engine.load_weights(7, broken.items())
+    assert engine.version == 0
+    assert [r.token_ids for r in greedy_pair(engine)] == before
+
+
+def greedy_pair(engine: VLLMRolloutEngine) -> list[Request]:
+    for key in range(2):
+        engine.add_request(Request(key, PROMPT, Sampling(max_tokens=6, greedy=True)))
+    done = []
+    while engine.in_flight():
+        done += engine.step()
+    return sorted(done, key=lambda r: r.key)
