@@ -17,27 +17,32 @@
 //! On the daemon's machine the link moves to the daemon's Unix socket, where shared-memory
 //! segments arrive as descriptors and are mapped once.
 
+mod frames;
+mod handshake;
+mod segments;
+mod stream;
+mod waiter;
+
 use std::collections::HashMap;
 use std::io::{BufWriter, Read, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::mpsc::{self, SyncSender};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use asyncflow_core::wait::INTERRUPT_POLL;
 use asyncflow_core::{StoreError, Wait};
-use asyncflow_proto::{
-    FrameHeader, HEADER_LEN, Hello, Limits, Reply, Request, Segments, ServerHello, Spare,
-    decode_answer,
-};
-use asyncflow_shm::{Segment, recv_with_fds};
+use asyncflow_proto::{Limits, Reply, Request, Segments, ServerHello, Spare, decode_answer};
+use asyncflow_shm::Segment;
 use parking_lot::Mutex;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
-use rustix::net::RecvFlags;
 
+use self::frames::{RawFrame, Started, read_rest_of_frame, write_frame};
+use self::handshake::greet;
+use self::segments::mapped;
+use self::stream::{Stream, connect_tcp};
+pub use self::waiter::{Pending, PinToken};
 use super::Policy;
 use crate::error::{Error, Result};
 use crate::host::host_id;
@@ -53,126 +58,6 @@ pub enum Preference {
 }
 
 static PADDING: [u8; 64] = [0; 64];
-
-/// How long a caller reads the socket for its reply before it sleeps until the watcher hands it
-/// over.
-const SPIN: Duration = Duration::from_micros(200);
-
-enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
-
-impl Stream {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        match self {
-            Stream::Tcp(s) => s.as_fd(),
-            Stream::Unix(s) => s.as_fd(),
-        }
-    }
-
-    /// Whether a read would find something (bytes, the end of the stream, or an error) now.
-    fn readable(&self) -> bool {
-        let fd = self.as_fd();
-        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-        poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).is_ok_and(|n| n > 0)
-    }
-
-    /// Whether the other end has closed the connection (or it failed).
-    fn hung_up(&self) -> bool {
-        let fd = self.as_fd();
-        let mut fds = [PollFd::new(&fd, PollFlags::RDHUP)];
-        poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).is_ok_and(|n| n > 0)
-    }
-
-    fn try_clone(&self) -> std::io::Result<Stream> {
-        Ok(match self {
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
-            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-        })
-    }
-
-    fn shutdown(&self) {
-        let _ = match self {
-            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
-            Stream::Unix(s) => s.shutdown(Shutdown::Both),
-        };
-    }
-
-    /// Bounds every later read and write of this socket (and of its clones).
-    fn set_timeouts(&self, read: Option<Duration>, write: Option<Duration>) -> std::io::Result<()> {
-        match self {
-            Stream::Tcp(s) => {
-                s.set_read_timeout(read)?;
-                s.set_write_timeout(write)
-            }
-            Stream::Unix(s) => {
-                s.set_read_timeout(read)?;
-                s.set_write_timeout(write)
-            }
-        }
-    }
-
-    /// Reads what has arrived into `buf`, collecting any descriptors that come with it, without
-    /// waiting: `WouldBlock` if nothing has.
-    fn read_now(&mut self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
-        match self {
-            Stream::Unix(s) => recv_with_fds(s.as_fd(), buf, fds, RecvFlags::DONTWAIT),
-            Stream::Tcp(s) => Ok(rustix::net::recv(s.as_fd(), buf, RecvFlags::DONTWAIT)?.0),
-        }
-    }
-
-    /// Reads until `buf` is full, its first `at` bytes being there already, collecting any
-    /// descriptors that come with them. When the socket's read timeout passes with nothing read,
-    /// asks `idle` whether to keep waiting.
-    fn read_exact_patiently(
-        &mut self,
-        buf: &mut [u8],
-        mut at: usize,
-        fds: &mut Vec<OwnedFd>,
-        idle: &mut dyn FnMut() -> std::io::Result<()>,
-    ) -> std::io::Result<()> {
-        while at < buf.len() {
-            let got = match self {
-                Stream::Unix(s) => {
-                    recv_with_fds(s.as_fd(), &mut buf[at..], fds, RecvFlags::empty())
-                }
-                Stream::Tcp(s) => s.read(&mut buf[at..]),
-            };
-            match got {
-                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => at += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    idle()?;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.flush(),
-            Stream::Unix(s) => s.flush(),
-        }
-    }
-}
 
 /// A reply with the payload section of its frame, and the link it came on (shared-memory
 /// segments and read pins belong to that link).
@@ -215,161 +100,11 @@ pub struct Link {
     policy: Policy,
 }
 
-/// A request sent and not yet answered.
-pub struct Pending {
-    link: Arc<Link>,
-    id: u64,
-    rx: Receiver<Delivery>,
-    /// What the request was, for error messages.
-    what: &'static str,
-    /// When to give up on the reply (see `Policy::deadline`).
-    deadline: Option<Instant>,
-}
-
-fn write_frame(
-    w: &mut impl Write,
-    id: u64,
-    req: &Request,
-    payload: &[&[u8]],
-) -> std::io::Result<()> {
-    let meta = req.encode();
-    let payload_len: usize = payload.iter().map(|p| p.len()).sum();
-    w.write_all(&FrameHeader::new(req.op(), id, meta.len(), payload_len).encode())?;
-    w.write_all(&meta)?;
-    for part in payload {
-        w.write_all(part)?;
-    }
-    Ok(())
-}
-
-/// The segments this process has mapped, by daemon instance and segment id. Every link to one
-/// daemon uses the same mapping of a segment, so a process holds one descriptor and one mapping
-/// per segment, not one per link: a process with a hundred links would otherwise run out of
-/// descriptors, and the kernel drops those it cannot install in a process out of them.
-static MAPPED: LazyLock<Mutex<HashMap<SegmentKey, Weak<Segment>>>> = LazyLock::new(Mutex::default);
-
-/// A daemon's instance and one of its segments' ids.
-type SegmentKey = (u64, u64);
-
-/// The mapping of segment `id` of daemon `instance`, which came with the descriptor `fd`: the
-/// process's own if it has one (then `fd` is closed), else a new one.
-fn mapped(instance: u64, id: u64, len: usize, fd: OwnedFd) -> Result<Arc<Segment>> {
-    // A daemon too old to name its instance cannot be told from another one.
-    if instance == 0 {
-        return Ok(Arc::new(Segment::open(id, fd, len)?));
-    }
-    let mut all = MAPPED.lock();
-    if let Some(segment) = all.get(&(instance, id)).and_then(Weak::upgrade)
-        && segment.len() == len
-    {
-        return Ok(segment);
-    }
-    let segment = Arc::new(Segment::open(id, fd, len)?);
-    all.retain(|_, s| s.strong_count() > 0);
-    all.insert((instance, id), Arc::downgrade(&segment));
-    Ok(segment)
-}
-
-struct RawFrame {
-    header: FrameHeader,
-    meta: Vec<u8>,
-    payload: Vec<u8>,
-    fds: Vec<OwnedFd>,
-}
-
-/// The first bytes of a frame, read before it was known whether one had come.
-#[derive(Default)]
-struct Started {
-    head: [u8; HEADER_LEN],
-    have: usize,
-    fds: Vec<OwnedFd>,
-}
-
-fn read_frame(
-    stream: &mut Stream,
-    limits: Limits,
-    idle: &mut dyn FnMut() -> std::io::Result<()>,
-) -> Result<RawFrame> {
-    read_rest_of_frame(stream, Started::default(), limits, idle)
-}
-
-fn read_rest_of_frame(
-    stream: &mut Stream,
-    started: Started,
-    limits: Limits,
-    idle: &mut dyn FnMut() -> std::io::Result<()>,
-) -> Result<RawFrame> {
-    let Started { mut head, have, mut fds } = started;
-    stream.read_exact_patiently(&mut head, have, &mut fds, idle)?;
-    let header = FrameHeader::decode(&head, limits)?;
-    let mut meta = vec![0u8; header.meta_len as usize];
-    stream.read_exact_patiently(&mut meta, 0, &mut fds, idle)?;
-    let mut payload = vec![0u8; header.payload_len as usize];
-    stream.read_exact_patiently(&mut payload, 0, &mut fds, idle)?;
-    Ok(RawFrame { header, meta, payload, fds })
-}
-
 fn timed_out(what: &str, address: &str, after: Duration) -> Error {
     Error::Store(StoreError::Timeout {
         what: format!("the store daemon at {address} to answer {what}"),
         waited: after,
     })
-}
-
-/// Says hello and returns the daemon's answer; a refused token is [`Error::Auth`]. The socket's
-/// timeouts bound the wait.
-fn greet(
-    stream: &mut Stream,
-    token: Option<&str>,
-    leases: &[u64],
-    address: &str,
-    policy: &Policy,
-) -> Result<ServerHello> {
-    let hello = Request::Hello(Hello {
-        token: token.map(str::to_owned),
-        host: host_id().into(),
-        leases: leases.to_vec(),
-    });
-    let wait = policy.request_timeout;
-    stream.set_timeouts(Some(wait), Some(wait))?;
-    let silent = |e: Error| match e {
-        Error::Io(io)
-            if matches!(
-                io.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) =>
-        {
-            timed_out("hello", address, wait)
-        }
-        other => other,
-    };
-    write_frame(stream, 0, &hello, &[]).map_err(|e| silent(e.into()))?;
-    let mut refuse_idle = || Err(std::io::ErrorKind::TimedOut.into());
-    let frame = read_frame(stream, Limits::DEFAULT, &mut refuse_idle).map_err(silent)?;
-    match decode_answer(frame.header.op, &frame.meta, frame.payload.len() as u64)? {
-        Ok(Reply::Hello(h)) => Ok(h),
-        Ok(other) => Err(Error::connection(format!("unexpected answer to hello: {other:?}"))),
-        Err(failure) => Err(failure.into()),
-    }
-}
-
-fn connect_tcp(address: &str, timeout: Duration) -> Result<TcpStream> {
-    let mut last = None;
-    for addr in
-        address.to_socket_addrs().map_err(|e| Error::connection(format!("{address}: {e}")))?
-    {
-        match TcpStream::connect_timeout(&addr, timeout) {
-            Ok(s) => {
-                s.set_nodelay(true)?;
-                return Ok(s);
-            }
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(Error::connection(format!(
-        "cannot reach the store daemon at {address}: {}",
-        last.map_or_else(|| "no address".to_owned(), |e| e.to_string())
-    )))
 }
 
 impl Link {
@@ -831,107 +566,6 @@ impl Drop for Link {
         if std::process::id() == self.pid {
             self.stream.shutdown();
         }
-    }
-}
-
-/// Keeps a read's shared cells pinned on the daemon until the last view of them is dropped.
-pub struct PinToken {
-    link: Weak<Link>,
-    pin: u64,
-}
-
-impl Drop for PinToken {
-    fn drop(&mut self) {
-        if let Some(link) = self.link.upgrade() {
-            link.unpin(self.pin);
-        }
-    }
-}
-
-impl Pending {
-    /// Waits for the answer until its deadline (none: for as long as the daemon is alive); if
-    /// the caller interrupts or the deadline passes, tells the daemon to stop working on it.
-    pub fn wait(self, wait: Wait<'_>) -> Result<Answer> {
-        let started = Instant::now();
-        let answer = if let Some(delivery) = self.read_for_itself(started + SPIN) {
-            delivery
-        } else {
-            self.link.sleeping.fetch_add(1, Ordering::AcqRel);
-            self.link.nudge_watcher();
-            let delivery = self.sleep(started, wait);
-            self.link.sleeping.fetch_sub(1, Ordering::AcqRel);
-            delivery
-        };
-        answer.map(|(reply, payload)| Answer { reply, payload, link: Arc::clone(&self.link) })
-    }
-
-    /// Reads the socket on this thread until `until`, whenever nobody else reads it, handing on
-    /// replies for others; `None` if the reply has not come by then.
-    fn read_for_itself(&self, until: Instant) -> Option<Delivery> {
-        let stays = || false;
-        loop {
-            match self.rx.try_recv() {
-                Ok(delivery) => return Some(delivery),
-                Err(TryRecvError::Disconnected) => {
-                    return Some(Err(Error::connection("connection closed")));
-                }
-                Err(TryRecvError::Empty) => {}
-            }
-            if let Some(mut reader) = self.link.reader.try_lock() {
-                // One system call finds out whether a frame has come and reads its start.
-                let mut started = Started::default();
-                match reader.stream.read_now(&mut started.head, &mut started.fds) {
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                        ) => {}
-                    got => {
-                        // Reading on finishes the frame. After nothing read (the daemon hung
-                        // up) or an error, it meets the same and breaks the link, saying why.
-                        started.have = got.unwrap_or(0);
-                        self.link.read_rest_of_one(&mut reader, started, &stays);
-                        continue;
-                    }
-                }
-            }
-            if Instant::now() >= until {
-                return None;
-            }
-            std::thread::yield_now();
-        }
-    }
-
-    /// Sleeps until the watcher hands the reply over, the caller interrupts, or the deadline
-    /// passes.
-    fn sleep(&self, started: Instant, wait: Wait<'_>) -> Delivery {
-        let deadline = self.deadline;
-        loop {
-            let poll = deadline.map_or(INTERRUPT_POLL, |d| {
-                d.saturating_duration_since(Instant::now()).min(INTERRUPT_POLL)
-            });
-            match self.rx.recv_timeout(poll) {
-                Ok(delivery) => return delivery,
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(Error::connection("connection closed"));
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    if (wait.interrupted)() {
-                        self.abandon();
-                        return Err(Error::Store(StoreError::Interrupted));
-                    }
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        self.abandon();
-                        return Err(timed_out(self.what, &self.link.address, started.elapsed()));
-                    }
-                }
-            }
-        }
-    }
-
-    fn abandon(&self) {
-        self.link.pending.lock().remove(&self.id);
-        let _ = self.link.notify(&Request::Cancel { request: self.id });
     }
 }
 

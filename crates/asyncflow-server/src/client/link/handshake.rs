@@ -1,0 +1,46 @@
+//! The hello a link opens with: the client's token, host and leases; the daemon's answer.
+
+use asyncflow_proto::{Hello, Limits, Reply, Request, ServerHello, decode_answer};
+
+use super::frames::{read_frame, write_frame};
+use super::stream::Stream;
+use super::{Policy, timed_out};
+use crate::error::{Error, Result};
+use crate::host::host_id;
+
+/// Says hello and returns the daemon's answer; a refused token is [`Error::Auth`]. The socket's
+/// timeouts bound the wait.
+pub(super) fn greet(
+    stream: &mut Stream,
+    token: Option<&str>,
+    leases: &[u64],
+    address: &str,
+    policy: &Policy,
+) -> Result<ServerHello> {
+    let hello = Request::Hello(Hello {
+        token: token.map(str::to_owned),
+        host: host_id().into(),
+        leases: leases.to_vec(),
+    });
+    let wait = policy.request_timeout;
+    stream.set_timeouts(Some(wait), Some(wait))?;
+    let silent = |e: Error| match e {
+        Error::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            timed_out("hello", address, wait)
+        }
+        other => other,
+    };
+    write_frame(stream, 0, &hello, &[]).map_err(|e| silent(e.into()))?;
+    let mut refuse_idle = || Err(std::io::ErrorKind::TimedOut.into());
+    let frame = read_frame(stream, Limits::DEFAULT, &mut refuse_idle).map_err(silent)?;
+    match decode_answer(frame.header.op, &frame.meta, frame.payload.len() as u64)? {
+        Ok(Reply::Hello(h)) => Ok(h),
+        Ok(other) => Err(Error::connection(format!("unexpected answer to hello: {other:?}"))),
+        Err(failure) => Err(failure.into()),
+    }
+}

@@ -1,0 +1,131 @@
+//! A request sent and waited for: read for by the caller itself for a moment, then handed over
+//! by the watcher; and the token that keeps a read's cells pinned.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use asyncflow_core::wait::INTERRUPT_POLL;
+use asyncflow_core::{StoreError, Wait};
+use asyncflow_proto::Request;
+
+use super::frames::Started;
+use super::{Answer, Delivery, Link, timed_out};
+use crate::error::{Error, Result};
+
+/// How long a caller reads the socket for its reply before it sleeps until the watcher hands it
+/// over.
+pub(super) const SPIN: Duration = Duration::from_micros(200);
+
+/// A request sent and not yet answered.
+pub struct Pending {
+    pub(super) link: Arc<Link>,
+    pub(super) id: u64,
+    pub(super) rx: Receiver<Delivery>,
+    /// What the request was, for error messages.
+    pub(super) what: &'static str,
+    /// When to give up on the reply (see `Policy::deadline`).
+    pub(super) deadline: Option<Instant>,
+}
+
+/// Keeps a read's shared cells pinned on the daemon until the last view of them is dropped.
+pub struct PinToken {
+    pub(super) link: Weak<Link>,
+    pub(super) pin: u64,
+}
+
+impl Drop for PinToken {
+    fn drop(&mut self) {
+        if let Some(link) = self.link.upgrade() {
+            link.unpin(self.pin);
+        }
+    }
+}
+
+impl Pending {
+    /// Waits for the answer until its deadline (none: for as long as the daemon is alive); if
+    /// the caller interrupts or the deadline passes, tells the daemon to stop working on it.
+    pub fn wait(self, wait: Wait<'_>) -> Result<Answer> {
+        let started = Instant::now();
+        let answer = if let Some(delivery) = self.read_for_itself(started + SPIN) {
+            delivery
+        } else {
+            self.link.sleeping.fetch_add(1, Ordering::AcqRel);
+            self.link.nudge_watcher();
+            let delivery = self.sleep(started, wait);
+            self.link.sleeping.fetch_sub(1, Ordering::AcqRel);
+            delivery
+        };
+        answer.map(|(reply, payload)| Answer { reply, payload, link: Arc::clone(&self.link) })
+    }
+
+    /// Reads the socket on this thread until `until`, whenever nobody else reads it, handing on
+    /// replies for others; `None` if the reply has not come by then.
+    fn read_for_itself(&self, until: Instant) -> Option<Delivery> {
+        let stays = || false;
+        loop {
+            match self.rx.try_recv() {
+                Ok(delivery) => return Some(delivery),
+                Err(TryRecvError::Disconnected) => {
+                    return Some(Err(Error::connection("connection closed")));
+                }
+                Err(TryRecvError::Empty) => {}
+            }
+            if let Some(mut reader) = self.link.reader.try_lock() {
+                // One system call finds out whether a frame has come and reads its start.
+                let mut started = Started::default();
+                match reader.stream.read_now(&mut started.head, &mut started.fds) {
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                        ) => {}
+                    got => {
+                        // Reading on finishes the frame. After nothing read (the daemon hung
+                        // up) or an error, it meets the same and breaks the link, saying why.
+                        started.have = got.unwrap_or(0);
+                        self.link.read_rest_of_one(&mut reader, started, &stays);
+                        continue;
+                    }
+                }
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Sleeps until the watcher hands the reply over, the caller interrupts, or the deadline
+    /// passes.
+    fn sleep(&self, started: Instant, wait: Wait<'_>) -> Delivery {
+        let deadline = self.deadline;
+        loop {
+            let poll = deadline.map_or(INTERRUPT_POLL, |d| {
+                d.saturating_duration_since(Instant::now()).min(INTERRUPT_POLL)
+            });
+            match self.rx.recv_timeout(poll) {
+                Ok(delivery) => return delivery,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(Error::connection("connection closed"));
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if (wait.interrupted)() {
+                        self.abandon();
+                        return Err(Error::Store(StoreError::Interrupted));
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        self.abandon();
+                        return Err(timed_out(self.what, &self.link.address, started.elapsed()));
+                    }
+                }
+            }
+        }
+    }
+
+    fn abandon(&self) {
+        self.link.pending.lock().remove(&self.id);
+        let _ = self.link.notify(&Request::Cancel { request: self.id });
+    }
+}
