@@ -4,11 +4,10 @@ the agent loop's token-in/token-out trajectories, and the loss mask in the train
 from __future__ import annotations
 
 import asyncio
-import json
+import os
 import random
-import threading
-import time
-from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,7 +40,7 @@ def _masked_batch(mask: list[int]) -> tuple[StepLoss, object]:
     config.agent.enabled = True
     config.trainer.packing = False
     loss = StepLoss(config, TOKENIZER.pad_id)
-    data = {
+    data: dict[str, Sequence[Any]] = {
         "prompt_ids": [np.array([5, 6, 7], np.int64)],
         "response_ids": [np.array([8, 9, 10, 11, 12], np.int64)],
         "behaviour_logprobs": [np.full(5, -1.0, np.float32)],
@@ -79,3 +78,330 @@ def test_the_trainer_reads_the_loss_mask_only_in_agent_runs() -> None:
     assert "loss_mask" not in sample_fields(config)
     config.agent.enabled = True
     assert "loss_mask" in sample_fields(config)
+
+
+# -- tool calls and tools ---------------------------------------------------------------------
+
+
+def test_hermes_calls_are_read_with_the_text_around_them() -> None:
+    call = '{"name": "calculator", "arguments": {"expression": "2*3"}}'
+    text = f"let me see <tool_call>{call}</tool_call>"
+    turn = HermesParser().parse(text)
+    assert turn.calls == [ToolCall("calculator", {"expression": "2*3"})]
+    assert turn.content == "let me see"
+
+
+def test_a_written_call_reads_back_as_itself() -> None:
+    call = ToolCall("python", {"code": "print('<tool_call>')"})
+    assert HermesParser().parse(format_call(call)).calls == [call]
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        ("<tool_call>{not json}</tool_call>", "bad_json"),
+        ('<tool_call>["calculator"]</tool_call>', "bad_format"),
+        ('<tool_call>{"name": "calculator", "arguments": 3}</tool_call>', "bad_arguments"),
+        ('<tool_call>{"name": "calculator"', "bad_format"),
+    ],
+)
+def test_a_malformed_call_is_a_call_error(text: str, kind: str) -> None:
+    (call,) = HermesParser().parse(text).calls
+    assert isinstance(call, CallError) and call.kind == kind
+
+
+def test_the_calculator_does_arithmetic_without_eval() -> None:
+    assert evaluate("1234*5678") == 7006652
+    assert evaluate("(2+3)**2 - 7 // 2") == 22
+    for bad in ["__import__('os')", "2**99999999", "1/0", "x*2", "[1]*3"]:
+        with pytest.raises(CalculatorError):
+            evaluate(bad)
+
+
+def test_arguments_are_checked_against_the_schema() -> None:
+    tool = calculator_tool()
+    assert check_arguments(tool, {"expression": "1+1"}) is None
+    assert "missing" in str(check_arguments(tool, {}))
+    assert "unknown" in str(check_arguments(tool, {"expression": "1", "x": 2}))
+    assert "type string" in str(check_arguments(tool, {"expression": 5}))
+
+
+# -- the environment: every bad input is an error observation and a count ----------------------
+
+
+async def _raises(**_: object) -> str:
+    raise RuntimeError("tool bug")
+
+
+async def _hangs(**_: object) -> str:
+    await asyncio.sleep(3600)
+    return "never"
+
+
+async def _refuses(**_: object) -> str:
+    raise ToolError("no such file")
+
+
+def _env(timeout: float = 0.5, **extra: Tool) -> ToolEnvironment:
+    from asyncflow.agents.tools import python_tool
+
+    config = AgentConfig()
+    config.sandbox.cpu_seconds = 1
+    config.sandbox.wall_seconds = 3.0
+    config.sandbox.memory = "256MiB"
+    config.sandbox.output_bytes = 1000
+    config.sandbox.processes = 4
+    schema = {"type": "object", "properties": {}}
+    tools = {
+        "calculator": calculator_tool(config),
+        "python": python_tool(config),
+        **{name: Tool(name, "", schema, fn) for name, fn in extra.items()},  # type: ignore[arg-type]
+    }
+    return ToolEnvironment(tools, timeout=timeout)
+
+
+def _call(name: str, **arguments: object) -> str:
+    return format_call(ToolCall(name, dict(arguments)))
+
+
+@pytest.mark.parametrize(
+    ("action", "kind", "says"),
+    [
+        ("<tool_call>{oops</tool_call>", "bad_json", "not valid JSON"),
+        (_call("search", query="x"), "unknown_tool", "unknown tool 'search'"),
+        (_call("calculator", expr="1+1"), "bad_arguments", "missing argument"),
+        (_call("calculator", expression="1/0"), "tool_error", "division by zero"),
+        (_call("raises"), "tool_raised", "RuntimeError: tool bug"),
+        (_call("refuses"), "tool_error", "no such file"),
+        (_call("hangs"), "tool_timeout", "did not answer within"),
+    ],
+)
+def test_a_bad_call_becomes_an_error_observation(action: str, kind: str, says: str) -> None:
+    env = _env(raises=_raises, hangs=_hangs, refuses=_refuses)  # type: ignore[arg-type]
+    step = run(env.step(action))
+    assert not step.done
+    assert step.errors == {kind: 1}
+    assert says in step.observation and step.observation.startswith("<tool_response>")
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        ("import sys\nfor _ in range(50): sys.stdout.write('y' * 100000)", "output truncated"),
+        ("a = []\nwhile True: a.append(bytearray(10**7))", "MemoryError"),
+        ("import os\nwhile True: os.fork()", "BlockingIOError"),
+        # Stopped by the CPU limit, or by the wall clock first on a loaded machine.
+        ("while True: pass", "error: python: "),
+    ],
+)
+def test_python_that_breaks_a_limit_is_an_error_observation(code: str, says: str) -> None:
+    if "fork" in code and os.geteuid() != 0:
+        pytest.skip("the process cap applies as root")
+    step = run(_env(timeout=10.0).step(_call("python", code=code)))
+    assert says in step.observation
+    assert len(step.observation) < 1500  # the output budget, plus the framing
+    if "truncated" not in says:
+        assert step.errors == {"tool_error": 1}
+
+
+def test_a_turn_without_calls_ends_the_trajectory() -> None:
+    step = run(_env().step("42"))
+    assert step.done and step.observation == ""
+
+
+def test_several_calls_in_a_turn_are_each_answered() -> None:
+    action = _call("calculator", expression="2*3") + _call("calculator", expression="5-1")
+    step = run(_env().step(action))
+    assert step.tool_calls == 2
+    assert (
+        step.observation
+        == "<tool_response>\n6\n</tool_response>\n<tool_response>\n4\n</tool_response>"
+    )
+
+
+# -- the agent loop -----------------------------------------------------------------------------
+
+
+class ScriptedEngine(RolloutEngine):
+    """Answers each turn from ``script(prompt_text, turn)``; records every call's inputs."""
+
+    def __init__(self, script) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.script = script
+        self.calls: list[list[list[int]]] = []
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        self.calls.append([list(p) for p in prompts])
+        out = []
+        for p in prompts:
+            context = TOKENIZER.decode(p) if TOKENIZER.eos_id not in p else _full_text(p)
+            turn = context.count("<tool_response>")
+            ids = [*TOKENIZER.encode(self.script(context, turn)), TOKENIZER.eos_id]
+            ids = ids[: sampling.max_tokens]
+            out.append([Completion(ids, [-0.5] * len(ids), TOKENIZER.decode(ids))])
+        return out
+
+    def load_weights(self, version, weights) -> None:  # type: ignore[no-untyped-def]
+        self.version = version
+
+
+def _full_text(ids: list[int]) -> str:
+    # decode() stops at the first eos; the script needs the whole context
+    return "".join(TOKENIZER.decode([i]) for i in ids if i != TOKENIZER.eos_id)
+
+
+def _agent(**tools: Tool) -> AgentLoop:
+    config = AgentConfig(enabled=True, max_turns=4, max_tokens=400)
+    return AgentLoop(
+        config, TOKENIZER, lambda text, p: float(text.strip() == p.answer), tools or None
+    )
+
+
+def _multiply(context: str, turn: int) -> str:
+    expression = context.split("*")[0][-4:] + "*" + context.split("*")[1][:4]
+    if turn == 0:
+        return format_call(ToolCall("calculator", {"expression": expression}))
+    return context.split("<tool_response>\n")[-1].split("\n")[0]
+
+
+def test_a_trajectory_is_kept_as_tokens_with_model_tokens_masked_in() -> None:
+    engine = ScriptedEngine(_multiply)
+    prompt = TOKENIZER.encode("1234*5678=")
+    (group,) = _agent().run(
+        engine, [prompt], [Problem("1234*5678=", "7006652")], Sampling(n=1, max_tokens=200)
+    )
+    (t,) = group
+    call = TOKENIZER.encode(format_call(ToolCall("calculator", {"expression": "1234*5678"})))
+    call += [TOKENIZER.eos_id]
+    observation = TOKENIZER.encode(
+        AgentConfig().observation_template.format(
+            observation="<tool_response>\n7006652\n</tool_response>"
+        )
+    )
+    answer = [*TOKENIZER.encode("7006652"), TOKENIZER.eos_id]
+    assert t.response_ids == call + observation + answer
+    assert t.loss_mask == [1] * len(call) + [0] * len(observation) + [1] * len(answer)
+    assert t.logprobs == [-0.5] * len(call) + [0.0] * len(observation) + [-0.5] * len(answer)
+    assert (t.turns, t.tool_calls, t.reward, t.finish_reason) == (2, 1, 1.0, "stop")
+    # Token in: the second turn's input is the first's tokens plus the observation's, as is.
+    assert engine.calls[1] == [prompt + call + observation]
+
+
+def test_turns_of_many_trajectories_share_engine_calls() -> None:
+    engine = ScriptedEngine(_multiply)
+    prompts = [TOKENIZER.encode(f"{1000 + k}*2000=") for k in range(6)]
+    problems = [Problem(f"{1000 + k}*2000=", str((1000 + k) * 2000)) for k in range(6)]
+    runs = _agent().run(engine, prompts, problems, Sampling(n=2, max_tokens=200))
+    assert all(t.reward == 1.0 for group in runs for t in group)
+    # The first turns start together; the second ones as their tool calls come back.
+    assert len(engine.calls[0]) == 12
+    assert sum(len(c) for c in engine.calls) == 24
+
+
+def test_the_engine_generates_for_others_while_one_waits_on_a_tool() -> None:
+    other_done = asyncio.Event()
+
+    async def wait_for_other() -> str:
+        await asyncio.wait_for(other_done.wait(), 30)  # would time out if generation stalled
+        return "done"
+
+    def script(context: str, turn: int) -> str:
+        if context.startswith("<|im_start|>") or "slow" in context:
+            return format_call(ToolCall("wait", {})) if turn == 0 else "ok"
+        if turn < 3:
+            return format_call(ToolCall("calculator", {"expression": "1+1"}))
+        other_done.set()
+        return "fast done"
+
+    schema = {"type": "object", "properties": {}}
+    tools = {"wait": Tool("wait", "", schema, wait_for_other), "calculator": calculator_tool()}
+    engine = ScriptedEngine(script)
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=5, max_tokens=400), TOKENIZER, None, tools)
+    slow, fast = loop.run(
+        engine,
+        [TOKENIZER.encode("slow"), TOKENIZER.encode("fast")],
+        [Problem("slow", ""), Problem("fast", "")],
+        Sampling(n=1, max_tokens=200),
+    )
+    assert fast[0].turns == 4 and fast[0].final_text == "fast done"
+    assert slow[0].turns == 2 and slow[0].final_text == "ok" and not slow[0].errors
+
+
+def test_budgets_end_a_trajectory() -> None:
+    def always_call(context: str, turn: int) -> str:
+        return format_call(ToolCall("calculator", {"expression": "1+1"}))
+
+    engine = ScriptedEngine(always_call)
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=3, max_tokens=1000), TOKENIZER)
+    (group,) = loop.run(
+        engine, [TOKENIZER.encode("q")], [Problem("q", "2")], Sampling(max_tokens=200)
+    )
+    assert group[0].turns == 3 and group[0].finish_reason == "turns"
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=9, max_tokens=100), TOKENIZER)
+    (group,) = loop.run(
+        engine, [TOKENIZER.encode("q")], [Problem("q", "2")], Sampling(max_tokens=200)
+    )
+    assert group[0].finish_reason == "length" and len(group[0].response_ids) <= 100
+
+
+class _BrokenEnv:
+    def reset(self, problem: Problem) -> str:
+        return ""
+
+    def step(self, action: str) -> Step:
+        raise RuntimeError("environment bug")
+
+
+def test_an_environment_that_raises_ends_only_its_trajectory() -> None:
+    register_environment("broken", lambda config, tools: _BrokenEnv())
+    loop = AgentLoop(AgentConfig(enabled=True, environment="broken"), TOKENIZER)
+    engine = ScriptedEngine(lambda context, turn: "hello")
+    (group,) = loop.run(
+        engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=3, max_tokens=50)
+    )
+    assert [t.errors["env_raised"] for t in group] == [1, 1, 1]
+    assert all(t.finish_reason == "error" and t.turns == 1 for t in group)
+
+
+def test_an_unknown_environment_or_tool_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown agent environment"):
+        AgentLoop(AgentConfig(environment="nope"), TOKENIZER)
+    with pytest.raises(ConfigError, match="unknown tool"):
+        AgentLoop(AgentConfig(tools=["nope"]), TOKENIZER)
+
+
+# -- the multiply-tools task --------------------------------------------------------------------
+
+
+def test_a_correct_demonstration_is_what_the_loop_would_produce() -> None:
+    task = MultiplyToolsTask(eval_size=5)
+    problem = task.eval_set()[0]
+    demo = task.demonstration(problem, random.Random(0), mistake_rate=0.0)
+    engine = ScriptedEngine(_multiply)
+    (group,) = _agent().run(
+        engine, [TOKENIZER.encode(str(problem.prompt))], [problem], Sampling(max_tokens=200)
+    )
+    assert [*TOKENIZER.encode(demo), TOKENIZER.eos_id] == group[0].response_ids
+
+
+def test_demonstrations_make_mistakes_at_the_given_rate() -> None:
+    task = MultiplyToolsTask(eval_size=5)
+    rng = random.Random(1)
+    problems = list(zip(range(400), task.train_stream(seed=3), strict=False))
+    demos = [task.demonstration(p, rng, 0.6) for _, p in problems]
+    right = sum(
+        d.endswith(">\n" + p.answer) or d.endswith("\n" + p.answer)
+        for d, (_, p) in zip(demos, problems, strict=True)
+    )
+    skipped = sum("<tool_call>" not in d for d in demos)
+    assert 0.3 < right / len(demos) < 0.5
+    assert 0.2 < skipped / len(demos) < 0.4
+
+
+def test_held_out_problems_are_never_trained_on() -> None:
+    task = MultiplyToolsTask(eval_size=50)
+    held = {tuple(sorted(map(int, str(p.prompt).rstrip("=").split("*")))) for p in task.eval_set()}
+    stream = task.train_stream(seed=0)
+    for _ in range(2000):
+        p = next(stream)
+        assert tuple(sorted(map(int, str(p.prompt).rstrip("=").split("*")))) not in held

@@ -99,7 +99,7 @@ class ToolEnvironment:
     def from_config(cls, config: AgentConfig, tools: Mapping[str, Tool]) -> ToolEnvironment:
         return cls(tools, config.parser, config.tool_timeout, Latency(config.latency))
 
-    def reset(self, problem: Problem) -> str:
+    async def reset(self, problem: Problem) -> str:
         return ""
 
     async def step(self, action: str) -> Step:

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Event-loop iterations a call waits for further turns once one is ready: trajectories woken
+#: together (their tools answered at once) take a few to queue their next turns.
+GATHER_TICKS = 4
+
 #: Whether an answer text solves a problem (reward.fn as the evaluation's verifier).
 Verify = Callable[[str, Problem], float]
 
@@ -57,7 +61,8 @@ class TurnBatcher:
         """Serves turns until cancelled."""
         while True:
             await self._wake.wait()
-            await asyncio.sleep(0)  # trajectories woken by the same event queue their turns too
+            for _ in range(GATHER_TICKS):  # turns that become ready meanwhile join this call
+                await asyncio.sleep(0)
             self._wake.clear()
             batch, self._pending = self._pending, []
             if not batch:

@@ -22,6 +22,7 @@ import signal
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,8 +82,24 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+#: Sandboxed processes at once per event loop: a few hundred trajectories calling a tool in the
+#: same instant would otherwise start a few hundred interpreters together.
+MAX_CONCURRENT = 8
+_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Runs ``code`` under ``limits``; never raises for anything the code does."""
+    """Runs ``code`` under ``limits``; never raises for anything the code does. The wall-clock
+    limit counts from the start of the process, not from the wait for a slot."""
+    loop = asyncio.get_running_loop()
+    slots = _slots.setdefault(loop, asyncio.Semaphore(MAX_CONCURRENT))
+    async with slots:
+        return await _run(code, limits)
+
+
+async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
     workdir = tempfile.mkdtemp(prefix="asyncflow-sandbox-")
     os.chmod(workdir, 0o777)  # the child may run as nobody
     settings = {
