@@ -270,13 +270,24 @@ def test_an_engine_killed_mid_sequence_loses_only_its_in_flight_groups(model_dir
     assert again.groups.tolist() == [1], "the cut group's prompt is back; the finished one is acked"
 
 
-@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_a_long_generation_is_progress_not_a_stall(model_dir: Path) -> None:
+    ctx = context("rollout.partial=continue")
+    worker = PartialRollout(ctx, HFRolloutEngine(model_dir, ctx.config))
+    put_prompts(ctx.store, target=0)
+    worker.step()  # admits the group
+    worker._idle_since = 0.0  # as if no prompt had come since long ago
+    worker.step()
+    assert worker._idle_since is None
+
+
+@pytest.mark.parametrize(("mode", "engines"), [("continue", 1), ("abort", 1), ("continue", 2)])
 def test_the_main_job_runs_with_partial_rollout_and_reports_version_spans(
-    tmp_path: Path, mode: str
+    tmp_path: Path, mode: str, engines: int
 ) -> None:
     config = cfg.load(
         None,
         [
+            f"rollout.engines={engines}",
             "data.digits=1",
             "data.eval_size=20",
             "model.hidden_size=64",

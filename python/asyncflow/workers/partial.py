@@ -71,6 +71,10 @@ class PartialRollout(Rollout):
             raise
         return True
 
+    def note_progress(self, progressed: bool, waiting_for: str) -> None:
+        # Sequences in flight are progress: a long generation is no stall for want of prompts.
+        super().note_progress(progressed or self.engine.in_flight() > 0, waiting_for)
+
     def _update_weights(self) -> None:
         if self.mode == "abort" and self.engine.in_flight():
             newest = self.ctx.weights.latest()
