@@ -384,7 +384,8 @@ class AgentConfig:
     #: A registered environment (``tools``: the model's tool calls answered by ``tools``).
     environment: str = "tools"
     tools: list[str] = field(default_factory=lambda: ["calculator"])
-    #: How tool calls are read from the model's text (``hermes``: ``<tool_call>{json}</tool_call>``).
+    #: How tool calls are read from the model's text (``hermes``:
+    #: ``<tool_call>{json}</tool_call>``).
     parser: str = "hermes"
     #: Model turns per trajectory, and tokens after the prompt (model and environment together).
     max_turns: int = 4
@@ -627,6 +628,8 @@ def validate(c: Config) -> None:
         _require(amount >= 0, f"{key} cannot be negative")
     _require(c.ray.start_timeout > 0, "ray.start_timeout must be positive")
     _validate_reward_and_algorithm(c)
+    if c.agent.enabled:
+        _validate_agent(c)
     _validate_weights(c.weights)
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
@@ -664,6 +667,42 @@ def _validate_weights(w: WeightsConfig) -> None:
         raise ConfigError(f"weights.bucket_size: {e}") from None
     _require(bucket > 0, "weights.bucket_size must be a positive size such as 64MiB")
     _require(w.timeout > 0, "weights.timeout must be positive")
+
+
+def _validate_agent(c: Config) -> None:
+    a = c.agent
+    _require(a.max_turns >= 1, "agent.max_turns must be at least 1")
+    _require(a.max_tokens >= 1, "agent.max_tokens must be at least 1")
+    _require(a.tool_timeout > 0, "agent.tool_timeout must be positive")
+    _require(
+        "{observation}" in a.observation_template,
+        "agent.observation_template must contain {observation}",
+    )
+    _require(a.latency.median >= 0 and a.latency.sigma >= 0, "agent.latency cannot be negative")
+    s = a.sandbox
+    _require(
+        min(s.cpu_seconds, s.wall_seconds, s.output_bytes, s.processes) > 0,
+        "agent.sandbox limits must be positive",
+    )
+    try:
+        _require((parse_size(s.memory) or 0) > 0, "agent.sandbox.memory must be a positive size")
+    except ValueError as e:
+        raise ConfigError(f"agent.sandbox.memory: {e}") from None
+    _require(c.launcher == "local", "agent.enabled runs with launcher local only (for now)")
+    _require(
+        c.rollout.partial == "off",
+        "agent.enabled and rollout.partial cannot be combined yet: a trajectory's turns are "
+        "generated between weight loads",
+    )
+    # Names are checked now, not when the first rollout worker starts.
+    from asyncflow.agents.env import environment_factory
+    from asyncflow.agents.parser import create_parser
+    from asyncflow.agents.tools import create_tool
+
+    environment_factory(a.environment)
+    create_parser(a.parser)
+    for name in a.tools:
+        create_tool(name, a)
 
 
 def _validate_reward_and_algorithm(c: Config) -> None:
