@@ -405,3 +405,20 @@ def test_held_out_problems_are_never_trained_on() -> None:
     for _ in range(2000):
         p = next(stream)
         assert tuple(sorted(map(int, str(p.prompt).rstrip("=").split("*")))) not in held
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("agent.tools=[nope]", "unknown tool"),
+        ("agent.environment=nope", "unknown agent environment"),
+        ("agent.max_turns=0", "max_turns"),
+        ("agent.observation_template=x", "{observation}"),
+        ("launcher=ray", "launcher local"),
+    ],
+)
+def test_agent_settings_are_refused_before_the_run(override: str, says: str) -> None:
+    from asyncflow.config import load
+
+    with pytest.raises(ConfigError, match=says):
+        load("examples/tools.yaml", [override])
