@@ -247,3 +247,26 @@ def test_broadcast_receiver_dying_fails_the_publisher_naming_the_receivers(
         assert time.monotonic() - started < TIMEOUT * 2
     finally:
         proc.kill()
+
+
+# -- the weights bench's weight sets ------------------------------------------------------------
+
+
+def test_bench_weight_sets_are_shaped_like_qwen2_decoder_layers() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncflow.bench import weights_suite as ws
+
+    config = Qwen2Config(
+        hidden_size=ws.HIDDEN,
+        intermediate_size=ws.INTERMEDIATE,
+        num_attention_heads=ws.HEADS,
+        num_key_value_heads=ws.KV_HEADS,
+        num_hidden_layers=1,
+        vocab_size=8,
+    )
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    layer = {n: tuple(p.shape) for n, p in model.named_parameters() if ".layers.0." in n}
+    assert dict(ws.layer_shapes(0)) == layer
+    assert ws.layers_for(1.0) * ws.layer_bytes() == pytest.approx(1e9, rel=0.1)

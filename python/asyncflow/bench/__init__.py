@@ -20,6 +20,7 @@ SUITES = {
     "pipeline": "asyncflow.bench.pipeline_suite",
     "sim": "asyncflow.bench.sim_suite",
     "e2e": "asyncflow.bench.e2e_suite",
+    "weights": "asyncflow.bench.weights_suite",
 }
 #: Suites that read a cost model (``costs_path``; default ``costs/paper-7b.yaml``).
 COSTED = ("pipeline", "sim")
