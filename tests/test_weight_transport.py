@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import asyncflow as af
+from asyncflow import config as cfg
 from asyncflow.config import Config, ModelConfig
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.hf import HFRolloutEngine
@@ -61,6 +62,28 @@ def assert_bit_exact(got: dict[str, bytes], weights: list[tuple[str, torch.Tenso
     assert set(got) == {n for n, _ in weights}
     for name, tensor in weights:
         assert got[name] == as_bytes(tensor).numpy().tobytes(), f"{name} differs"
+
+
+# -- the configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("weights.transport=ipc", r"ipc needs CUDA"),
+        ("weights.transport=broadcast", r"broadcast is not wired into asyncflow train"),
+        ("weights.transport=nccl", r"weights\.transport must be one of"),
+        ("weights.bucket_size=0", r"weights\.bucket_size must be a positive size"),
+        ("weights.timeout=0", r"weights\.timeout must be positive"),
+    ],
+)
+def test_weights_settings_the_job_cannot_run_are_refused(override: str, message: str) -> None:
+    with pytest.raises(cfg.ConfigError, match=message):
+        cfg.load(None, [override])
+
+
+def test_the_store_transport_is_the_default() -> None:
+    assert cfg.load(None, []).weights.transport == "store"
 
 
 # -- the layout ----------------------------------------------------------------------------------

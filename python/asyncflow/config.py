@@ -342,7 +342,8 @@ class WeightsConfig:
     #: ``store``: the store carries whole versions (the portable default). ``broadcast``: the
     #: trainer's rank 0 sends each version in buckets over a torch.distributed group (gloo on
     #: CPUs, NCCL on GPUs) that includes the rollout processes; the store carries only its
-    #: layout. ``ipc`` (CUDA IPC handles on a shared GPU) is not implemented yet.
+    #: layout (the job does not wire it yet). ``ipc`` (CUDA IPC handles on a shared GPU) is not
+    #: implemented yet.
     transport: Literal["store", "broadcast", "ipc"] = "store"
     #: Bytes per broadcast bucket: one is packed while the one before it is on the wire.
     bucket_size: str = "64MiB"
@@ -659,7 +660,13 @@ def _validate_weights(w: WeightsConfig) -> None:
     _require(
         w.transport != "ipc",
         "weights.transport ipc needs CUDA (trainer and rollout engine sharing one GPU) and is "
-        "not implemented yet; use store or broadcast",
+        "not implemented yet; use store",
+    )
+    # Refused rather than silently run as store: see docs/weights.md for what is missing.
+    _require(
+        w.transport != "broadcast",
+        "weights.transport broadcast is not wired into asyncflow train yet (the transport "
+        "itself is asyncflow.weight_sync, measured by asyncflow bench weights); use store",
     )
     try:
         bucket = parse_size(w.bucket_size) or 0
