@@ -208,9 +208,9 @@ def measure(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mode
     ages = [(int(a), n) for m in run.metrics for a, n in m["staleness"].items()]
     busy, fill = busy_fractions(run, place, costs, window)
     simulated = (
-        _native.simulate(costs.params(), mode.name)["samples_per_s"]
+        _native.simulate(costs.params(), mode.simulated_as)["samples_per_s"]
         if place.colocated
-        else simulated_rate(costs, mode.name, place.rollout_devices)
+        else simulated_rate(costs, mode.simulated_as, place.rollout_devices)
     )
     return ModeResult(
         samples_per_s=steps * w.samples_per_step / modelled,

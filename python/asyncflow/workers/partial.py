@@ -17,10 +17,13 @@ prompts return to the store (released here, or when their lease expires).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
+from asyncflow.batch import Batch
 from asyncflow.engines.base import Completion, Request, RolloutEngine
 from asyncflow.errors import StoreError
 from asyncflow.workers.base import Context
@@ -74,6 +77,17 @@ class PartialRollout(Rollout):
     def note_progress(self, progressed: bool, waiting_for: str) -> None:
         # Sequences in flight are progress: a long generation is no stall for want of prompts.
         super().note_progress(progressed or self.engine.in_flight() > 0, waiting_for)
+
+    def claim(self, task: str, fields: Sequence[str], batch_size: int, **options: Any) -> Batch:
+        """As :meth:`Worker.claim`, but with sequences in flight it does not wait for rows:
+        decoding goes on meanwhile."""
+        if not self.engine.in_flight():
+            return super().claim(task, fields, batch_size, **options)
+        batch = self.store.claim(
+            task, list(fields), batch_size, timeout=0.0, allow_partial=True, **options
+        )
+        self.note_progress(True, "")
+        return batch
 
     def _update_weights(self) -> None:
         if self.mode == "abort" and self.engine.in_flight():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -149,6 +149,8 @@ class DevicePool:
 class _Call:
     left: int
     done: threading.Event = field(default_factory=threading.Event)
+    #: Called (by the serving thread) once the call's last sequence is done.
+    on_done: Callable[[], None] | None = None
 
 
 @dataclass
@@ -213,6 +215,28 @@ class DecodeDevice:
             if self._closed:
                 return False
         return not self._closed
+
+    def start(self, length: int, prompt_tokens: int, on_done: Callable[[], None]) -> _Sequence:
+        """Queues one sequence of ``length`` decode steps (after a prefill of ``prompt_tokens``)
+        without waiting for it; ``on_done`` is called once it is done. Its ``remaining`` steps
+        are current after any :meth:`pause` has returned."""
+        seq = _Sequence(length, prompt_tokens, _Call(1, on_done=on_done))
+        with self._cond:
+            self._queue.append(seq)
+            self._report_work()
+            self._cond.notify_all()
+        return seq
+
+    def cut(self, sequences: list[_Sequence]) -> None:
+        """Takes these sequences out of the batch and the queue (their ``remaining`` steps stay
+        as they are); the decode steps since the last wake-up of the serving thread are not
+        credited to them, so a :meth:`pause` first makes the cut exact."""
+        with self._cond:
+            gone = {id(s) for s in sequences}
+            self._active = [s for s in self._active if id(s) not in gone]
+            self._queue = deque(s for s in self._queue if id(s) not in gone)
+            self._report_work()
+            self._cond.notify_all()
 
     def wait_for_room(self, timeout: float) -> bool:
         """Waits until no sequence is waiting for a slot. One waiter is woken each time the
@@ -295,6 +319,8 @@ class DecodeDevice:
             self._debt += seq.prompt_tokens / self._cost.prefill_tokens_per_s
         if admitted and not self._queue:
             self._room.notify()
+        if not self._active:  # everything was cut: only prefill debt is left
+            return self._debt
         step = self._cost.decode_step(len(self._active))
         soonest = min(s.remaining for s in self._active)
         return max(0.0, self._debt + soonest * step - self._carry)
@@ -317,6 +343,8 @@ class DecodeDevice:
                 seq.call.left -= 1
                 if seq.call.left == 0:
                     seq.call.done.set()
+                    if seq.call.on_done is not None:
+                        seq.call.on_done()
         self._carry = budget if self._active else 0.0
 
     def _release_all(self) -> None:

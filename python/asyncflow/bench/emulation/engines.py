@@ -17,16 +17,18 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from asyncflow.bench.costs import CostModel
-from asyncflow.bench.emulation.devices import DecodeDevice, DevicePool
+from asyncflow.bench.emulation.devices import DecodeDevice, DevicePool, _Sequence
 from asyncflow.engines.base import (
     Completion,
     LossFn,
+    Request,
     RolloutEngine,
     Sampling,
     TrainBatch,
@@ -95,6 +97,92 @@ class EmulatedRollout(RolloutEngine):
                 float(tensor.view(-1)[0])  # touch the received bytes
             self.device.pause(self.load_s)
             self.version = version
+
+
+@dataclass
+class _Flight:
+    """A request on the device: its modelled length, and from which modelled token on each
+    version sampled it."""
+
+    request: Request
+    sequence: _Sequence
+    length: int
+    switches: list[tuple[int, int]]
+
+    def generated(self) -> int:
+        return self.length - self.sequence.remaining
+
+    def version_at(self, token: int) -> int:
+        return [v for start, v in self.switches if start <= token][-1]
+
+
+class EmulatedPartialRollout(EmulatedRollout):
+    """The request-level loop (``rollout.partial``) on one emulated device. A request's length
+    is that of its sample in :func:`response_lengths` (its key is ``(group, sample)``, as the
+    partial rollout worker makes it); weights load while its sequences decode (``continue``), or
+    after they are cut (``abort``: re-admitted, prompt and prefix are prefilled again). Stored
+    token ``i`` stands for modelled token ``i * compression`` and carries its version."""
+
+    supports_requests = True
+
+    def __init__(
+        self, device: DecodeDevice, costs: CostModel, load_s: float, step_timeout: float
+    ) -> None:
+        super().__init__(device, costs, load_s)
+        self.step_timeout = step_timeout
+        self._flights: list[_Flight] = []
+        self._finished = threading.Event()
+
+    def add_request(self, request: Request) -> None:
+        c = self.costs.emulation.compression
+        sample = request.key[1]
+        n = self.costs.workload.group_size
+        length = response_lengths(request.prompt, n, self.costs)[sample]
+        done = int(len(request.token_ids) * c)
+        prefill = self.costs.workload.prompt_tokens + done
+        seq = self.device.start(max(1, length - done), prefill, self._finished.set)
+        self._flights.append(_Flight(request, seq, length, [(done, self.version)]))
+
+    def step(self) -> list[Request]:
+        self._finished.wait(self.step_timeout)
+        self._finished.clear()
+        done = [f for f in self._flights if f.sequence.call.done.is_set()]
+        if not done:
+            return []
+        self._flights = [f for f in self._flights if not f.sequence.call.done.is_set()]
+        cap = self.costs.workload.response_max_tokens
+        for f in done:
+            self._fill(f, stored_tokens(f.length, self.costs.emulation.compression))
+            f.request.finish_reason = "length" if f.length >= cap else "stop"
+        return [f.request for f in done]
+
+    def abort_requests(self) -> list[Request]:
+        self.device.pause(0.0)  # the serving thread credits the steps decoded so far
+        flights, self._flights = self._flights, []
+        self.device.cut([f.sequence for f in flights])
+        c = self.costs.emulation.compression
+        for f in flights:
+            self._fill(f, int(f.generated() // c))
+        return [f.request for f in flights]
+
+    def in_flight(self) -> int:
+        return len(self._flights)
+
+    def finish_text(self, request: Request) -> Completion:
+        return request.completion("")
+
+    def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(version, weights)
+        for f in self._flights:  # exact: the load's pause credited the steps before it
+            f.switches.append((f.generated(), version))
+
+    def _fill(self, f: _Flight, stored: int) -> None:
+        c = self.costs.emulation.compression
+        r = f.request
+        for i in range(len(r.token_ids), stored):
+            r.token_ids.append(FILLER_TOKEN)
+            r.logprobs.append(0.0)
+            r.versions.append(f.version_at(int(i * c)))
 
 
 class DataParallelLoad:

@@ -30,6 +30,13 @@ class Mode:
     colocated: bool
     staleness: int
     streaming: bool
+    #: ``rollout.partial``: ``off``, or weights loaded mid-generation (``continue``, ``abort``).
+    partial: str = "off"
+
+    @property
+    def simulated_as(self) -> str:
+        """The simulator's mode for this one: it has no partial rollout, so the mode without."""
+        return self.name.split("+")[0]
 
 
 MODES = {
@@ -43,6 +50,16 @@ MODES = {
     ]
 }
 BASELINE = "colocated-sync"
+#: async-1 with weights loaded mid-generation: run by ``benches/partial_rollout.py`` beside
+#: ``async-1``, not by the suite's default sweep.
+PARTIAL_MODES = {
+    m.name: m
+    for m in [
+        Mode("async-1+continue", colocated=False, staleness=1, streaming=True, partial="continue"),
+        Mode("async-1+abort", colocated=False, staleness=1, streaming=True, partial="abort"),
+    ]
+}
+ALL_MODES = {**MODES, **PARTIAL_MODES}
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,10 @@ def job_config(mode: Mode, costs: CostModel, store_url: str, run_dir: Path) -> c
     config.trainer.max_steps = e.warmup_steps + e.steps
     config.trainer.groups_per_step = w.prompts_per_step
     config.trainer.max_staleness = mode.staleness
+    config.rollout.partial = mode.partial  # type: ignore[assignment]
+    # One request-level worker per device keeps as many sequences in flight as the calls of the
+    # other streaming modes do, and claims as many groups at once as fit.
+    config.rollout.max_num_seqs = e.calls_per_device * e.groups_per_call * w.group_size
     config.trainer.streaming = mode.streaming
     config.trainer.micro_batch_tokens = e.micro_batch_groups * longest * w.group_size
     # One row per sample: the emulated trainer spreads a micro-batch's rows over its devices.

@@ -20,6 +20,7 @@ from asyncflow.bench import costs as cost_model
 from asyncflow.bench.costs import CostModel
 from asyncflow.bench.emulation.devices import BusyMeter, DecodeDevice, DevicePool
 from asyncflow.bench.emulation.engines import (
+    EmulatedPartialRollout,
     EmulatedRollout,
     EmulatedTask,
     EmulatedTokenizer,
@@ -27,7 +28,7 @@ from asyncflow.bench.emulation.engines import (
     ModelledVerifier,
 )
 from asyncflow.bench.emulation.modes import (
-    MODES,
+    ALL_MODES,
     Mode,
     ProcessSpec,
     job_config,
@@ -40,6 +41,7 @@ from asyncflow.telemetry.trace import Tracer
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import Context, RunState, Worker
 from asyncflow.workers.feeder import Feeder
+from asyncflow.workers.partial import PartialRollout
 from asyncflow.workers.reference import ReferenceWorker
 from asyncflow.workers.reward import RewardWorker
 from asyncflow.workers.rollout import Rollout
@@ -61,8 +63,16 @@ def rollout_workers(
             f"device-{d}", costs.rollout, pool, meter, costs.emulation.compression
         )
         devices.append(device)
+        if mode.partial != "off":
+            # One worker drives the device request by request (see job_config's max_num_seqs).
+            step_timeout = ctx.config.run.poll_interval / 10
+            partial = EmulatedPartialRollout(device, costs, load_s, step_timeout)
+            workers.append(PartialRollout(ctx, partial, f"rollout-{d}"))
+            continue
         engine = EmulatedRollout(device, costs, load_s)
         workers += [Rollout(ctx, engine, f"rollout-{d}.{k}") for k in range(per_device)]
+    if mode.partial != "off":
+        ctx.config.rollout.groups_per_call = ctx.config.rollout.max_num_seqs // ctx.config.rollout.n
     return workers, devices
 
 
@@ -82,7 +92,7 @@ def trainer_worker(
 def build(spec: ProcessSpec, ctx: Context, meter: BusyMeter) -> tuple[list[Worker], list[Any]]:
     """The workers of this process, and what to close afterwards."""
     costs = cost_model.from_dict(spec.costs)
-    mode = MODES[spec.mode]
+    mode = ALL_MODES[spec.mode]
     place = placement(mode, costs)
     moves = costs.colocated if place.colocated else cost_model.Colocated(0.0, 0.0)
     devices = place.train_devices if "trainer" in spec.roles else place.rollout_devices
@@ -120,7 +130,7 @@ def main(argv: list[str]) -> int:
     spec = ProcessSpec.read(Path(argv[0]))
     costs = cost_model.from_dict(spec.costs)
     run_dir = Path(spec.run_dir)
-    config = job_config(MODES[spec.mode], costs, spec.store_url, run_dir)
+    config = job_config(ALL_MODES[spec.mode], costs, spec.store_url, run_dir)
     store = af.connect(spec.store_url)
     tracer = Tracer()
     ctx = Context(store, config, EmulatedTokenizer(), tracer, RunState())

@@ -1,0 +1,97 @@
+"""async-1 with and without partial rollout (``rollout.partial``: ``continue``, ``abort``) in the
+pipeline emulation: the real workers, store daemon and weight publication on emulated devices
+(``asyncflow.bench.emulation``), cost model ``paper-7b.yaml`` unless ``--costs`` names another.
+
+    python benches/partial_rollout.py [--seeds 0 1 2] [--quick] [--json PATH]
+
+Per workload seed, the three modes run on async-1's best split (found by the simulator, as the
+``pipeline`` suite does), one after the other; the figures are emulated. The partial modes run
+one request-level worker per generating device, keeping as many sequences in flight as
+async-1's calls do (``calls_per_device x groups_per_call x group_size``). Prints a markdown table:
+per mode, the mean over the seeds with the smallest and largest beside it.
+
+The simulator (``asyncflow-sim``) has no partial mode: ``sim samples/s`` of a partial mode is
+the simulator's async-1 on the same split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+from statistics import mean
+
+from asyncflow.bench import costs as cost_model
+from asyncflow.bench.emulation.modes import ALL_MODES
+from asyncflow.bench.pipeline_suite import ModeResult, measure, quick_costs
+from asyncflow.bench.records import Report
+from asyncflow.bench.split import with_best_split
+
+MODES = ("async-1", "async-1+continue", "async-1+abort")
+BASELINE = "async-1"
+
+
+def run_seed(costs: cost_model.CostModel, seed: int, report: Report) -> dict[str, ModeResult]:
+    seeded = replace(costs, workload=replace(costs.workload, seed=seed))
+    split = with_best_split(seeded, BASELINE, False)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="asyncflow-partial-") as tmp:
+        for name in MODES:
+            results[name] = measure(ALL_MODES[name], split, Path(tmp), report)
+            report.progress(f"seed {seed} {name}: {results[name].samples_per_s:.3f} samples/s")
+    return results
+
+
+def spread(values: list[float]) -> str:
+    return f"{mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def table(by_seed: dict[int, dict[str, ModeResult]]) -> str:
+    rows = [
+        "| mode | samples/s | x async-1 | generation pool busy | training pool busy "
+        "| decode fill | weight load busy | sim samples/s (async-1) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in MODES:
+        runs = [by_seed[s][name] for s in by_seed]
+        base = [by_seed[s][BASELINE] for s in by_seed]
+        ratios = [r.samples_per_s / b.samples_per_s for r, b in zip(runs, base, strict=True)]
+        generation = [r.busy["rollout"] + r.busy["weight_load"] for r in runs]
+        training = [r.busy["reference"] + r.busy["trainer"] + r.busy["publish"] for r in runs]
+        cells = [
+            [r.samples_per_s for r in runs],
+            ratios,
+            generation,
+            training,
+            [r.decode_fill for r in runs],
+            [r.busy["weight_load"] for r in runs],
+            [r.simulated for r in runs],
+        ]
+        rows.append(f"| {name} | " + " | ".join(spread(c) for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--costs", default=None)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny smoke run; figures mean little"
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    costs = cost_model.load(args.costs)
+    if args.quick:
+        costs = quick_costs(costs)
+    report = Report("partial")
+    by_seed = {seed: run_seed(costs, seed, report) for seed in args.seeds}
+    print(table(by_seed))
+    if args.json:
+        out = {str(s): {n: asdict(r) for n, r in runs.items()} for s, runs in by_seed.items()}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
