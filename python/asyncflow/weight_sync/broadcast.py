@@ -134,14 +134,20 @@ class BroadcastReceiver(Receiver):
     def _run(self) -> None:
         while not self._closed.is_set():
             have = self.latest_received()
-            if not any(v > (-1 if have is None else have) for v in announced(self.store)):
-                self._closed.wait(self.poll_interval)
-                continue
             try:
+                if not any(v > (-1 if have is None else have) for v in announced(self.store)):
+                    self._closed.wait(self.poll_interval)
+                    continue
                 self._receive_one(have)
-            except (RuntimeError, ValueError, LookupError) as e:
+            except (RuntimeError, ValueError, LookupError, StoreError) as e:
                 with self._received:
-                    self.error = e if isinstance(e, WeightSyncError) else WeightSyncError(str(e))
+                    self.error = (
+                        e
+                        if isinstance(e, WeightSyncError)
+                        else WeightSyncError(
+                            f"weight sync receiver {self.group.label!r}: {type(e).__name__}: {e}"
+                        )
+                    )
                     self._received.notify_all()
                 return
 
