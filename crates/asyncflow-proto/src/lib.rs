@@ -11,9 +11,10 @@
 pub mod claim;
 pub mod error;
 pub mod frame;
-pub mod message;
+pub mod hello;
 pub mod record;
 pub mod reply;
+pub mod request;
 pub mod untrusted;
 pub mod wire;
 
@@ -22,11 +23,10 @@ pub use frame::{
     FrameHeader, HEADER_LEN, Limits, MAGIC, Op, PAYLOAD_ALIGN, RawFrame, VERSION, align_payload,
     decode_frame,
 };
-pub use message::{
-    CellMeta, ColumnMeta, Hello, PayloadSource, PutRequest, Request, Role, StoreCells,
-};
+pub use hello::{Hello, Role, ServerHello};
 pub use record::{CellLoc, ChunkRef, FileId, Record, Stored, decode_record};
 pub use reply::{
-    CellPlace, Claimed, Failure, Reply, Segments, ServerHello, SharedCell, Spare, WireCell,
-    WireColumn, decode_answer,
+    CellPlace, Failure, Reply, Segments, SharedCell, Spare, WireCell, WireClaimed, WireColumn,
+    decode_answer,
 };
+pub use request::{CellMeta, ColumnMeta, PayloadSource, PutRequest, Request, StoreCells};

@@ -9,7 +9,7 @@ use asyncflow_core::Change;
 use asyncflow_core::index::Counters;
 
 use crate::error::ProtoError;
-use crate::message::{get_new_rows, put_new_rows};
+use crate::request::{get_new_rows, put_new_rows};
 use crate::wire::{Reader, Writer};
 
 /// Bytes before a record's body: its length and checksum.

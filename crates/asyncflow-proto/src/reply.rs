@@ -10,27 +10,13 @@ use asyncflow_core::{FieldSchema, RowInfo, StoreError, StoreStats};
 
 use crate::error::ProtoError;
 use crate::frame::Op;
-use crate::message::{Role, get_tags, put_tags};
+use crate::hello::{Role, ServerHello};
+use crate::request::{get_tags, put_tags};
 use crate::wire::{Reader, Writer};
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ServerHello {
-    pub version: String,
-    pub role: Role,
-    /// The daemon's machine (see [`crate::Hello::host`]).
-    pub host: String,
-    /// A Unix socket on the daemon's machine that offers the shared-memory data path.
-    pub shm_socket: Option<String>,
-    /// For a controller: its storage daemons, in shard order (row `i` lives on `i % len`).
-    pub storage: Vec<String>,
-    /// Drawn at random when the daemon starts: a client that reaches it over TCP and over its
-    /// Unix socket checks that both are the same daemon. 0 from a daemon that sends none.
-    pub instance: u64,
-}
 
 /// Rows leased by a claim; `expires_in` is what the lease had left when the reply was built.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Claimed {
+pub struct WireClaimed {
     pub lease: Option<u64>,
     pub rows: Vec<u64>,
     pub versions: Vec<u64>,
@@ -94,7 +80,7 @@ pub enum Reply {
         rows: Vec<u64>,
         fields: Vec<u32>,
     },
-    Claimed(Claimed),
+    Claimed(WireClaimed),
     Renewed(Duration),
     /// Read cells; with shared cells, `pin` keeps them alive until the client sends `Unpin`.
     Cells {
@@ -126,7 +112,7 @@ pub enum Reply {
     },
     /// A claim answered with its rows' cells of the claimed fields, as `Cells` would bring them.
     ClaimedCells {
-        claimed: Claimed,
+        claimed: WireClaimed,
         columns: Vec<WireColumn>,
         pin: Option<u64>,
         segments: Segments,
@@ -146,7 +132,7 @@ pub enum Failure {
     Unavailable(String),
 }
 
-fn put_claimed(w: &mut Writer, c: &Claimed) {
+fn put_claimed(w: &mut Writer, c: &WireClaimed) {
     w.opt(c.lease, |w, l| {
         w.u64(l);
     });
@@ -160,8 +146,8 @@ fn put_claimed(w: &mut Writer, c: &Claimed) {
     });
 }
 
-fn get_claimed(r: &mut Reader<'_>) -> Result<Claimed, ProtoError> {
-    Ok(Claimed {
+fn get_claimed(r: &mut Reader<'_>) -> Result<WireClaimed, ProtoError> {
+    Ok(WireClaimed {
         lease: r.opt(Reader::u64)?,
         rows: r.u64s()?,
         versions: r.u64s()?,
@@ -598,7 +584,7 @@ mod tests {
 
     #[test]
     fn a_claim_with_its_cells_round_trips_and_inline_cells_are_bounded_by_the_payload() {
-        let claimed = Claimed {
+        let claimed = WireClaimed {
             lease: Some(3),
             rows: vec![10, 11],
             versions: vec![1, 1],

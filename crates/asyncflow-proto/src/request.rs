@@ -10,50 +10,8 @@ use asyncflow_core::{ClaimSpec, FieldSchema, NewRows, PutTarget};
 use crate::claim;
 use crate::error::ProtoError;
 use crate::frame::Op;
+use crate::hello::Hello;
 use crate::wire::{Reader, Writer};
-
-/// What a daemon is: the whole store, or one half of a sharded deployment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Role {
-    /// Metadata and payloads in one process.
-    Standalone = 0,
-    /// Metadata, readiness and leases; payloads live on storage daemons.
-    Controller = 1,
-    /// Payloads only, addressed by the controller's row indexes and field ids.
-    Storage = 2,
-}
-
-impl Role {
-    pub fn from_code(code: u8) -> Result<Self, ProtoError> {
-        match code {
-            0 => Ok(Role::Standalone),
-            1 => Ok(Role::Controller),
-            2 => Ok(Role::Storage),
-            c => Err(ProtoError::malformed(format!("unknown role {c}"))),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Standalone => "standalone",
-            Role::Controller => "controller",
-            Role::Storage => "storage",
-        }
-    }
-}
-
-/// The first frame on every connection.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hello {
-    pub token: Option<String>,
-    /// Identifies the client's machine; equal to the daemon's, shared memory is possible.
-    pub host: String,
-    /// Leases the client still holds from an earlier connection that broke: the daemon keeps
-    /// them for this connection instead of giving them back once its reconnect grace is over.
-    /// Left out of the frame when empty.
-    pub leases: Vec<u64>,
-}
 
 /// Where one cell's bytes are: `len` bytes at `offset` of the payload (frame or staged region).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

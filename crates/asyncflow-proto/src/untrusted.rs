@@ -2,9 +2,9 @@
 //! corpus replay test both run it, so "no input panics" is checked on exactly this surface.
 
 use crate::frame::{Limits, Op, decode_frame};
-use crate::message::Request;
 use crate::record::{Record, decode_record};
 use crate::reply::{Failure, Reply, decode_answer};
+use crate::request::Request;
 
 /// Decodes `data` every way a daemon or client might: as a stream of frames (each body as a
 /// request and as an answer), as the metadata of every operation, and as a write-ahead log (a

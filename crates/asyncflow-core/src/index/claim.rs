@@ -6,10 +6,10 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use super::shared::Share;
 use super::{FieldId, Index, PartitionId, TaskId};
 use crate::error::{Result, StoreError};
 use crate::index::lease::LeaseId;
+use crate::scheduler::CostModel;
 
 /// Token lengths of `rows` in a field (the first dimension of each row's cell). The index holds
 /// no payloads, so whoever does (the store's shards) measures them for balanced shared claims.
@@ -32,6 +32,47 @@ pub struct ClaimSpec {
     /// step (each gets its token-balanced part) and the peers of a replica group (each gets the
     /// same part). `batch_size` is then the whole step's batch. `None`: an ordinary claim.
     pub share: Option<Share>,
+}
+
+/// How one claimed batch is shared (see `shared.rs`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Share {
+    /// With the task and `replica`, names the shared batch: every consumer of one training step
+    /// passes the same value.
+    pub step: u64,
+    /// Replica group. Groups with different ids claim different batches for the same step (e.g.
+    /// data-parallel groups that each pull their own batch); 0 when one batch serves the step.
+    pub replica: u64,
+    /// The caller's data-parallel rank, below `dp_size`.
+    pub dp_rank: u32,
+    /// Ranks the batch is split over; 1 for no split.
+    pub dp_size: u32,
+    /// The caller's rank among the peers that receive the same part, below `replica_size`.
+    pub replica_rank: u32,
+    /// Peers that receive each part and must all ack it; 1 for no replicas.
+    pub replica_size: u32,
+    /// Field whose first dimension is a row's token count; `None`: the claim's first field.
+    pub balance_field: Option<String>,
+    /// What a row costs as a function of its token count.
+    pub cost: CostModel,
+    /// Parts get equally many rows (±1), or equally many groups with `whole_groups`.
+    pub equal_count: bool,
+}
+
+impl Default for Share {
+    fn default() -> Self {
+        Self {
+            step: 0,
+            replica: 0,
+            dp_rank: 0,
+            dp_size: 1,
+            replica_rank: 0,
+            replica_size: 1,
+            balance_field: None,
+            cost: CostModel::Tokens,
+            equal_count: false,
+        }
+    }
 }
 
 /// Rows leased by one claim. An empty claim holds no lease.

@@ -11,11 +11,10 @@ mod shared;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-pub use claim::{ClaimSpec, Claimed, TokenLengths};
+pub use claim::{ClaimSpec, Claimed, Share, TokenLengths};
 pub use journal::Change;
 pub use lease::LeaseId;
 use lease::Leases;
-pub use shared::Share;
 use shared::SharedClaims;
 
 use crate::bitmap::Bitmap;

@@ -22,56 +22,15 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::claim::{ClaimSpec, Claimed, TokenLengths};
+use super::claim::{ClaimSpec, Claimed, Share, TokenLengths};
 use super::lease::{LeaseId, Leases};
 use super::{Index, TaskId};
 use crate::error::{Result, StoreError};
-use crate::scheduler::{CostModel, Method, PartitionOptions, partition};
+use crate::scheduler::{Method, PartitionOptions, partition};
 
 /// Ended batches remembered, so that claiming a finished step again fails instead of claiming a
 /// fresh batch under its name.
 const RETIRED_KEPT: usize = 1024;
-
-/// How one claimed batch is shared (see the module documentation).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Share {
-    /// With the task and `replica`, names the shared batch: every consumer of one training step
-    /// passes the same value.
-    pub step: u64,
-    /// Replica group. Groups with different ids claim different batches for the same step (e.g.
-    /// data-parallel groups that each pull their own batch); 0 when one batch serves the step.
-    pub replica: u64,
-    /// The caller's data-parallel rank, below `dp_size`.
-    pub dp_rank: u32,
-    /// Ranks the batch is split over; 1 for no split.
-    pub dp_size: u32,
-    /// The caller's rank among the peers that receive the same part, below `replica_size`.
-    pub replica_rank: u32,
-    /// Peers that receive each part and must all ack it; 1 for no replicas.
-    pub replica_size: u32,
-    /// Field whose first dimension is a row's token count; `None`: the claim's first field.
-    pub balance_field: Option<String>,
-    /// What a row costs as a function of its token count.
-    pub cost: CostModel,
-    /// Parts get equally many rows (±1), or equally many groups with `whole_groups`.
-    pub equal_count: bool,
-}
-
-impl Default for Share {
-    fn default() -> Self {
-        Self {
-            step: 0,
-            replica: 0,
-            dp_rank: 0,
-            dp_size: 1,
-            replica_rank: 0,
-            replica_size: 1,
-            balance_field: None,
-            cost: CostModel::Tokens,
-            equal_count: false,
-        }
-    }
-}
 
 impl Share {
     pub(super) fn check(&self, fields: &[String]) -> Result<()> {

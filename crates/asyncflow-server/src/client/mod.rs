@@ -14,7 +14,7 @@ use asyncflow_core::{
     Cell, Chunk, ClaimSpec, FieldSchema, PutTarget, RowInfo, StoreError, StoreStats, Wait,
 };
 use asyncflow_proto::{
-    CellPlace, Claimed, PayloadSource, PutRequest, Reply, Request, Role, StoreCells, WireColumn,
+    CellPlace, PayloadSource, PutRequest, Reply, Request, Role, StoreCells, WireClaimed, WireColumn,
 };
 use asyncflow_shm::{SegmentView, size_class};
 
@@ -329,7 +329,7 @@ impl Client {
         allow_partial: bool,
         timeout: Option<Duration>,
         wait: Wait<'_>,
-    ) -> Result<(Claimed, Option<Vec<ReadColumn>>)> {
+    ) -> Result<(WireClaimed, Option<Vec<ReadColumn>>)> {
         let read = self.storage.is_empty() && self.primary.is_shm();
         let req = Request::Claim { spec: spec.clone(), allow_partial, timeout, read };
         let answer = self.primary.call(&req, &[], wait)?;

@@ -13,7 +13,7 @@ use asyncflow_proto::{
 };
 use asyncflow_shm::{MAX_FDS, MIN_SEGMENT, Segment};
 
-use super::outgoing::{Answer, Part};
+use super::outgoing::{Part, ReplyBody};
 use super::session::{Session, Stage};
 
 /// The chunk a put's cells live in: its inline payload (paid for by `guard`) or its staged
@@ -106,12 +106,12 @@ pub struct Outgoing {
     pub columns: Vec<WireColumn>,
     pub pin: Option<u64>,
     pub segments: Segments,
-    pub answer: Answer,
+    pub answer: ReplyBody,
 }
 
 impl Outgoing {
     /// The reply to a read.
-    pub fn read_reply(self) -> (Reply, Answer) {
+    pub fn read_reply(self) -> (Reply, ReplyBody) {
         let Self { columns, pin, segments, answer } = self;
         (Reply::Cells { columns, pin, segments }, answer)
     }
@@ -125,7 +125,7 @@ pub fn outgoing_cells(
     session: &Session,
     columns: Vec<(String, FieldSchema, Vec<Cell>)>,
 ) -> Outgoing {
-    let mut answer = Answer::default();
+    let mut answer = ReplyBody::default();
     let mut cursor = 0u64;
     // Where each chunk is: the segment it fills, or nowhere the client can map (sent inline).
     // The cells of one put share a chunk, so this is looked up once per put, not per cell.

@@ -18,8 +18,7 @@ use std::time::{Duration, Instant};
 
 use asyncflow_core::{MemoryGuard, StoreError, Wait};
 use asyncflow_proto::{
-    Failure, FrameHeader, HEADER_LEN, Limits, PayloadSource, ProtoError, Reply, Request,
-    ServerHello,
+    Failure, FrameHeader, HEADER_LEN, Limits, ProtoError, Reply, Request, ServerHello,
 };
 use asyncflow_shm::send_with_fds;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest, ReadBuf};
@@ -29,8 +28,8 @@ use tokio::task::JoinSet;
 
 use super::Daemon;
 use super::cells::Payload;
-use super::metadata::Outcome;
-use super::outgoing::{Answer, Outgoing, Part};
+use super::outgoing::{Outgoing, Part, ReplyBody};
+use super::routing::dispatch;
 use super::session::{Descriptor, Session, ShmSession};
 use super::transit::{Transit, TransitGuard};
 use crate::auth::token_matches;
@@ -45,40 +44,40 @@ const SPIN: Duration = Duration::from_micros(250);
 /// Set while some connection spins: only one does at a time.
 static SPINNING: AtomicBool = AtomicBool::new(false);
 
-pub enum Link {
+pub enum Socket {
     Tcp(TcpStream),
     Unix(UnixStream),
 }
 
-impl Link {
+impl Socket {
     /// Whether the client is on this machine: the Unix socket, or TCP over loopback.
     fn is_local(&self) -> bool {
         match self {
-            Link::Tcp(s) => s.peer_addr().is_ok_and(|a| a.ip().is_loopback()),
-            Link::Unix(_) => true,
+            Socket::Tcp(s) => s.peer_addr().is_ok_and(|a| a.ip().is_loopback()),
+            Socket::Unix(_) => true,
         }
     }
 }
 
 /// The same socket, taken off the runtime that accepted it, to be served on another.
-enum StdLink {
+enum StdSocket {
     Tcp(std::net::TcpStream),
     Unix(std::os::unix::net::UnixStream),
 }
 
-impl StdLink {
-    fn of(link: Link) -> std::io::Result<Self> {
-        Ok(match link {
-            Link::Tcp(s) => StdLink::Tcp(s.into_std()?),
-            Link::Unix(s) => StdLink::Unix(s.into_std()?),
+impl StdSocket {
+    fn of(socket: Socket) -> std::io::Result<Self> {
+        Ok(match socket {
+            Socket::Tcp(s) => StdSocket::Tcp(s.into_std()?),
+            Socket::Unix(s) => StdSocket::Unix(s.into_std()?),
         })
     }
 
     /// Registers the socket with the runtime this is called on.
-    fn into_link(self) -> std::io::Result<Link> {
+    fn into_socket(self) -> std::io::Result<Socket> {
         Ok(match self {
-            StdLink::Tcp(s) => Link::Tcp(TcpStream::from_std(s)?),
-            StdLink::Unix(s) => Link::Unix(UnixStream::from_std(s)?),
+            StdSocket::Tcp(s) => Socket::Tcp(TcpStream::from_std(s)?),
+            StdSocket::Unix(s) => Socket::Unix(UnixStream::from_std(s)?),
         })
     }
 }
@@ -99,7 +98,7 @@ struct Queued {
 /// that a spinning read gives way to them at once, and so that a client that does not read its
 /// replies stops being read (see `transit.rs`).
 #[derive(Clone)]
-struct Replies {
+pub(super) struct Replies {
     tx: mpsc::UnboundedSender<Queued>,
     counts: Arc<ReplyCounts>,
     transit: Arc<Transit>,
@@ -117,7 +116,7 @@ struct ReplyCounts {
 }
 
 impl Replies {
-    fn send(&self, out: Outgoing) {
+    pub(super) fn send(&self, out: Outgoing) {
         let cost = out.meta.len() as u64 + REPLY_OVERHEAD;
         let held = self.transit.force(cost);
         self.counts.queued.fetch_add(1, Ordering::AcqRel);
@@ -217,12 +216,12 @@ impl From<std::io::Error> for ReadError {
     }
 }
 
-struct Frame {
-    header: FrameHeader,
-    meta: Vec<u8>,
-    payload: Payload,
+pub(super) struct Frame {
+    pub(super) header: FrameHeader,
+    pub(super) meta: Vec<u8>,
+    pub(super) payload: Payload,
     /// Transit bytes the frame holds until its request is done (see `transit.rs`).
-    held: Vec<TransitGuard>,
+    pub(super) held: Vec<TransitGuard>,
 }
 
 async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, limits: Limits) -> Result<Frame, ReadError> {
@@ -455,16 +454,16 @@ struct Greeted {
 /// Reads the hello within `--hello-timeout` and checks the token, reading no byte past the
 /// hello (the connection may move to another thread after it). `None` if the connection must
 /// be closed; a refusal has been sent then.
-async fn greet(daemon: &Daemon, link: &mut Link, cut: &tokio::sync::Notify) -> Option<Greeted> {
-    let refused = async |link: &mut Link, id: u64, f: Failure| {
+async fn greet(daemon: &Daemon, socket: &mut Socket, cut: &tokio::sync::Notify) -> Option<Greeted> {
+    let refused = async |socket: &mut Socket, id: u64, f: Failure| {
         daemon.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
-        let _ = write_raw(link, &Outgoing::failure(id, &f)).await;
+        let _ = write_raw(socket, &Outgoing::failure(id, &f)).await;
         None
     };
     let read = async {
-        match link {
-            Link::Tcp(s) => read_frame(s, HELLO_LIMITS).await,
-            Link::Unix(s) => read_frame(s, HELLO_LIMITS).await,
+        match socket {
+            Socket::Tcp(s) => read_frame(s, HELLO_LIMITS).await,
+            Socket::Unix(s) => read_frame(s, HELLO_LIMITS).await,
         }
     };
     let read = tokio::time::timeout(daemon.config.hello_timeout, read);
@@ -472,14 +471,14 @@ async fn greet(daemon: &Daemon, link: &mut Link, cut: &tokio::sync::Notify) -> O
         r = read => r,
         () = cut.notified() => {
             let why = "newer connections took the place of this one, which had not said hello";
-            let _ = write_raw(link, &Outgoing::failure(0, &Failure::Unavailable(why.into()))).await;
+            let _ = write_raw(socket, &Outgoing::failure(0, &Failure::Unavailable(why.into()))).await;
             return None;
         }
     };
     let frame = match frame {
         Ok(Ok(frame)) => frame,
         Ok(Err(ReadError::Proto(e))) => {
-            return refused(link, 0, Failure::Protocol(e.to_string())).await;
+            return refused(socket, 0, Failure::Protocol(e.to_string())).await;
         }
         Ok(Err(ReadError::Closed)) | Err(_) => return None,
     };
@@ -488,14 +487,14 @@ async fn greet(daemon: &Daemon, link: &mut Link, cut: &tokio::sync::Notify) -> O
         Ok(Request::Hello(h)) => h,
         Ok(_) => {
             let f = Failure::Auth("the first frame must be a hello".into());
-            return refused(link, id, f).await;
+            return refused(socket, id, f).await;
         }
-        Err(e) => return refused(link, id, Failure::Protocol(e.to_string())).await,
+        Err(e) => return refused(socket, id, Failure::Protocol(e.to_string())).await,
     };
     if let Some(token) = &daemon.config.token
         && !token_matches(token, hello.token.as_deref())
     {
-        return refused(link, id, Failure::Auth("wrong or missing token".into())).await;
+        return refused(socket, id, Failure::Auth("wrong or missing token".into())).await;
     }
     Some(Greeted { id, leases: hello.leases })
 }
@@ -510,180 +509,16 @@ fn hello_reply(daemon: &Daemon, id: u64) -> Outgoing {
         storage: daemon.config.storage.clone(),
         instance: daemon.instance,
     });
-    Outgoing::reply(id, &reply, Answer::default())
+    Outgoing::reply(id, &reply, ReplyBody::default())
 }
 
 /// Writes a frame with no payload and no descriptors straight to the socket.
-async fn write_raw(link: &mut Link, out: &Outgoing) -> std::io::Result<()> {
+async fn write_raw(socket: &mut Socket, out: &Outgoing) -> std::io::Result<()> {
     let mut bytes = out.header.encode().to_vec();
     bytes.extend_from_slice(&out.meta);
-    match link {
-        Link::Tcp(s) => s.write_all(&bytes).await,
-        Link::Unix(s) => s.write_all(&bytes).await,
-    }
-}
-
-/// Runs one request: on the spot if it cannot wait (its reply is returned, for the reader to
-/// write), otherwise on the blocking pool (its reply is queued for the writer task).
-fn dispatch(
-    daemon: &Arc<Daemon>,
-    session: &Arc<Session>,
-    tx: &Replies,
-    tasks: &mut JoinSet<u64>,
-    in_flight: &mut u64,
-    activity: &Arc<Activity>,
-    frame: Frame,
-) -> Option<Outgoing> {
-    let id = frame.header.request_id;
-    let req = match Request::decode(frame.header.op, &frame.meta, frame.payload.bytes.len() as u64)
-    {
-        Ok(req) => req,
-        Err(e) => {
-            daemon.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
-            return Some(Outgoing::failure(id, &Failure::Protocol(e.to_string())));
-        }
-    };
-    match req {
-        Request::Unpin { pins } => {
-            if let Some(shm) = &session.shm {
-                shm.unpin(&pins);
-            }
-            return None;
-        }
-        Request::Cancel { request } => {
-            session.cancel(request);
-            return None;
-        }
-        Request::Hello(_) => {
-            let e = StoreError::bad_request("this connection already said hello");
-            return Some(Outgoing::failure(id, &Failure::Store(e)));
-        }
-        Request::Ping => return Some(Outgoing::reply(id, &Reply::Done, Answer::default())),
-        // A staged put may be no larger than an inline one.
-        Request::Stage { bytes, give_back, .. }
-            if bytes > u64::from(daemon.config.limits.max_payload) =>
-        {
-            if let (Some(shm), Some(id)) = (&session.shm, give_back) {
-                shm.give_back_spare(id);
-            }
-            let e = StoreError::bad_request(format!(
-                "a put of {bytes} bytes exceeds the daemon's --max-frame of {}",
-                daemon.config.limits.max_payload
-            ));
-            return Some(Outgoing::failure(id, &Failure::Store(e)));
-        }
-        _ => {}
-    }
-    let notice = frame.header.op.is_notice();
-    let deadline = match &req {
-        Request::Claim { timeout, .. } | Request::Stage { timeout, .. } => {
-            timeout.map(|t| Instant::now() + t)
-        }
-        Request::Put(p) => p.timeout.map(|t| Instant::now() + t),
-        Request::StoreCells(s) => s.timeout.map(|t| Instant::now() + t),
-        _ => None,
-    };
-    let answer = |out: Outgoing| (!notice).then_some(out);
-    // What cannot wait runs right here: handing it to another thread would cost more than it.
-    if !may_wait(&req, session, daemon) {
-        let never = || false;
-        let wait = Wait { deadline, interrupted: &never };
-        let outcome = daemon.execute(session, req, frame.payload, wait);
-        return answer(outgoing(daemon, session, id, outcome, notice));
-    }
-    // A claim first looks once without waiting: most find their rows already there.
-    if let Request::Claim { allow_partial, timeout, .. } = &req
-        && (!allow_partial || *timeout == Some(Duration::ZERO))
-    {
-        let never = || false;
-        let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
-        match daemon.execute(session, req.clone(), Payload::default(), now) {
-            Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
-            outcome => return answer(outgoing(daemon, session, id, outcome, notice)),
-        }
-    }
-    let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
-    let cancelled = session.track(id);
-    let unpaid = if frame.payload.paid.is_some() { 0 } else { frame.payload.bytes.len() };
-    let bytes = (frame.meta.len() + unpaid) as u64;
-    let held = frame.held;
-    *in_flight += bytes;
-    let activity = Arc::clone(activity);
-    activity.busy.fetch_add(1, Ordering::AcqRel);
-    tasks.spawn_blocking(move || {
-        let interrupted = || {
-            cancelled.load(Ordering::Relaxed)
-                || session.closed.load(Ordering::Relaxed)
-                || daemon.stopping.load(Ordering::Relaxed)
-        };
-        let wait = Wait { deadline, interrupted: &interrupted };
-        let outcome = daemon.execute(&session, req, frame.payload, wait);
-        drop(held);
-        session.untrack(id);
-        if !notice {
-            tx.send(outgoing(&daemon, &session, id, outcome, false));
-        }
-        activity.last.store(daemon.uptime(), Ordering::Release);
-        activity.busy.fetch_sub(1, Ordering::AcqRel);
-        bytes
-    });
-    None
-}
-
-/// Whether a request can block: claims wait for rows, and under a memory limit puts (and the
-/// staging of their shared memory) wait for room — a put in a staged region only if that region
-/// is the connection's spare, which is paid for when used.
-fn may_wait(req: &Request, session: &Session, daemon: &Daemon) -> bool {
-    let unpaid = |source: &PayloadSource| match source {
-        PayloadSource::Inline => true,
-        PayloadSource::Staged(id) => session.shm.as_ref().is_some_and(|s| s.is_spare(*id)),
-        PayloadSource::Elsewhere => false,
-    };
-    match req {
-        Request::Claim { .. } => true,
-        Request::Stage { .. } | Request::StoreCells(_) => daemon.config.memory_limit.is_some(),
-        Request::Put(p) => daemon.config.memory_limit.is_some() && unpaid(&p.source),
-        _ => false,
-    }
-}
-
-/// The reply frame for a request's outcome; for a `notice`, which gets none, only counted.
-fn outgoing(
-    daemon: &Daemon,
-    session: &Session,
-    id: u64,
-    outcome: Outcome,
-    notice: bool,
-) -> Outgoing {
-    daemon.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    match outcome {
-        Ok((reply, answer)) => {
-            // A reply that brings no segments of its own can bring a spare region: then the
-            // client's next put needs no round trip to stage one.
-            let offer = match reply {
-                _ if notice => None,
-                Reply::Cells { .. }
-                | Reply::Staged { .. }
-                | Reply::WithSpare { .. }
-                | Reply::ClaimedCells { .. } => None,
-                _ => session.shm.as_ref().and_then(ShmSession::offer_spare),
-            };
-            match offer {
-                Some((spare, fds)) => {
-                    let reply = Reply::WithSpare { reply: Box::new(reply), spare };
-                    Outgoing::reply(id, &reply, Answer { fds, ..answer })
-                }
-                None => Outgoing::reply(id, &reply, answer),
-            }
-        }
-        Err(StoreError::Interrupted) if daemon.stopping.load(Ordering::Relaxed) => {
-            Outgoing::failure(id, &Failure::Unavailable("the daemon is shutting down".into()))
-        }
-        Err(e) => {
-            daemon.metrics.request_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(peer = %session.peer, error = %e, "request failed");
-            Outgoing::failure(id, &Failure::Store(e))
-        }
+    match socket {
+        Socket::Tcp(s) => s.write_all(&bytes).await,
+        Socket::Unix(s) => s.write_all(&bytes).await,
     }
 }
 
@@ -771,9 +606,9 @@ fn admit(daemon: &Arc<Daemon>) -> Option<Counted> {
 pub struct Activity {
     slot: u64,
     /// When it last read a request or finished one (nanoseconds of the daemon's uptime).
-    last: AtomicU64,
+    pub(super) last: AtomicU64,
     /// Requests running (a claim waiting for rows included).
-    busy: AtomicUsize,
+    pub(super) busy: AtomicUsize,
     evicted: AtomicBool,
     evict: tokio::sync::Notify,
 }
@@ -800,30 +635,30 @@ const MAX_IN_FLIGHT: usize = 4096;
 /// here. However it ends, the places it took are freed.
 pub async fn serve(
     daemon: Arc<Daemon>,
-    mut link: Link,
+    mut socket: Socket,
     peer: String,
     stopping: watch::Receiver<bool>,
     unauthenticated: Ungreeted,
 ) {
-    let Some(greeted) = greet(&daemon, &mut link, &unauthenticated.cut).await else { return };
+    let Some(greeted) = greet(&daemon, &mut socket, &unauthenticated.cut).await else { return };
     drop(unauthenticated);
     let Some(counted) = admit(&daemon) else {
         daemon.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
         let max = daemon.config.max_connections;
         tracing::warn!(peer = %peer, max, "refusing a connection: too many, none idle");
         let why = format!("the daemon serves at most {max} connections");
-        let _ =
-            write_raw(&mut link, &Outgoing::failure(greeted.id, &Failure::Unavailable(why))).await;
+        let _ = write_raw(&mut socket, &Outgoing::failure(greeted.id, &Failure::Unavailable(why)))
+            .await;
         return;
     };
-    if write_raw(&mut link, &hello_reply(&daemon, greeted.id)).await.is_err() {
+    if write_raw(&mut socket, &hello_reply(&daemon, greeted.id)).await.is_err() {
         return;
     }
     let leases = greeted.leases;
-    if !link.is_local() {
-        return serve_here(daemon, counted, link, peer, stopping, false, leases).await;
+    if !socket.is_local() {
+        return serve_here(daemon, counted, socket, peer, stopping, false, leases).await;
     }
-    let moved = match StdLink::of(link) {
+    let moved = match StdSocket::of(socket) {
         Ok(moved) => moved,
         Err(e) => {
             // The socket is gone with its registration; the client sees its connection close.
@@ -837,8 +672,8 @@ pub async fn serve(
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
         let served = runtime.map(|rt| {
             rt.block_on(async move {
-                match moved.into_link() {
-                    Ok(link) => serve_here(daemon, counted, link, p, s, true, leases).await,
+                match moved.into_socket() {
+                    Ok(socket) => serve_here(daemon, counted, socket, p, s, true, leases).await,
                     Err(e) => tracing::warn!(peer = %p, error = %e, "cannot serve a connection"),
                 }
             });
@@ -856,14 +691,14 @@ pub async fn serve(
 }
 
 /// The connection's reading half and its buffered writer.
-fn split(link: Link) -> (Half, FrameWriter) {
-    match link {
-        Link::Tcp(s) => {
+fn split(socket: Socket) -> (Half, FrameWriter) {
+    match socket {
+        Socket::Tcp(s) => {
             let _ = s.set_nodelay(true);
             let (r, w) = s.into_split();
             (Half::Tcp(r), FrameWriter::Tcp(BufWriter::with_capacity(BUFFER, w)))
         }
-        Link::Unix(s) => {
+        Socket::Unix(s) => {
             let (r, w) = s.into_split();
             (Half::Unix(r), FrameWriter::Unix(BufWriter::with_capacity(BUFFER, w)))
         }
@@ -889,14 +724,14 @@ async fn replies_read(tx: &Replies, daemon: &Daemon, stopping: &mut watch::Recei
 async fn serve_here(
     daemon: Arc<Daemon>,
     counted: Counted,
-    link: Link,
+    socket: Socket,
     peer: String,
     mut stopping: watch::Receiver<bool>,
     local: bool,
     leases: Vec<u64>,
 ) {
-    let shm = matches!(link, Link::Unix(_)).then(|| daemon.pool.clone()).flatten();
-    let (half, writer) = split(link);
+    let shm = matches!(socket, Socket::Unix(_)).then(|| daemon.pool.clone()).flatten();
+    let (half, writer) = split(socket);
     let queued = Arc::new(AtomicUsize::new(0));
     let incoming = Incoming { half, local, queued: Arc::clone(&queued) };
     let mut reader = BufReader::with_capacity(BUFFER, incoming);

@@ -10,8 +10,9 @@ use asyncflow_core::{ColumnSpec, PutTarget, Store, StoreError, Wait};
 use asyncflow_proto::{PayloadSource, Reply, Request};
 
 use super::cells::Payload;
-use super::metadata::{self, Outcome, check_cell_sizes};
-use super::outgoing::Answer;
+use super::execute::{Execute, Outcome};
+use super::metadata::check_cell_sizes;
+use super::outgoing::ReplyBody;
 use super::session::Session;
 use crate::client::{Link, Policy, Preference};
 
@@ -31,8 +32,10 @@ impl Controller {
             .expect("cannot start the thread that forwards freed rows");
         Self { store }
     }
+}
 
-    pub fn execute(
+impl Execute for Controller {
+    fn execute(
         &self,
         session: &Session,
         req: Request,
@@ -62,7 +65,7 @@ impl Controller {
                 }
                 Ok((
                     Reply::Admitted { rows: admitted.rows, fields: admitted.fields },
-                    Answer::default(),
+                    ReplyBody::default(),
                 ))
             }
             Request::Put(_) | Request::Read { .. } => Err(StoreError::bad_request(
@@ -81,14 +84,14 @@ impl Controller {
                 for row in &rows {
                     admitted.remove(row);
                 }
-                Ok((Reply::Done, Answer::default()))
+                Ok((Reply::Done, ReplyBody::default()))
             }
             // The payloads are on the storage daemons: a claim comes without them.
             Request::Claim { spec, allow_partial, timeout, .. } => {
                 let claim = Request::Claim { spec, allow_partial, timeout, read: false };
-                metadata::execute(&self.store, session, claim, payload, wait)
+                self.store.execute(session, claim, payload, wait)
             }
-            other => metadata::execute(&self.store, session, other, payload, wait),
+            other => self.store.execute(session, other, payload, wait),
         }
     }
 }

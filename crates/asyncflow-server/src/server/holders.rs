@@ -188,16 +188,16 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
-    use asyncflow_proto::Claimed;
+    use asyncflow_proto::WireClaimed;
 
     use super::*;
 
     fn claimed(lease: u64, secs: u64) -> Reply {
-        Reply::Claimed(Claimed {
+        Reply::Claimed(WireClaimed {
             lease: Some(lease),
             rows: vec![1],
             expires_in: Some(Duration::from_secs(secs)),
-            ..Claimed::default()
+            ..WireClaimed::default()
         })
     }
 

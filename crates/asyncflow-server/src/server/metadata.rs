@@ -4,18 +4,17 @@
 use std::time::Instant;
 
 use asyncflow_core::{Column, Store, StoreError, Wait};
-use asyncflow_proto::{Claimed, PutRequest, Reply, Request};
+use asyncflow_proto::{PutRequest, Reply, Request, WireClaimed};
 
 use super::cells::{Outgoing, Payload, cells_in, extent, incoming_chunk, outgoing_cells};
-use super::outgoing::Answer;
+use super::execute::{Execute, Outcome};
+use super::outgoing::ReplyBody;
 use super::session::Session;
-
-pub type Outcome = Result<(Reply, Answer), StoreError>;
 
 // Every arm of `execute` stays one expression; the wrap is what lets `.and(done(...))` read.
 #[allow(clippy::unnecessary_wraps)]
 fn done(reply: Reply) -> Outcome {
-    Ok((reply, Answer::default()))
+    Ok((reply, ReplyBody::default()))
 }
 
 /// A put whose bytes came with it (inline or staged).
@@ -38,9 +37,9 @@ fn put(
     done(Reply::Rows(store.put(columns, &p.target)?))
 }
 
-fn claimed(c: asyncflow_core::Claimed) -> Claimed {
+fn claimed(c: asyncflow_core::Claimed) -> WireClaimed {
     let now = Instant::now();
-    Claimed {
+    WireClaimed {
         lease: c.lease,
         rows: c.rows,
         versions: c.versions,
@@ -55,11 +54,11 @@ fn claimed(c: asyncflow_core::Claimed) -> Claimed {
 fn with_cells(
     store: &Store,
     session: &Session,
-    claimed: Claimed,
+    claimed: WireClaimed,
     fields: &[String],
-) -> (Reply, Answer) {
+) -> (Reply, ReplyBody) {
     if claimed.rows.is_empty() {
-        return (Reply::Claimed(claimed), Answer::default());
+        return (Reply::Claimed(claimed), ReplyBody::default());
     }
     match store.read(&claimed.rows, fields) {
         Ok(columns) => {
@@ -69,61 +68,63 @@ fn with_cells(
         }
         Err(e) => {
             tracing::warn!(error = %e, "claimed rows could not be read with their claim");
-            (Reply::Claimed(claimed), Answer::default())
+            (Reply::Claimed(claimed), ReplyBody::default())
         }
     }
 }
 
-/// Runs `req` against `store`. `payload` is the frame's payload section.
-pub fn execute(
-    store: &Store,
-    session: &Session,
-    req: Request,
-    payload: Payload,
-    wait: Wait<'_>,
-) -> Outcome {
-    match req {
-        Request::RegisterTask { name, scope } => {
-            store.register_task(&name, scope).and(done(Reply::Done))
-        }
-        Request::Put(p) => put(store, session, p, payload, wait),
-        Request::Claim { spec, allow_partial, read, .. } => {
-            let claimed = claimed(store.claim(&spec, allow_partial, wait)?);
-            if read {
-                Ok(with_cells(store, session, claimed, &spec.fields))
-            } else {
-                done(Reply::Claimed(claimed))
+impl Execute for Store {
+    fn execute(
+        &self,
+        session: &Session,
+        req: Request,
+        payload: Payload,
+        wait: Wait<'_>,
+    ) -> Outcome {
+        match req {
+            Request::RegisterTask { name, scope } => {
+                self.register_task(&name, scope).and(done(Reply::Done))
             }
-        }
-        Request::Ack { lease, subset } => {
-            store.ack(lease, subset.as_deref()).and(done(Reply::Done))
-        }
-        Request::Release { lease, subset } => {
-            store.release(lease, subset.as_deref()).and(done(Reply::Done))
-        }
-        Request::Renew { lease, timeout } => {
-            let until = store.renew(lease, timeout)?;
-            done(Reply::Renewed(until.saturating_duration_since(Instant::now())))
-        }
-        Request::Read { rows, fields } => {
-            let columns = store.read(&rows, &fields)?;
-            let columns = columns.into_iter().map(|c| (c.name, c.schema, c.cells)).collect();
-            Ok(outgoing_cells(session, columns).read_reply())
-        }
-        Request::Rows { rows, partition } => done(Reply::RowInfos(match rows {
-            Some(rows) => store.row_info(&rows)?,
-            None => store.rows(partition.as_deref()),
-        })),
-        Request::Clear { partition } => done(Reply::Count(store.clear(&partition)?)),
-        Request::Delete { rows } => store.delete(&rows).and(done(Reply::Done)),
-        Request::Schema { field } => done(Reply::Schema(store.field_schema(&field)?)),
-        Request::ReadyFields { rows } => done(Reply::Names(store.ready_fields(&rows)?)),
-        Request::Stats => done(Reply::Stats(Box::new(store.stats()))),
-        Request::Locate { rows, fields } => {
-            done(Reply::Located { fields: store.locate(&rows, &fields)? })
-        }
-        other => {
-            Err(StoreError::bad_request(format!("{:?} is not served by this daemon", other.op())))
+            Request::Put(p) => put(self, session, p, payload, wait),
+            Request::Claim { spec, allow_partial, read, .. } => {
+                let claimed = claimed(self.claim(&spec, allow_partial, wait)?);
+                if read {
+                    Ok(with_cells(self, session, claimed, &spec.fields))
+                } else {
+                    done(Reply::Claimed(claimed))
+                }
+            }
+            Request::Ack { lease, subset } => {
+                self.ack(lease, subset.as_deref()).and(done(Reply::Done))
+            }
+            Request::Release { lease, subset } => {
+                self.release(lease, subset.as_deref()).and(done(Reply::Done))
+            }
+            Request::Renew { lease, timeout } => {
+                let until = self.renew(lease, timeout)?;
+                done(Reply::Renewed(until.saturating_duration_since(Instant::now())))
+            }
+            Request::Read { rows, fields } => {
+                let columns = self.read(&rows, &fields)?;
+                let columns = columns.into_iter().map(|c| (c.name, c.schema, c.cells)).collect();
+                Ok(outgoing_cells(session, columns).read_reply())
+            }
+            Request::Rows { rows, partition } => done(Reply::RowInfos(match rows {
+                Some(rows) => self.row_info(&rows)?,
+                None => self.rows(partition.as_deref()),
+            })),
+            Request::Clear { partition } => done(Reply::Count(self.clear(&partition)?)),
+            Request::Delete { rows } => self.delete(&rows).and(done(Reply::Done)),
+            Request::Schema { field } => done(Reply::Schema(self.field_schema(&field)?)),
+            Request::ReadyFields { rows } => done(Reply::Names(self.ready_fields(&rows)?)),
+            Request::Stats => done(Reply::Stats(Box::new(self.stats()))),
+            Request::Locate { rows, fields } => {
+                done(Reply::Located { fields: self.locate(&rows, &fields)? })
+            }
+            other => Err(StoreError::bad_request(format!(
+                "{:?} is not served by this daemon",
+                other.op()
+            ))),
         }
     }
 }

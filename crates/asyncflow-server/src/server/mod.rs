@@ -5,11 +5,13 @@ mod cells;
 mod connection;
 mod controller;
 mod durable;
+mod execute;
 mod holders;
 mod metadata;
 mod metrics;
 mod outgoing;
 mod roles;
+mod routing;
 mod session;
 mod storage;
 mod transit;
@@ -31,10 +33,10 @@ use tokio::task::JoinSet;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use connection::{Activity, Link, Ungreeted};
+use connection::{Activity, Socket, Ungreeted};
 use controller::Controller;
+use execute::{Execute, Outcome};
 use holders::{Holders, Touch};
-use metadata::Outcome;
 use metrics::Metrics;
 use roles::Roles;
 use session::Session;
@@ -67,13 +69,8 @@ pub struct Daemon {
     transit: Arc<transit::Transit>,
 }
 
-impl Daemon {
-    /// Nanoseconds since the daemon started.
-    fn uptime(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
-    }
-
-    /// Runs a request for `session`, noting the leases it takes or ends.
+/// Runs a request for `session`, noting the leases it takes or ends.
+impl Execute for Daemon {
     fn execute(
         &self,
         session: &Session,
@@ -87,6 +84,13 @@ impl Daemon {
             self.holders.note(session.id, touch, reply, Instant::now());
         }
         outcome
+    }
+}
+
+impl Daemon {
+    /// Nanoseconds since the daemon started.
+    fn uptime(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// Gives back the leases whose connection closed longer than the grace ago.
@@ -221,10 +225,12 @@ enum Listener {
 }
 
 impl Listener {
-    async fn accept(&self) -> std::io::Result<(Link, String)> {
+    async fn accept(&self) -> std::io::Result<(Socket, String)> {
         match self {
-            Listener::Tcp(l) => l.accept().await.map(|(s, peer)| (Link::Tcp(s), peer.to_string())),
-            Listener::Unix(l) => l.accept().await.map(|(s, _)| (Link::Unix(s), "unix".into())),
+            Listener::Tcp(l) => {
+                l.accept().await.map(|(s, peer)| (Socket::Tcp(s), peer.to_string()))
+            }
+            Listener::Unix(l) => l.accept().await.map(|(s, _)| (Socket::Unix(s), "unix".into())),
         }
     }
 }
@@ -242,13 +248,13 @@ async fn accept_loop(
             _ = stopped.wait_for(|s| *s) => return,
         };
         match accepted {
-            Ok((link, peer)) => {
+            Ok((socket, peer)) => {
                 daemon.metrics.connections.fetch_add(1, Ordering::Relaxed);
                 // Until it says hello a connection holds a place of its own kind only, for
                 // --hello-timeout at most; it takes one under --max-connections after.
                 let ungreeted = Ungreeted::enter(&daemon);
                 let task =
-                    connection::serve(Arc::clone(&daemon), link, peer, stop.clone(), ungreeted);
+                    connection::serve(Arc::clone(&daemon), socket, peer, stop.clone(), ungreeted);
                 conns.lock().spawn(task);
             }
             Err(e) => tracing::warn!(error = %e, "accept failed"),

@@ -30,13 +30,13 @@ pub struct Outgoing {
 
 /// A reply's metadata and what travels beside it.
 #[derive(Default)]
-pub struct Answer {
+pub struct ReplyBody {
     pub payload: Vec<Part>,
     pub fds: Vec<Descriptor>,
 }
 
 impl Outgoing {
-    pub fn reply(request_id: u64, reply: &Reply, answer: Answer) -> Self {
+    pub fn reply(request_id: u64, reply: &Reply, answer: ReplyBody) -> Self {
         let meta = reply.encode();
         let payload_len: usize = answer.payload.iter().map(Part::len).sum();
         Self {

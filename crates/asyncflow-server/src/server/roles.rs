@@ -8,8 +8,8 @@ use asyncflow_proto::{Reply, Request, SharedCell};
 
 use super::cells::Payload;
 use super::controller::Controller;
-use super::metadata::{self, Outcome};
-use super::outgoing::Answer;
+use super::execute::{Execute, Outcome};
+use super::outgoing::ReplyBody;
 use super::session::{MAX_STAGES, Session, Stage};
 use super::storage::Storage;
 
@@ -77,7 +77,7 @@ impl Roles {
         let cell = SharedCell { segment: segment.id(), offset: 0 };
         Ok((
             Reply::Staged { stage, cell, len: bytes, segments },
-            Answer { payload: Vec::new(), fds },
+            ReplyBody { payload: Vec::new(), fds },
         ))
     }
 
@@ -97,8 +97,10 @@ impl Roles {
             c.forget_session(session);
         }
     }
+}
 
-    pub fn execute(
+impl Execute for Roles {
+    fn execute(
         &self,
         session: &Session,
         req: Request,
@@ -109,7 +111,7 @@ impl Roles {
             return self.stage(session, bytes, give_back, wait);
         }
         match self {
-            Roles::Standalone(store) => metadata::execute(store, session, req, payload, wait),
+            Roles::Standalone(store) => store.execute(session, req, payload, wait),
             Roles::Controller(c) => c.execute(session, req, payload, wait),
             Roles::Storage(s) => s.execute(session, req, payload, wait),
         }

@@ -17,8 +17,8 @@ use parking_lot::Mutex;
 use crate::persist::{Payloads, Persistence};
 
 use super::cells::{Payload, cells_in, extent, incoming_chunk, outgoing_cells};
-use super::metadata::Outcome;
-use super::outgoing::Answer;
+use super::execute::{Execute, Outcome};
+use super::outgoing::ReplyBody;
 use super::session::Session;
 
 pub struct Storage {
@@ -120,7 +120,7 @@ impl Storage {
         });
         drop(order);
         self.sync(at)?;
-        Ok((Reply::Done, Answer::default()))
+        Ok((Reply::Done, ReplyBody::default()))
     }
 
     pub fn forget(&self, rows: &[u64]) -> Result<(), StoreError> {
@@ -141,8 +141,10 @@ impl Storage {
             lease_timeout: Duration::ZERO,
         }
     }
+}
 
-    pub fn execute(
+impl Execute for Storage {
+    fn execute(
         &self,
         session: &Session,
         req: Request,
@@ -161,9 +163,9 @@ impl Storage {
             }
             Request::DropRows { rows } => {
                 self.forget(&rows)?;
-                Ok((Reply::Done, Answer::default()))
+                Ok((Reply::Done, ReplyBody::default()))
             }
-            Request::Stats => Ok((Reply::Stats(Box::new(self.stats())), Answer::default())),
+            Request::Stats => Ok((Reply::Stats(Box::new(self.stats())), ReplyBody::default())),
             other => Err(StoreError::bad_request(format!(
                 "{:?} goes to the controller, not to a storage daemon",
                 other.op()

@@ -1,0 +1,64 @@
+//! The greeting that opens every connection: the client's [`Hello`] and the daemon's
+//! [`ServerHello`], which says what the daemon is ([`Role`]) and where its shared memory is.
+//! Their encoding is with the other requests and replies.
+
+use crate::error::ProtoError;
+
+/// What a daemon is: the whole store, or one half of a sharded deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Role {
+    /// Metadata and payloads in one process.
+    Standalone = 0,
+    /// Metadata, readiness and leases; payloads live on storage daemons.
+    Controller = 1,
+    /// Payloads only, addressed by the controller's row indexes and field ids.
+    Storage = 2,
+}
+
+impl Role {
+    pub fn from_code(code: u8) -> Result<Self, ProtoError> {
+        match code {
+            0 => Ok(Role::Standalone),
+            1 => Ok(Role::Controller),
+            2 => Ok(Role::Storage),
+            c => Err(ProtoError::malformed(format!("unknown role {c}"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Standalone => "standalone",
+            Role::Controller => "controller",
+            Role::Storage => "storage",
+        }
+    }
+}
+
+/// The first frame on every connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub token: Option<String>,
+    /// Identifies the client's machine; equal to the daemon's, shared memory is possible.
+    pub host: String,
+    /// Leases the client still holds from an earlier connection that broke: the daemon keeps
+    /// them for this connection instead of giving them back once its reconnect grace is over.
+    /// Left out of the frame when empty.
+    pub leases: Vec<u64>,
+}
+
+/// The daemon's answer to a [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerHello {
+    pub version: String,
+    pub role: Role,
+    /// The daemon's machine (see [`Hello::host`]).
+    pub host: String,
+    /// A Unix socket on the daemon's machine that offers the shared-memory data path.
+    pub shm_socket: Option<String>,
+    /// For a controller: its storage daemons, in shard order (row `i` lives on `i % len`).
+    pub storage: Vec<String>,
+    /// Drawn at random when the daemon starts: a client that reaches it over TCP and over its
+    /// Unix socket checks that both are the same daemon. 0 from a daemon that sends none.
+    pub instance: u64,
+}

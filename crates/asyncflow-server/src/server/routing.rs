@@ -1,0 +1,181 @@
+//! Where a request goes once its frame is read: answered on the spot (notices, pings, requests
+//! that cannot wait), or run on the blocking pool, its reply queued for the writer.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use asyncflow_core::{StoreError, Wait};
+use asyncflow_proto::{Failure, PayloadSource, Reply, Request};
+use tokio::task::JoinSet;
+
+use super::Daemon;
+use super::cells::Payload;
+use super::connection::{Activity, Frame, Replies};
+use super::execute::{Execute, Outcome};
+use super::outgoing::{Outgoing, ReplyBody};
+use super::session::{Session, ShmSession};
+
+/// Runs one request: on the spot if it cannot wait (its reply is returned, for the reader to
+/// write), otherwise on the blocking pool (its reply is queued for the writer task).
+pub(super) fn dispatch(
+    daemon: &Arc<Daemon>,
+    session: &Arc<Session>,
+    tx: &Replies,
+    tasks: &mut JoinSet<u64>,
+    in_flight: &mut u64,
+    activity: &Arc<Activity>,
+    frame: Frame,
+) -> Option<Outgoing> {
+    let id = frame.header.request_id;
+    let req = match Request::decode(frame.header.op, &frame.meta, frame.payload.bytes.len() as u64)
+    {
+        Ok(req) => req,
+        Err(e) => {
+            daemon.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            return Some(Outgoing::failure(id, &Failure::Protocol(e.to_string())));
+        }
+    };
+    match req {
+        Request::Unpin { pins } => {
+            if let Some(shm) = &session.shm {
+                shm.unpin(&pins);
+            }
+            return None;
+        }
+        Request::Cancel { request } => {
+            session.cancel(request);
+            return None;
+        }
+        Request::Hello(_) => {
+            let e = StoreError::bad_request("this connection already said hello");
+            return Some(Outgoing::failure(id, &Failure::Store(e)));
+        }
+        Request::Ping => return Some(Outgoing::reply(id, &Reply::Done, ReplyBody::default())),
+        // A staged put may be no larger than an inline one.
+        Request::Stage { bytes, give_back, .. }
+            if bytes > u64::from(daemon.config.limits.max_payload) =>
+        {
+            if let (Some(shm), Some(id)) = (&session.shm, give_back) {
+                shm.give_back_spare(id);
+            }
+            let e = StoreError::bad_request(format!(
+                "a put of {bytes} bytes exceeds the daemon's --max-frame of {}",
+                daemon.config.limits.max_payload
+            ));
+            return Some(Outgoing::failure(id, &Failure::Store(e)));
+        }
+        _ => {}
+    }
+    let notice = frame.header.op.is_notice();
+    let deadline = match &req {
+        Request::Claim { timeout, .. } | Request::Stage { timeout, .. } => {
+            timeout.map(|t| Instant::now() + t)
+        }
+        Request::Put(p) => p.timeout.map(|t| Instant::now() + t),
+        Request::StoreCells(s) => s.timeout.map(|t| Instant::now() + t),
+        _ => None,
+    };
+    let answer = |out: Outgoing| (!notice).then_some(out);
+    // What cannot wait runs right here: handing it to another thread would cost more than it.
+    if !may_wait(&req, session, daemon) {
+        let never = || false;
+        let wait = Wait { deadline, interrupted: &never };
+        let outcome = daemon.execute(session, req, frame.payload, wait);
+        return answer(outgoing(daemon, session, id, outcome, notice));
+    }
+    // A claim first looks once without waiting: most find their rows already there.
+    if let Request::Claim { allow_partial, timeout, .. } = &req
+        && (!allow_partial || *timeout == Some(Duration::ZERO))
+    {
+        let never = || false;
+        let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
+        match daemon.execute(session, req.clone(), Payload::default(), now) {
+            Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
+            outcome => return answer(outgoing(daemon, session, id, outcome, notice)),
+        }
+    }
+    let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
+    let cancelled = session.track(id);
+    let unpaid = if frame.payload.paid.is_some() { 0 } else { frame.payload.bytes.len() };
+    let bytes = (frame.meta.len() + unpaid) as u64;
+    let held = frame.held;
+    *in_flight += bytes;
+    let activity = Arc::clone(activity);
+    activity.busy.fetch_add(1, Ordering::AcqRel);
+    tasks.spawn_blocking(move || {
+        let interrupted = || {
+            cancelled.load(Ordering::Relaxed)
+                || session.closed.load(Ordering::Relaxed)
+                || daemon.stopping.load(Ordering::Relaxed)
+        };
+        let wait = Wait { deadline, interrupted: &interrupted };
+        let outcome = daemon.execute(&session, req, frame.payload, wait);
+        drop(held);
+        session.untrack(id);
+        if !notice {
+            tx.send(outgoing(&daemon, &session, id, outcome, false));
+        }
+        activity.last.store(daemon.uptime(), Ordering::Release);
+        activity.busy.fetch_sub(1, Ordering::AcqRel);
+        bytes
+    });
+    None
+}
+
+/// Whether a request can block: claims wait for rows, and under a memory limit puts (and the
+/// staging of their shared memory) wait for room — a put in a staged region only if that region
+/// is the connection's spare, which is paid for when used.
+fn may_wait(req: &Request, session: &Session, daemon: &Daemon) -> bool {
+    let unpaid = |source: &PayloadSource| match source {
+        PayloadSource::Inline => true,
+        PayloadSource::Staged(id) => session.shm.as_ref().is_some_and(|s| s.is_spare(*id)),
+        PayloadSource::Elsewhere => false,
+    };
+    match req {
+        Request::Claim { .. } => true,
+        Request::Stage { .. } | Request::StoreCells(_) => daemon.config.memory_limit.is_some(),
+        Request::Put(p) => daemon.config.memory_limit.is_some() && unpaid(&p.source),
+        _ => false,
+    }
+}
+
+/// The reply frame for a request's outcome; for a `notice`, which gets none, only counted.
+fn outgoing(
+    daemon: &Daemon,
+    session: &Session,
+    id: u64,
+    outcome: Outcome,
+    notice: bool,
+) -> Outgoing {
+    daemon.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    match outcome {
+        Ok((reply, answer)) => {
+            // A reply that brings no segments of its own can bring a spare region: then the
+            // client's next put needs no round trip to stage one.
+            let offer = match reply {
+                _ if notice => None,
+                Reply::Cells { .. }
+                | Reply::Staged { .. }
+                | Reply::WithSpare { .. }
+                | Reply::ClaimedCells { .. } => None,
+                _ => session.shm.as_ref().and_then(ShmSession::offer_spare),
+            };
+            match offer {
+                Some((spare, fds)) => {
+                    let reply = Reply::WithSpare { reply: Box::new(reply), spare };
+                    Outgoing::reply(id, &reply, ReplyBody { fds, ..answer })
+                }
+                None => Outgoing::reply(id, &reply, answer),
+            }
+        }
+        Err(StoreError::Interrupted) if daemon.stopping.load(Ordering::Relaxed) => {
+            Outgoing::failure(id, &Failure::Unavailable("the daemon is shutting down".into()))
+        }
+        Err(e) => {
+            daemon.metrics.request_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(peer = %session.peer, error = %e, "request failed");
+            Outgoing::failure(id, &Failure::Store(e))
+        }
+    }
+}
