@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 #: Each tensor starts at a multiple of this many bytes, so a view of the flat buffer can be
@@ -123,10 +124,16 @@ def pack(
     """Copies the bytes ``[start, end)`` of the flat version into ``bucket``; returns the filled
     part of it. Tensors may straddle bucket ends; the alignment gaps are left as they are."""
     out = bucket[: end - start]
+    on_cpu = out.device.type == "cpu"
     for spec, tensor in zip(layout.tensors, tensors, strict=True):
         lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)
         if lo >= hi:
             continue
         src = as_bytes(tensor)[lo - spec.offset : hi - spec.offset]
-        out[lo - start : hi - start].copy_(src)
+        dst = out[lo - start : hi - start]
+        if on_cpu and src.device.type == "cpu":
+            # A plain memcpy: torch's copy_ of bytes runs at about half its speed here.
+            np.copyto(dst.numpy(), src.numpy())
+        else:
+            dst.copy_(src)
     return out
