@@ -422,3 +422,15 @@ def test_agent_settings_are_refused_before_the_run(override: str, says: str) -> 
 
     with pytest.raises(ConfigError, match=says):
         load("examples/tools.yaml", [override])
+
+
+def test_tool_latency_follows_its_distribution() -> None:
+    from asyncflow.agents.env import Latency
+    from asyncflow.config import LatencyConfig
+
+    config = LatencyConfig(distribution="lognormal", median=0.2, sigma=0.5)
+    draws = sorted(Latency(config, seed=7).draw() for _ in range(2001))
+    assert draws[1000] == pytest.approx(0.2, rel=0.1)  # the median
+    assert Latency(config).draw() != Latency(config).draw()  # each trajectory its own
+    assert Latency(LatencyConfig(distribution="fixed", median=0.3)).draw() == 0.3
+    assert Latency(None).draw() == 0.0

@@ -64,9 +64,9 @@ EnvironmentFactory = Callable[["AgentConfig", Mapping[str, Tool]], Environment]
 class Latency:
     """Extra seconds before each tool answers, standing in for a sandbox or remote service:
     ``lognormal`` with the given median and log-space ``sigma``, ``fixed`` at the median, or
-    ``none``."""
+    ``none``. Unseeded, each environment (one per trajectory) draws its own delays."""
 
-    def __init__(self, config: LatencyConfig | None, seed: int = 0) -> None:
+    def __init__(self, config: LatencyConfig | None, seed: int | None = None) -> None:
         self.kind = "none" if config is None else config.distribution
         self.median = 0.0 if config is None else config.median
         self.sigma = 0.0 if config is None else config.sigma
