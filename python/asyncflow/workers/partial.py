@@ -116,7 +116,10 @@ class PartialRollout(Rollout):
                 self.dispatcher.report(self.role)
             return
         groups = max(1, min(self.config.rollout.groups_per_call, self._room() // n))
-        work = self._claim(groups) if self.inbox is None else self._take()
+        if self.inbox is None:
+            work = self._claim(groups)
+        else:  # with sequences in flight, decoding goes on rather than waiting for groups
+            work = self._take(0.0 if self.engine.in_flight() else None)
         if work is None:
             return
         if self.config.trainer.staleness_policy == "wait":
