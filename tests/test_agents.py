@@ -429,7 +429,8 @@ def test_tool_latency_follows_its_distribution() -> None:
     from asyncflow.config import LatencyConfig
 
     config = LatencyConfig(distribution="lognormal", median=0.2, sigma=0.5)
-    draws = sorted(Latency(config, seed=7).draw() for _ in range(2001))
+    latency = Latency(config, seed=7)
+    draws = sorted(latency.draw() for _ in range(2001))
     assert draws[1000] == pytest.approx(0.2, rel=0.1)  # the median
     assert Latency(config).draw() != Latency(config).draw()  # each trajectory its own
     assert Latency(LatencyConfig(distribution="fixed", median=0.3)).draw() == 0.3
