@@ -81,3 +81,14 @@ def greedy_pair(engine: VLLMRolloutEngine) -> list[Request]:
     while engine.in_flight():
         done += engine.step()
     return sorted(done, key=lambda r: r.key)
+
+
+def test_a_whole_call_after_the_loop_stopped_returns_only_its_own_completions(
+    engine: VLLMRolloutEngine,
+) -> None:
+    engine.add_request(Request("left", PROMPT, Sampling(max_tokens=12)))
+    engine.step()  # the loop stops here, its sequence still in flight
+    outs = engine.generate([PROMPT, PROMPT[:2]], Sampling(n=2, max_tokens=4))
+    assert [len(group) for group in outs] == [2, 2]
+    assert all(len(c.token_ids) <= 4 for group in outs for c in group)
+    assert engine.in_flight() == 0

@@ -167,7 +167,7 @@ class VLLMRolloutEngine(RolloutEngine):
         params = self._params(
             request.sampling, n=1, max_tokens=request.remaining, output_kind=RequestOutputKind.DELTA
         )
-        rid = str(self._next_id)
+        rid = f"partial-{self._next_id}"  # apart from the ids of whole calls
         self._next_id += 1
         prompt = TokensPrompt(prompt_token_ids=[*request.prompt, *request.token_ids])
         try:
@@ -228,6 +228,10 @@ class VLLMRolloutEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
+        # A whole call steps the engine until nothing is unfinished and returns every request
+        # that finished: sequences a stopped request-level loop left in flight would be among
+        # them, so they go first.
+        self.abort_requests()
         # Greedy decoding takes one sample per request, so its n copies are n requests.
         copies = sampling.n if sampling.greedy else 1
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)]
