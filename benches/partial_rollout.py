@@ -86,11 +86,13 @@ def main() -> None:
     if args.quick:
         costs = quick_costs(costs)
     report = Report("partial")
-    by_seed = {seed: run_seed(costs, seed, report) for seed in args.seeds}
-    print(table(by_seed))
-    if args.json:
-        out = {str(s): {n: asdict(r) for n, r in runs.items()} for s, runs in by_seed.items()}
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    by_seed: dict[int, dict[str, ModeResult]] = {}
+    for seed in args.seeds:
+        by_seed[seed] = run_seed(costs, seed, report)
+        print(table(by_seed), flush=True)  # after each seed: a run cut short keeps its seeds
+        if args.json:
+            out = {str(s): {n: asdict(r) for n, r in runs.items()} for s, runs in by_seed.items()}
+            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
