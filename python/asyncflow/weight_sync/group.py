@@ -26,7 +26,10 @@ class GroupSpec:
     #: The publisher and every receiving process.
     world_size: int
     address: str = "127.0.0.1"
+    #: Seconds any collective may take (a member died or stalled past it).
     timeout: float = 120.0
+    #: Seconds the members wait for each other to join (engines start at their own pace).
+    join_timeout: float = 600.0
     #: ``gloo`` or ``nccl``; None picks NCCL when CUDA is available.
     backend: str | None = None
 
@@ -42,10 +45,12 @@ class Group:
         self.spec, self.rank, self.label = spec, rank, label
         self.backend = spec.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda" if self.backend == "nccl" else "cpu")
-        timeout = timedelta(seconds=spec.timeout)
-        self._kv = _store(Rendezvous(rank, spec.world_size, spec.port, spec.address), timeout)
+        rendezvous = Rendezvous(rank, spec.world_size, spec.port, spec.address)
+        self._kv = _store(rendezvous, timedelta(seconds=spec.join_timeout))
         self._kv.set(f"{PREFIX}/label/{rank}", label)
-        self.pg = self._process_group(PrefixStore(PREFIX, self._kv), timeout)
+        self.pg = self._process_group(
+            PrefixStore(PREFIX, self._kv), timedelta(seconds=spec.timeout)
+        )
         # Read now, while every member is alive (rank 0 serves the keys): errors name them later.
         #: Every member's label, by rank.
         self.labels = [self._kv.get(f"{PREFIX}/label/{r}").decode() for r in range(spec.world_size)]
