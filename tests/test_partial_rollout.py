@@ -308,3 +308,20 @@ def test_the_main_job_runs_with_partial_rollout_and_reports_version_spans(
     assert 0 <= summary["multi_version_sample_share"] <= 1
     assert max(int(a) for a in summary["staleness_histogram"]) <= 1
     assert sum(summary["staleness_histogram"].values()) == 3 * 4 * 4
+
+
+def test_a_group_whose_lease_ran_out_mid_generation_is_generated_once(model_dir: Path) -> None:
+    ctx = context("rollout.partial=continue")
+    worker = PartialRollout(ctx, HFRolloutEngine(model_dir, ctx.config))
+    put_prompts(ctx.store, target=0)
+    worker.step()  # admitted: two sequences in flight
+    # The lease expires and the same prompt row is claimed again by this worker.
+    (entry,) = worker.groups.values()
+    assert entry.work.batch is not None
+    entry.work.batch.release()
+    worker.step()
+    assert worker.engine.in_flight() <= 2
+    run_until_samples(worker, 0, 2, {})
+    assert len(ctx.store.rows(partition=step_partition(0))) == 2
+    again = ctx.store.claim("rollout", "prompt_ids", 1, timeout=0.1, allow_partial=True)
+    assert len(again) == 0, "its prompt is acked"

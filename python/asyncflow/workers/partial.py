@@ -130,6 +130,11 @@ class PartialRollout(Rollout):
                 return
         for one in split(work):
             group = int(one.groups[0])
+            if group in self.groups:
+                # Its lease ran out while it was generating and it came back to us: the new
+                # lease is the one to ack with; its sequences are already in flight.
+                self.groups[group].work = one
+                continue
             self.groups[group] = _Group(one)
             for i in range(n):
                 sampling = replace(self.sampling, n=1)
@@ -137,7 +142,9 @@ class PartialRollout(Rollout):
 
     def _finish(self, request: Request) -> None:
         group, i = request.key
-        entry = self.groups[group]
+        entry = self.groups.get(group)
+        if entry is None:  # its group was handed back meanwhile
+            return
         entry.done[i] = self.engine.finish_text(request)
         if len(entry.done) < self.sampling.n:
             return
