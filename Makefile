@@ -19,7 +19,7 @@ RELIABILITY_ARGS ?=
 CARGO_DENY_VERSION := 0.20.2
 
 .PHONY: setup train test test-rust test-python lint audit reliability bench \
-	bench-store bench-sched bench-pipeline bench-sim bench-e2e
+	bench-store bench-sched bench-pipeline bench-sim bench-e2e bench-weights
 
 setup:
 	@python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
@@ -51,7 +51,7 @@ test-python:
 	$(RUN) pytest $(PYTEST_ARGS)
 
 # Benchmarks (not tests): each writes bench-out/SUITE.json, .md and .png; see benches/RESULTS.md.
-BENCHES := store sched pipeline sim e2e
+BENCHES := store sched pipeline sim e2e weights
 
 bench: $(addprefix bench-,$(BENCHES))
 
