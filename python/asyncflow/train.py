@@ -566,7 +566,7 @@ class Run:
             # Samples whose tokens come from several policy versions, and samples by span
             # (newest token's version less the oldest's).
             "multi_version_sample_share": state.multi_version_share(),
-            "version_span_histogram": {str(k): v for k, v in sorted(state.version_spans.items())},
+            "version_span_histogram": state.version_span_histogram(),
             "weight_load_failures": list(state.weight_failures),
             "samples_generated": state.generated_samples,
             "samples_dropped": state.dropped_samples,

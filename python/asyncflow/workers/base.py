@@ -81,6 +81,11 @@ class RunState:
         with self.lock:
             self.weight_failures.append(why)
 
+    def version_span_histogram(self) -> dict[str, int]:
+        """Generated samples by version span, keyed by the span as a string (JSON's keys)."""
+        with self.lock:
+            return {str(k): v for k, v in sorted(self.version_spans.items())}
+
     def multi_version_share(self) -> float:
         """The share of generated samples whose tokens come from more than one policy version."""
         with self.lock:

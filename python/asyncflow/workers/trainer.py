@@ -212,6 +212,7 @@ class Trainer(Worker):
             "dropped_groups": len(result.dropped_groups),
             # Of the samples generated so far, those whose tokens span several policy versions.
             "multi_version_share": state.multi_version_share(),
+            "version_spans": state.version_span_histogram(),
             "tokens_per_s": (tokens - self._last_tokens) / max(now - self._last_step_end, 1e-9),
             "busy": self.ctx.tracer.busy_fraction(self._last_step_end, now),
             **result.optimizer,
