@@ -143,6 +143,55 @@ def test_store_transport_loads_each_version_in_place_bit_exact(model_dir: Path) 
 # -- the broadcast transport ---------------------------------------------------------------------
 
 
+class RecordingGroup:
+    """Rank 0 of a group of one: records the order of packs, sends and waits."""
+
+    rank, label, labels, device = 0, "trainer rank 0", ["trainer rank 0"], torch.device("cpu")
+
+    def __init__(self, events: list[str]) -> None:
+        self.events, self.sent = events, 0
+
+    def broadcast(self, tensor: torch.Tensor) -> Any:
+        n, self.sent = self.sent, self.sent + 1
+        self.events.append(f"send {n}")
+        group = self
+
+        class Work:
+            def wait(self) -> None:
+                group.events.append(f"wait {n}")
+
+        return Work()
+
+    def barrier(self) -> None:
+        self.events.append("barrier")
+
+
+def test_broadcast_packs_the_next_bucket_while_the_one_before_is_on_the_wire(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[str] = []
+    real_pack = bc.pack
+
+    def recording_pack(*args: Any) -> torch.Tensor:
+        events.append("pack")
+        return real_pack(*args)
+
+    monkeypatch.setattr(bc, "pack", recording_pack)
+    publisher = BroadcastPublisher(af.Store(), RecordingGroup(events), bucket_size=1024)
+    publisher.publish(1, [("w", torch.randn(1024))])  # 4 buckets
+    # The header (send 0), then bucket k is send k + 1; bucket k + 1 is packed and sent before
+    # bucket k's send is waited on, and a bucket buffer is reused only after its send is done.
+    assert events == [
+        "send 0", "wait 0",
+        "pack", "send 1",
+        "pack", "send 2",
+        "wait 1", "pack", "send 3",
+        "wait 2", "pack", "send 4",
+        "wait 3", "wait 4", "barrier",
+    ]  # fmt: skip
+    assert bc.announced(publisher.store).keys() == {1}
+
+
 def _receiving_process(
     spec: GroupSpec, rank: int, store_url: str, model_dir: Path, versions: list[int], conn: Any
 ) -> None:
