@@ -1,6 +1,11 @@
 //! The data plane: payload cells keyed by row, spread over N independently locked shards by row
 //! index, so writers of different rows never queue on one lock and the control plane's lock is
 //! never held while payload bytes move.
+//!
+//! Rows are numbered densely, so a shard keeps its cells in pages of consecutive rows, with one
+//! column of slots per field the page's rows have: a cell costs its view (32 bytes) and a row
+//! nothing more, and a page is freed with its last row. A shard that holds rows sparsely (a
+//! storage daemon of a cluster of S holds every S-th row) pays a slot for each row it skips.
 
 use std::collections::HashMap;
 
@@ -10,16 +15,74 @@ use crate::error::{Result, StoreError};
 use crate::index::FieldId;
 use crate::payload::Cell;
 
-type RowCells = Vec<(FieldId, Cell)>;
+/// Rows of a shard per page.
+const PAGE: usize = 1024;
+
+#[derive(Debug)]
+struct Page {
+    /// Slots holding a row, i.e. at least one cell.
+    present: [u64; PAGE / 64],
+    live: usize,
+    columns: Vec<(FieldId, Box<[Option<Cell>]>)>,
+}
+
+impl Page {
+    fn new() -> Self {
+        Self { present: [0; PAGE / 64], live: 0, columns: Vec::new() }
+    }
+
+    fn is_present(&self, slot: usize) -> bool {
+        self.present[slot / 64] & (1 << (slot % 64)) != 0
+    }
+
+    fn cell(&self, field: FieldId, slot: usize) -> Option<&Cell> {
+        let (_, column) = self.columns.iter().find(|(f, _)| *f == field)?;
+        column[slot].as_ref()
+    }
+
+    /// Puts `cell` in `slot` of `field`'s column; returns whether the slot's row is new.
+    fn insert(&mut self, field: FieldId, slot: usize, cell: Cell) -> bool {
+        let at = self.columns.iter().position(|(f, _)| *f == field).unwrap_or_else(|| {
+            self.columns.push((field, vec![None; PAGE].into_boxed_slice()));
+            self.columns.len() - 1
+        });
+        self.columns[at].1[slot] = Some(cell);
+        let new = !self.is_present(slot);
+        if new {
+            self.present[slot / 64] |= 1 << (slot % 64);
+            self.live += 1;
+        }
+        new
+    }
+
+    /// Drops the cells of `slot`; returns whether it held a row.
+    fn remove(&mut self, slot: usize) -> bool {
+        if !self.is_present(slot) {
+            return false;
+        }
+        self.present[slot / 64] &= !(1 << (slot % 64));
+        self.live -= 1;
+        for (_, column) in &mut self.columns {
+            column[slot] = None;
+        }
+        true
+    }
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    pages: HashMap<u64, Page>,
+    rows: usize,
+}
 
 #[derive(Debug)]
 pub struct Shards {
-    shards: Vec<Mutex<HashMap<u64, RowCells>>>,
+    shards: Vec<Mutex<Shard>>,
 }
 
 impl Shards {
     pub fn new(n: usize) -> Self {
-        Self { shards: (0..n.max(1)).map(|_| Mutex::new(HashMap::new())).collect() }
+        Self { shards: (0..n.max(1)).map(|_| Mutex::new(Shard::default())).collect() }
     }
 
     pub fn len(&self) -> usize {
@@ -30,15 +93,23 @@ impl Shards {
         self.shards.is_empty()
     }
 
-    fn shard_of(&self, index: u64) -> usize {
-        (index % self.shards.len() as u64) as usize
+    /// The shard, page and slot of row `index`.
+    fn place(&self, index: u64) -> (usize, u64, usize) {
+        let n = self.shards.len() as u64;
+        let local = index / n;
+        ((index % n) as usize, local / PAGE as u64, (local % PAGE as u64) as usize)
+    }
+
+    /// The row in `slot` of page `page` of shard `shard`.
+    fn index_of(&self, shard: usize, page: u64, slot: usize) -> u64 {
+        (page * PAGE as u64 + slot as u64) * self.shards.len() as u64 + shard as u64
     }
 
     /// Positions of `rows` grouped by the shard that owns them, so each shard is locked once.
     fn by_shard(&self, rows: &[u64]) -> Vec<Vec<usize>> {
         let mut buckets = vec![Vec::new(); self.shards.len()];
         for (k, &index) in rows.iter().enumerate() {
-            buckets[self.shard_of(index)].push(k);
+            buckets[self.place(index).0].push(k);
         }
         buckets
     }
@@ -50,42 +121,50 @@ impl Shards {
             if positions.is_empty() {
                 continue;
             }
-            let mut map = self.shards[shard].lock();
+            let mut shard = self.shards[shard].lock();
+            let Shard { pages, rows: count } = &mut *shard;
             for k in positions {
-                let cells = map.entry(rows[k]).or_default();
+                let (_, page, slot) = self.place(rows[k]);
+                let page = pages.entry(page).or_insert_with(Page::new);
                 for (field, column) in columns {
-                    let cell = column[k].clone();
-                    match cells.iter_mut().find(|(f, _)| f == field) {
-                        Some(slot) => slot.1 = cell,
-                        None => cells.push((*field, cell)),
+                    if page.insert(*field, slot, column[k].clone()) {
+                        *count += 1;
                     }
                 }
             }
         }
     }
 
-    /// The cells of `fields` on `rows`, as `[field][row]`.
-    pub fn get(&self, rows: &[u64], fields: &[FieldId]) -> Result<Vec<Vec<Cell>>> {
-        let mut out: Vec<Vec<Option<Cell>>> = vec![vec![None; rows.len()]; fields.len()];
+    /// Runs `each(k, cell)` for field `field` of every row `rows[k]`; a row without that field
+    /// (or without any) is [`StoreError::UnknownIndex`].
+    fn visit(
+        &self,
+        rows: &[u64],
+        field: FieldId,
+        mut each: impl FnMut(usize, &Cell),
+    ) -> Result<()> {
         for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
             if positions.is_empty() {
                 continue;
             }
-            let map = self.shards[shard].lock();
+            let shard = self.shards[shard].lock();
             for k in positions {
-                let cells = map.get(&rows[k]).ok_or(StoreError::UnknownIndex(rows[k]))?;
-                for (j, field) in fields.iter().enumerate() {
-                    out[j][k] = cells.iter().find(|(f, _)| f == field).map(|(_, c)| c.clone());
-                }
+                let (_, page, slot) = self.place(rows[k]);
+                let cell = shard.pages.get(&page).and_then(|p| p.cell(field, slot));
+                each(k, cell.ok_or(StoreError::UnknownIndex(rows[k]))?);
             }
         }
-        out.into_iter()
-            .map(|column| {
-                column
-                    .into_iter()
-                    .zip(rows)
-                    .map(|(cell, &index)| cell.ok_or(StoreError::UnknownIndex(index)))
-                    .collect()
+        Ok(())
+    }
+
+    /// The cells of `fields` on `rows`, as `[field][row]`.
+    pub fn get(&self, rows: &[u64], fields: &[FieldId]) -> Result<Vec<Vec<Cell>>> {
+        fields
+            .iter()
+            .map(|&field| {
+                let mut column: Vec<Option<Cell>> = vec![None; rows.len()];
+                self.visit(rows, field, |k, cell| column[k] = Some(cell.clone()))?;
+                Ok(column.into_iter().map(|c| c.expect("every row visited")).collect())
             })
             .collect()
     }
@@ -93,19 +172,7 @@ impl Shards {
     /// The first dimension of field `field` on each of `rows` (its token count, for a sequence).
     pub fn first_dims(&self, rows: &[u64], field: FieldId) -> Result<Vec<u64>> {
         let mut out = vec![0; rows.len()];
-        for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
-            if positions.is_empty() {
-                continue;
-            }
-            let map = self.shards[shard].lock();
-            for k in positions {
-                let cell = map
-                    .get(&rows[k])
-                    .and_then(|cells| cells.iter().find(|(f, _)| *f == field))
-                    .ok_or(StoreError::UnknownIndex(rows[k]))?;
-                out[k] = cell.1.first_dim;
-            }
-        }
+        self.visit(rows, field, |k, cell| out[k] = cell.first_dim)?;
         Ok(out)
     }
 
@@ -115,9 +182,17 @@ impl Shards {
             if positions.is_empty() {
                 continue;
             }
-            let mut map = self.shards[shard].lock();
+            let mut shard = self.shards[shard].lock();
             for k in positions {
-                map.remove(&rows[k]);
+                let (_, page_no, slot) = self.place(rows[k]);
+                let Some(page) = shard.pages.get_mut(&page_no) else { continue };
+                if page.remove(slot) {
+                    let empty = page.live == 0;
+                    shard.rows -= 1;
+                    if empty {
+                        shard.pages.remove(&page_no);
+                    }
+                }
             }
         }
     }
@@ -127,10 +202,15 @@ impl Shards {
     pub fn by_field(&self) -> Vec<(FieldId, Vec<u64>, Vec<Cell>)> {
         let mut fields: std::collections::BTreeMap<FieldId, Vec<(u64, Cell)>> =
             std::collections::BTreeMap::new();
-        for shard in &self.shards {
-            for (&row, cells) in shard.lock().iter() {
-                for (field, cell) in cells {
-                    fields.entry(*field).or_default().push((row, cell.clone()));
+        for (s, shard) in self.shards.iter().enumerate() {
+            for (&page_no, page) in &shard.lock().pages {
+                for (field, column) in &page.columns {
+                    let cells = fields.entry(*field).or_default();
+                    for (slot, cell) in column.iter().enumerate() {
+                        if let Some(cell) = cell {
+                            cells.push((self.index_of(s, page_no, slot), cell.clone()));
+                        }
+                    }
                 }
             }
         }
@@ -146,6 +226,76 @@ impl Shards {
 
     /// Rows with a payload, across all shards.
     pub fn rows(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.shards.iter().map(|s| s.lock().rows).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::payload::{ChunkLayout, copy_into_chunk};
+
+    fn cells(values: &[u8]) -> Vec<Cell> {
+        let sources: Vec<&[u8]> = values.iter().map(std::slice::from_ref).collect();
+        let layout = ChunkLayout::contiguous(sources.iter().map(|s| s.len()));
+        let chunk = copy_into_chunk(&layout, &sources, None);
+        (0..values.len())
+            .map(|k| Cell { chunk: Arc::clone(&chunk), offset: k, len: 1, first_dim: 1 })
+            .collect()
+    }
+
+    fn bytes(shards: &Shards, rows: &[u64], field: FieldId) -> Result<Vec<u8>> {
+        Ok(shards.get(rows, &[field])?.remove(0).iter().map(|c| c.bytes()[0]).collect())
+    }
+
+    #[test]
+    fn cells_come_back_by_row_and_field_and_a_second_insert_replaces() {
+        let shards = Shards::new(3);
+        let rows: Vec<u64> = (0..5000).collect();
+        let values: Vec<u8> = rows.iter().map(|r| (r % 251) as u8).collect();
+        shards.insert(&rows, &[(0, cells(&values))]);
+        assert_eq!(bytes(&shards, &[4999, 0, 1024, 3071], 0).unwrap(), vec![230, 0, 20, 59]);
+        // Another field on some rows; the first field of one row replaced.
+        shards.insert(&[7, 3000], &[(1, cells(&[1, 2])), (0, cells(&[9, 9]))]);
+        assert_eq!(bytes(&shards, &[3000, 7], 1).unwrap(), vec![2, 1]);
+        assert_eq!(bytes(&shards, &[7, 8], 0).unwrap(), vec![9, 8]);
+        assert!(matches!(bytes(&shards, &[8], 1), Err(StoreError::UnknownIndex(8))));
+        assert!(matches!(bytes(&shards, &[5000], 0), Err(StoreError::UnknownIndex(5000))));
+        assert_eq!(shards.rows(), 5000);
+    }
+
+    #[test]
+    fn removing_rows_frees_their_pages_and_forgets_them() {
+        let shards = Shards::new(2);
+        let rows: Vec<u64> = (0..4 * PAGE as u64).collect();
+        shards.insert(&rows, &[(0, cells(&vec![5; rows.len()]))]);
+        let pages = |s: &Shards| s.shards.iter().map(|s| s.lock().pages.len()).sum::<usize>();
+        assert_eq!(pages(&shards), 4);
+        // Every row of the first page of each shard, and one more: two pages go.
+        let gone: Vec<u64> = (0..=2 * PAGE as u64).collect();
+        shards.remove(&gone);
+        shards.remove(&gone);
+        assert_eq!((pages(&shards), shards.rows()), (2, rows.len() - gone.len()));
+        assert!(matches!(bytes(&shards, &[2 * PAGE as u64], 0), Err(StoreError::UnknownIndex(_))));
+        assert_eq!(bytes(&shards, &[2 * PAGE as u64 + 1], 0).unwrap(), vec![5]);
+    }
+
+    #[test]
+    fn by_field_lists_every_cell_in_row_order() {
+        let shards = Shards::new(4);
+        let rows = [9000, 3, 17, 2048];
+        shards.insert(&rows, &[(2, cells(&[1, 2, 3, 4]))]);
+        shards.insert(&[17], &[(5, cells(&[7]))]);
+        let listed: Vec<(FieldId, Vec<u64>, Vec<u8>)> = shards
+            .by_field()
+            .into_iter()
+            .map(|(f, r, c)| (f, r, c.iter().map(|c| c.bytes()[0]).collect()))
+            .collect();
+        assert_eq!(
+            listed,
+            vec![(2, vec![3, 17, 2048, 9000], vec![2, 3, 4, 1]), (5, vec![17], vec![7])]
+        );
     }
 }
