@@ -330,3 +330,30 @@ def test_a_group_whose_lease_ran_out_mid_generation_is_generated_once(model_dir:
     assert len(ctx.store.rows(partition=step_partition(0))) == 2
     again = ctx.store.claim("rollout", "prompt_ids", 1, timeout=0.1, allow_partial=True)
     assert len(again) == 0, "its prompt is acked"
+
+
+class _Remote:
+    def remote(self) -> object:
+        return object()
+
+
+class _FakeActor:
+    run = _Remote()
+    report = _Remote()
+
+
+def test_the_ray_supervisor_adds_each_actors_version_spans_once() -> None:
+    from asyncflow.launch.ray_workers import Report, Supervisor
+
+    ctx = context()
+    supervisor = Supervisor(ctx, {"rollout-0": _FakeActor()})
+
+    def report(life: str, spans: dict[int, int], failures: list[str]) -> Report:
+        return Report(life, 0, 0, 0, [], 0.0, spans, failures)
+
+    supervisor._count("rollout-0", report("a", {0: 4}, []), spans=False)
+    supervisor._count("rollout-0", report("a", {0: 6, 1: 2}, ["v3 failed"]), spans=False)
+    supervisor._count("rollout-0", report("b", {1: 1}, []), spans=False)  # restarted
+    assert ctx.state.version_spans == {0: 6, 1: 3}
+    assert ctx.state.weight_failures == ["v3 failed"]
+    assert ctx.state.multi_version_share() == pytest.approx(3 / 9)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,9 @@ class Report:
     truncated_responses: int
     spans: list[Span]
     wall_origin: float
+    #: Generated samples by version span (see :class:`RunState`), and weight loads that failed.
+    version_spans: dict[int, int] = field(default_factory=dict)
+    weight_failures: list[str] = field(default_factory=list)
 
 
 class WorkerActor:
@@ -97,7 +101,10 @@ class WorkerActor:
         s, tracer = self.ctx.state, self.ctx.tracer
         with s.lock:
             tokens, samples, cut = s.generated_tokens, s.generated_samples, s.truncated_responses
-        return Report(self.life, tokens, samples, cut, tracer.spans(), tracer.wall_origin)
+            spans, failures = dict(s.version_spans), list(s.weight_failures)
+        return Report(
+            self.life, tokens, samples, cut, tracer.spans(), tracer.wall_origin, spans, failures
+        )
 
     # -- evaluation through a rollout actor's engine (before the run starts, after it ends) ---
 
@@ -210,6 +217,8 @@ class Supervisor(Worker):
         #: Each actor's current life, and its counters already added to the run's.
         self.lives: dict[str, str] = {}
         self.counted = {label: (0, 0, 0) for label in actors}
+        self.counted_spans: dict[str, Counter[int]] = {label: Counter() for label in actors}
+        self.counted_failures = dict.fromkeys(actors, 0)
         #: Restarts: those seen (a new life reported) during the run, Ray's count at its end;
         #: and deaths Ray reported as final.
         self.restarts = dict.fromkeys(actors, 0)
@@ -269,6 +278,9 @@ class Supervisor(Worker):
             self.lives[label] = report.life
             self.restarts[label] += 1
             self.counted[label] = (0, 0, 0)  # a new life counts from zero
+            self.counted_spans[label] = Counter()
+            self.counted_failures[label] = 0
+        self._count_versions(label, report)
         tokens, samples, cut = self.counted[label]
         self.ctx.state.add(
             generated_tokens=max(0, report.generated_tokens - tokens),
@@ -282,6 +294,18 @@ class Supervisor(Worker):
         )
         if spans:
             self.ctx.tracer.add(report.spans, report.wall_origin)
+
+    def _count_versions(self, label: str, report: Report) -> None:
+        """Adds what the actor's version-span counters and weight failures gained since its last
+        report (in this life) to the run's."""
+        spans = Counter({int(k): v for k, v in report.version_spans.items()})
+        gained = spans - self.counted_spans[label]
+        failures = report.weight_failures[self.counted_failures[label] :]
+        with self.ctx.state.lock:
+            self.ctx.state.version_spans.update(gained)
+            self.ctx.state.weight_failures.extend(failures)
+        self.counted_spans[label] = spans
+        self.counted_failures[label] = len(report.weight_failures)
 
     def run(self) -> None:
         try:
