@@ -170,7 +170,7 @@ def _receiver_main(spec: GroupSpec, store_url: str, conn: Any) -> None:
             group.broadcast(flat).wait()
             conn.send(time.monotonic())
         elif command == "engine":
-            engine = None
+            engine = flat = None  # the baseline's buffer is done with: free it first
             engine = HeldWeights(argument)
             conn.send("ready")
         elif command == "load":
