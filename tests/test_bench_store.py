@@ -1,12 +1,13 @@
 """The store suite's baselines: the ``tcp/*`` cases' native echo sends back exactly the bytes it
-was sent, round after round, and every peer is timed on exactly our work."""
+was sent, round after round, and every peer is timed on exactly our work; the scale case's
+claimers all get full batches (a short one fails it)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from asyncflow.bench import peer_cases
+from asyncflow.bench import peer_cases, scale_cases
 from asyncflow.bench.echo import EchoPeer
 from asyncflow.bench.records import Report
 from asyncflow.bench.workload import Rounds, latency_samples, repeats
@@ -68,3 +69,9 @@ def test_peers_are_timed_on_our_rounds_repeats_and_samples(
     # Ray has no claim: its figure is named for what it is, a hand-off, beside our claim.
     assert ("ray/64KiB", "handoff_p50") in metrics and ("ray/64KiB", "claim_p50") not in metrics
     assert metrics[("transferqueue/64KiB", "claim_p99")] == 1.0
+
+
+def test_the_scale_case_claims_full_batches_from_every_claimer_and_counts_each_put() -> None:
+    got = scale_cases.measure(rows=4096, claims=20, puts=1, processes=2, threads=2)
+    assert 0 < got["claim_p50"] <= got["claim_p99"]
+    assert got["put_rows"] > 0

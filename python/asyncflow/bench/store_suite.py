@@ -9,6 +9,8 @@
   pure-Python set-based readiness index doing the same bookkeeping.
 - ``put_throughput_fsync_*`` (GB/s): puts to a daemon with ``--data-dir`` under each fsync
   policy, against the same puts without one (see ``persist_cases.py``).
+- ``scale/*``: a daemon's metadata bytes per resident row, and claim latency and put rate with
+  10 M rows resident and 64 concurrent claimers (see ``scale_cases.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import numpy as np
 
 import asyncflow as af
-from asyncflow.bench import daemon_cases, peer_cases, persist_cases
+from asyncflow.bench import daemon_cases, peer_cases, persist_cases, scale_cases
 from asyncflow.bench.records import Report
 from asyncflow.bench.workload import (
     CLAIM_BATCH,
@@ -108,3 +110,4 @@ def run(report: Report, quick: bool = False) -> None:
     daemon_cases.run(report, SIZES, quick)
     persist_cases.run(report, SIZES, quick)
     peer_cases.run(report, SIZES, quick)
+    scale_cases.run(report, quick)
