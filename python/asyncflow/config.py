@@ -27,6 +27,24 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraConfig:
+    """``model.lora``: train low-rank adapters (peft's LoRA) instead of the full model. Only the
+    adapters' weights change; each published version is the base weights with the adapters
+    merged in (see docs/lora.md)."""
+
+    #: Rank of each adapter's two factors, and its scale ``alpha / rank``.
+    rank: int = 8
+    alpha: float = 16.0
+    #: Names of the linear modules that get adapters (the last part of a module's name, e.g.
+    #: ``q_proj``); each must name at least one linear module of the model.
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    #: Dropout on the adapters' input while training.
+    dropout: float = 0.0
+
+
+@dataclass
 class ModelConfig:
     #: A Hugging Face model directory; None creates the built-in tiny Qwen2 model locally.
     path: str | None = None
@@ -38,6 +56,8 @@ class ModelConfig:
     max_positions: int = 64
     #: Compute dtype of training and rollout.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    #: Low-rank adapters (None: the whole model is trained).
+    lora: LoraConfig | None = None
 
 
 @dataclass
@@ -479,12 +499,21 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     for f in dataclasses.fields(cls):
         if f.name not in raw:
             continue
-        hint = hints[f.name]
+        hint = _optional_section(hints[f.name], raw[f.name])
         if dataclasses.is_dataclass(hint):
             values[f.name] = _build(hint, raw[f.name], f"{prefix}{f.name}.")  # type: ignore[arg-type]
         else:
             values[f.name] = _coerce(raw[f.name], hint, f"{prefix}{f.name}")
     return cls(**values)
+
+
+def _optional_section(hint: Any, value: Any) -> Any:
+    """An optional section (``Section | None``) that is given is read as the section."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and value is not None:
+        sections = [o for o in typing.get_args(hint) if dataclasses.is_dataclass(o)]
+        if len(sections) == 1:
+            return sections[0]
+    return hint
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
@@ -632,6 +661,8 @@ def validate(c: Config) -> None:
     if c.agent.enabled:
         _validate_agent(c)
     _validate_weights(c.weights)
+    if c.model.lora is not None:
+        _validate_lora(c)
     if c.model.path is not None:
         _require(Path(c.model.path).is_dir(), f"model.path {c.model.path!r} is not a directory")
     if c.data.max_prompt_length is not None:
@@ -654,6 +685,36 @@ def validate(c: Config) -> None:
         ]:
             if file is not None:
                 _require(Path(file).exists(), f"{key} {file!r} does not exist")
+
+
+#: Train engines that train LoRA adapters.
+LORA_ENGINES = ("auto", "hf", "deepspeed", "fsdp")
+
+
+def _validate_lora(c: Config) -> None:
+    lora = c.model.lora
+    assert lora is not None
+    _require(lora.rank >= 1, f"model.lora.rank must be at least 1, not {lora.rank}")
+    _require(lora.alpha > 0, f"model.lora.alpha must be positive, not {lora.alpha}")
+    _require(0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1), not {lora.dropout}")
+    _require(
+        bool(lora.target_modules),
+        "model.lora.target_modules must name at least one module (e.g. [q_proj, v_proj])",
+    )
+    for name in lora.target_modules:
+        _require(
+            bool(name.strip()) and name == name.strip(),
+            f"model.lora.target_modules has an empty or padded name {name!r}",
+        )
+    _require(
+        len(set(lora.target_modules)) == len(lora.target_modules),
+        "model.lora.target_modules names a module twice",
+    )
+    _require(
+        c.trainer.engine in LORA_ENGINES,
+        f"model.lora is supported by the train engines {', '.join(LORA_ENGINES[1:])}, "
+        f"not {c.trainer.engine!r}",
+    )
 
 
 def _validate_weights(w: WeightsConfig) -> None:

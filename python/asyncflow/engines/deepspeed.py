@@ -8,7 +8,9 @@ ranks, clipped, and applied. Under ZeRO-2/3 every backward also talks to the oth
 ranks run the same number of micro-batches (the trainer pads with empty ones).
 
 The optimiser is ``torch.optim.AdamW`` and the schedule a ``LambdaLR`` (the hf engine's), so
-nothing needs compiling and both engines follow the same recipe.
+nothing needs compiling and both engines follow the same recipe. With ``model.lora`` the model
+carries LoRA adapters before DeepSpeed wraps it, only they are optimised, and the exported
+weights have them merged in.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import torch
 
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config
+from asyncflow.engines import lora
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, token_logprobs
 from asyncflow.engines.errors import EngineStartError
-from asyncflow.engines.hf import copy_tokenizer, load_model
+from asyncflow.engines.hf import copy_tokenizer, load_model, save_merged
 from asyncflow.engines.process_group import Rendezvous, init_process_group, prepare_environment
 
 #: Checkpoint tag inside a save directory.
@@ -70,15 +73,16 @@ class DeepSpeedTrainEngine(TrainEngine):
             ) from e
         self.model_dir = model_dir
         self.temperature = config.rollout.temperature
+        self.lora = config.model.lora
         rank = 0 if rendezvous is None else rendezvous.rank
         try:
             init_process_group(rendezvous, config.trainer.timeout)
             import torch.distributed as dist
 
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            model = load_model(model_dir, "float32")
+            model = lora.wrap(load_model(model_dir, "float32"), self.lora)
             optimizer = torch.optim.AdamW(
-                model.parameters(),
+                lora.trainable(model),
                 lr=config.trainer.lr,
                 betas=(0.9, 0.99),
                 weight_decay=config.trainer.weight_decay,
@@ -137,8 +141,9 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     @torch.no_grad()
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights (gathered from every rank under ZeRO-3: a collective call)."""
-        return iter(self._full_weights())
+        """Full weights (gathered from every rank under ZeRO-3: a collective call), with any
+        LoRA adapters merged in."""
+        return iter(lora.merged(self._full_weights(), self.lora))
 
     def save(self, directory: Path) -> None:
         """Every rank writes its optimiser shard (a collective call)."""
@@ -156,6 +161,12 @@ class DeepSpeedTrainEngine(TrainEngine):
     @torch.no_grad()
     def save_pretrained(self, directory: Path) -> None:
         """Rank 0 writes the full model (gathered from every rank: a collective call)."""
+        if self.lora is not None:
+            named = self._full_weights()
+            if self.rank == 0:
+                save_merged(self.model_dir, lora.merged(named, self.lora), directory)
+                lora.save_adapter(named, self.lora, self.model_dir, directory / "adapter")
+            return
         weights = dict(self._full_weights())
         if self.rank == 0:
             self.engine.module.save_pretrained(

@@ -11,6 +11,10 @@ micro-batches as its samples need, each ``forward_backward`` accumulates, ``opti
 the boundary, where gradients are clipped and applied), every rank runs the same number of
 micro-batches (the trainer pads with empty ones) since each forward and backward is collective,
 and the optimiser is ``torch.optim.AdamW`` under the hf engine's ``LambdaLR`` schedule.
+
+With ``model.lora`` the model carries LoRA adapters before it is sharded (FSDP2 shards frozen
+and trainable parameters alike, per parameter), only they are optimised, and the exported
+weights have them merged in.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import torch.distributed as dist
 
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config
+from asyncflow.engines import lora
 from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, token_logprobs
 from asyncflow.engines.errors import EngineStartError
-from asyncflow.engines.hf import copy_tokenizer, load_model
+from asyncflow.engines.hf import copy_tokenizer, load_model, save_merged
 from asyncflow.engines.process_group import Rendezvous, free_port, join_group, on_gpu
 
 
@@ -74,6 +79,7 @@ class FSDPTrainEngine(TrainEngine):
         self.model_dir = model_dir
         self.temperature = config.rollout.temperature
         self.grad_clip = config.trainer.grad_clip
+        self.lora = config.model.lora
         rank = 0 if rendezvous is None else rendezvous.rank
         try:
             init_process_group(rendezvous, config.trainer.timeout)
@@ -84,7 +90,7 @@ class FSDPTrainEngine(TrainEngine):
             policy = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
             )
-            model = load_model(model_dir, "float32").to(self.device)
+            model = lora.wrap(load_model(model_dir, "float32"), self.lora).to(self.device)
             layers = decoder_layers(model)
             if not layers:
                 raise ValueError(f"found no decoder layers in {type(model).__name__}")
@@ -93,7 +99,7 @@ class FSDPTrainEngine(TrainEngine):
             fully_shard(model, mesh=mesh, mp_policy=policy)
             self.model: Any = model.train()
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
+                lora.trainable(self.model),
                 lr=config.trainer.lr,
                 betas=(0.9, 0.99),
                 weight_decay=config.trainer.weight_decay,
@@ -140,8 +146,9 @@ class FSDPTrainEngine(TrainEngine):
         return [(n, _full(p.detach()).cpu()) for n, p in self.model.named_parameters()]
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights, gathered from every rank (a collective call)."""
-        return iter(self._full_weights())
+        """Full weights, gathered from every rank (a collective call), with any LoRA adapters
+        merged in."""
+        return iter(lora.merged(self._full_weights(), self.lora))
 
     def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -180,6 +187,12 @@ class FSDPTrainEngine(TrainEngine):
 
     def save_pretrained(self, directory: Path) -> None:
         """Rank 0 writes the full model (gathered from every rank: a collective call)."""
+        if self.lora is not None:
+            named = self._full_weights()
+            if self.rank == 0:
+                save_merged(self.model_dir, lora.merged(named, self.lora), directory)
+                lora.save_adapter(named, self.lora, self.model_dir, directory / "adapter")
+            return
         weights = dict(self._full_weights())
         if self.rank == 0:
             model = load_model(self.model_dir, "float32")

@@ -14,6 +14,7 @@ import torch
 
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config
+from asyncflow.engines import lora
 from asyncflow.engines.base import (
     Completion,
     LossFn,
@@ -49,6 +50,20 @@ def load_model(model_dir: Path, dtype: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_dtype(dtype))
+
+
+def save_merged(
+    model_dir: Path, weights: Iterable[tuple[str, torch.Tensor]], directory: Path
+) -> None:
+    """Writes ``weights`` (the model's names, all of them) as a Hugging Face model directory
+    beside ``model_dir``'s config and tokenizer."""
+    model = load_model(model_dir, "float32")
+    missing, unexpected = model.load_state_dict(dict(weights), strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"weights do not fit the model: missing {missing}, extra {unexpected}")
+    model.save_pretrained(str(directory), safe_serialization=True)
+    copy_tokenizer(model_dir, directory)
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
@@ -191,7 +206,8 @@ class HFRolloutEngine(RolloutEngine):
 
 
 class HFTrainEngine(TrainEngine):
-    """AdamW on a transformers model, one process."""
+    """AdamW on a transformers model, one process. With ``model.lora`` the model carries LoRA
+    adapters, only they are optimised, and the exported weights have them merged in."""
 
     name = "hf"
 
@@ -200,9 +216,10 @@ class HFTrainEngine(TrainEngine):
         self.model_dir = model_dir
         self.temperature = config.rollout.temperature
         self.grad_clip = config.trainer.grad_clip
-        self.model = load_model(model_dir, config.model.dtype).train()
+        self.lora = config.model.lora
+        self.model = lora.wrap(load_model(model_dir, config.model.dtype), self.lora).train()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            lora.trainable(self.model),
             lr=config.trainer.lr,
             betas=(0.9, 0.99),
             weight_decay=config.trainer.weight_decay,
@@ -215,7 +232,11 @@ class HFTrainEngine(TrainEngine):
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs(batch)
+        self.model.eval()  # no adapter dropout: the policy's own log-probs
+        try:
+            return self._logprobs(batch)
+        finally:
+            self.model.train()
 
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         loss, stats = loss_fn(self._logprobs(batch), batch)
@@ -231,9 +252,10 @@ class HFTrainEngine(TrainEngine):
         self.version += 1
         return {"grad_norm": float(norm), "lr": lr}
 
+    @torch.no_grad()
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self.model.named_parameters():
-            yield name, param.detach()
+        named = ((name, param.detach()) for name, param in self.model.named_parameters())
+        return iter(lora.merged(named, self.lora))
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -254,5 +276,10 @@ class HFTrainEngine(TrainEngine):
         self.version = int(state["version"])
 
     def save_pretrained(self, directory: Path) -> None:
-        self.model.save_pretrained(str(directory), safe_serialization=True)
-        copy_tokenizer(self.model_dir, directory)
+        if self.lora is None:
+            self.model.save_pretrained(str(directory), safe_serialization=True)
+            copy_tokenizer(self.model_dir, directory)
+            return
+        named = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        save_merged(self.model_dir, lora.merged(named, self.lora), directory)
+        lora.save_adapter(named, self.lora, self.model_dir, directory / "adapter")
