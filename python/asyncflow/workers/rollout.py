@@ -64,7 +64,7 @@ class Rollout(Worker):
 
     def sync_weights(self) -> bool:
         """Loads the newest published weights if they are newer than the engine's; returns
-        whether it did. A version that fails to load (see :func:`load_newest`) is reported and
+        whether it did. A version that fails to load (see :func:`load_version`) is reported and
         skipped; the engine goes on with the version it had."""
         newest = self.ctx.weights.latest()
         if newest is None or newest <= self.engine.version or newest in self._unloadable:
