@@ -111,6 +111,28 @@ def test_the_exported_weights_are_the_base_names_with_the_adapters_merged(
     }
 
 
+def test_the_final_model_is_merged_and_its_adapter_loads_over_the_base_in_peft(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    engine = HFTrainEngine(model_dir, CONFIG)
+    train_step(engine)
+    engine.save_pretrained(tmp_path / "final")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final")).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "final" / "adapter")).eval()
+    (tokens,) = ids([TARGET])
+    x = torch.tensor([tokens])
+    with torch.no_grad():
+        want = engine.model.eval()(input_ids=x).logits
+        assert (merged(input_ids=x).logits - want).abs().max() < 1e-4
+        assert (adapted(input_ids=x).logits - want).abs().max() < 1e-4
+        plain = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+        assert (plain(input_ids=x).logits - want).abs().max() > 1e-2
+
+
 @pytest.fixture(scope="module", params=["hf", "vllm"])
 def rollout(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[RolloutEngine]:
     if request.param == "hf":
