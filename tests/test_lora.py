@@ -256,3 +256,29 @@ def test_a_sharding_engine_trains_only_adapters_and_publishes_them_merged(
     finally:
         engine.close()
         torch.distributed.destroy_process_group()
+
+
+LORA_RANKS = [
+    "model.lora.rank=4",
+    "model.lora.alpha=8",
+    "model.lora.target_modules=[q_proj,v_proj,down_proj]",
+]
+
+
+# DeepSpeed ZeRO-3 passes the same check (``engine`` "deepspeed"); it is left out of the suite,
+# whose time two more rank processes would add to.
+@pytest.mark.parametrize("engine", ["fsdp"])
+def test_two_ranks_with_lora_step_as_one_process_does(
+    engine: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two ranks each wrap and shard their own copy of the model: their adapters start alike,
+    and one step publishes the merged weights of one single-process step on the whole batch."""
+    pytest.importorskip("deepspeed" if engine == "deepspeed" else "torch.distributed.fsdp")
+    from rank_groups import check_one_step, rank_config, rank_group
+
+    config = rank_config(f"trainer.engine={engine}", "trainer.zero_stage=3", *LORA_RANKS)
+    setting = rank_group(tmp_path_factory.mktemp(f"{engine}-lora"), config)
+    try:
+        check_one_step(next(setting), config)
+    finally:
+        next(setting, None)  # the fixture body's clean-up: the ranks, then the daemon

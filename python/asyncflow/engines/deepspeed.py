@@ -80,7 +80,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             import torch.distributed as dist
 
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            model = lora.wrap(load_model(model_dir, "float32"), self.lora)
+            model = lora.wrap(load_model(model_dir, "float32"), self.lora, config.run.seed)
             optimizer = torch.optim.AdamW(
                 lora.trainable(model),
                 lr=config.trainer.lr,

@@ -90,7 +90,9 @@ class FSDPTrainEngine(TrainEngine):
             policy = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
             )
-            model = lora.wrap(load_model(model_dir, "float32"), self.lora).to(self.device)
+            model = lora.wrap(load_model(model_dir, "float32"), self.lora, config.run.seed).to(
+                self.device
+            )
             layers = decoder_layers(model)
             if not layers:
                 raise ValueError(f"found no decoder layers in {type(model).__name__}")

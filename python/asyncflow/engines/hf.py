@@ -217,7 +217,9 @@ class HFTrainEngine(TrainEngine):
         self.temperature = config.rollout.temperature
         self.grad_clip = config.trainer.grad_clip
         self.lora = config.model.lora
-        self.model = lora.wrap(load_model(model_dir, config.model.dtype), self.lora).train()
+        self.model = lora.wrap(
+            load_model(model_dir, config.model.dtype), self.lora, config.run.seed
+        ).train()
         self.optimizer = torch.optim.AdamW(
             lora.trainable(self.model),
             lr=config.trainer.lr,

@@ -47,9 +47,10 @@ def check_targets(model: torch.nn.Module, lora: LoraConfig) -> None:
         )
 
 
-def wrap(model: Any, lora: LoraConfig | None) -> Any:
+def wrap(model: Any, lora: LoraConfig | None, seed: int = 0) -> Any:
     """``model`` with LoRA adapters on ``lora.target_modules`` (only they are trainable), or
-    ``model`` itself without ``lora``."""
+    ``model`` itself without ``lora``. The adapters' random start depends on ``seed`` alone, so
+    that every data-parallel rank (each sharding its own copy) starts from the same one."""
     if lora is None:
         return model
     check_targets(model, lora)
@@ -63,7 +64,9 @@ def wrap(model: Any, lora: LoraConfig | None) -> Any:
         lora_dropout=lora.dropout,
         bias="none",
     )
-    return get_peft_model(model, peft_config, adapter_name=ADAPTER)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, peft_config, adapter_name=ADAPTER)
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
