@@ -133,62 +133,6 @@ def test_the_final_model_is_merged_and_its_adapter_loads_over_the_base_in_peft(
         assert (plain(input_ids=x).logits - want).abs().max() > 1e-2
 
 
-@pytest.fixture(scope="module", params=["hf", "vllm"])
-def rollout(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[RolloutEngine]:
-    if request.param == "hf":
-        yield HFRolloutEngine(model_dir, CONFIG)
-        return
-    pytest.importorskip("vllm")
-    from asyncflow.engines.vllm import VLLMRolloutEngine
-
-    engine = VLLMRolloutEngine(model_dir, CONFIG)
-    yield engine
-    engine.close()
-
-
-def follow_versions(
-    rollout: RolloutEngine, model_dir: Path, sync: Callable[[HFTrainEngine], None]
-) -> list[tuple[float, float]]:
-    """Trains three steps from ``model_dir``, calling ``sync(trainer)`` after each; per version:
-    the rollout engine's log-prob gap to the trainer, and how far training has moved the
-    trainer's log-probs from the base model's."""
-    trainer = HFTrainEngine(model_dir, CONFIG)
-    base = HFTrainEngine(model_dir, cfg.load(None, OVERRIDES[:1]))
-    rollout.load_weights(0, trainer.export_weights())  # the base weights, as at the start
-    gaps = []
-    for _ in range(3):
-        train_step(trainer)
-        sync(trainer)
-        moved = float(
-            (trainer.logprobs(target_batch()) - base.logprobs(target_batch())).abs().max()
-        )
-        gaps.append((gap(rollout, trainer), moved))
-    return gaps
-
-
-def test_the_rollout_engine_samples_with_each_published_adapter(
-    rollout: RolloutEngine, model_dir: Path
-) -> None:
-    store = af.Store(shards=2)
-
-    def publish_and_load(trainer: HFTrainEngine) -> None:
-        weights.publish(store, trainer.version, trainer.export_weights())
-        loaded, views = weights.fetch(store)
-        assert loaded == trainer.version
-        rollout.load_weights(loaded, views)
-
-    for version_gap, moved in follow_versions(rollout, model_dir, publish_and_load):
-        assert moved > MOVED
-        assert version_gap < TOLERANCE[rollout.name]
-
-
-def test_the_check_fails_when_the_adapter_is_never_synced(
-    rollout: RolloutEngine, model_dir: Path
-) -> None:
-    gaps = follow_versions(rollout, model_dir, lambda trainer: None)
-    assert all(g > 10 * TOLERANCE[rollout.name] for g, _ in gaps), gaps
-
-
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -213,6 +157,18 @@ def test_target_modules_the_model_lacks_are_refused_at_start_naming_those_it_has
     config = cfg.load(None, ["model.lora.target_modules=[q_proj,qkv_proj]"])
     with pytest.raises(cfg.ConfigError, match=r"\['qkv_proj'\].*it has \[.*'q_proj'"):
         HFTrainEngine(model_dir, config)
+
+
+def test_with_adapter_dropout_the_log_probs_are_the_policys_own(
+    model_dir: Path,
+) -> None:
+    engine = HFTrainEngine(model_dir, cfg.load(None, [*OVERRIDES, "model.lora.dropout=0.5"]))
+    train_step(engine)
+    first, second = engine.logprobs(target_batch()), engine.logprobs(target_batch())
+    assert torch.equal(first, second)
+    rollout = HFRolloutEngine(model_dir, CONFIG)
+    rollout.load_weights(1, engine.export_weights())
+    assert gap(rollout, engine) < TOLERANCE["hf"]
 
 
 def test_without_lora_the_config_has_none_and_the_whole_model_trains(model_dir: Path) -> None:
@@ -282,3 +238,61 @@ def test_two_ranks_with_lora_step_as_one_process_does(
         check_one_step(next(setting), config)
     finally:
         next(setting, None)  # the fixture body's clean-up: the ranks, then the daemon
+
+
+# Last in the module: the vLLM engine lives until the module ends, and holds the process's
+# default torch.distributed group, which the one-rank engines above make and destroy.
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def rollout(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[RolloutEngine]:
+    if request.param == "hf":
+        yield HFRolloutEngine(model_dir, CONFIG)
+        return
+    pytest.importorskip("vllm")
+    from asyncflow.engines.vllm import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(model_dir, CONFIG)
+    yield engine
+    engine.close()
+
+
+def follow_versions(
+    rollout: RolloutEngine, model_dir: Path, sync: Callable[[HFTrainEngine], None]
+) -> list[tuple[float, float]]:
+    """Trains three steps from ``model_dir``, calling ``sync(trainer)`` after each; per version:
+    the rollout engine's log-prob gap to the trainer, and how far training has moved the
+    trainer's log-probs from the base model's."""
+    trainer = HFTrainEngine(model_dir, CONFIG)
+    base = HFTrainEngine(model_dir, cfg.load(None, OVERRIDES[:1]))
+    rollout.load_weights(0, trainer.export_weights())  # the base weights, as at the start
+    gaps = []
+    for _ in range(3):
+        train_step(trainer)
+        sync(trainer)
+        moved = float(
+            (trainer.logprobs(target_batch()) - base.logprobs(target_batch())).abs().max()
+        )
+        gaps.append((gap(rollout, trainer), moved))
+    return gaps
+
+
+def test_the_rollout_engine_samples_with_each_published_adapter(
+    rollout: RolloutEngine, model_dir: Path
+) -> None:
+    store = af.Store(shards=2)
+
+    def publish_and_load(trainer: HFTrainEngine) -> None:
+        weights.publish(store, trainer.version, trainer.export_weights())
+        loaded, views = weights.fetch(store)
+        assert loaded == trainer.version
+        rollout.load_weights(loaded, views)
+
+    for version_gap, moved in follow_versions(rollout, model_dir, publish_and_load):
+        assert moved > MOVED
+        assert version_gap < TOLERANCE[rollout.name]
+
+
+def test_the_check_fails_when_the_adapter_is_never_synced(
+    rollout: RolloutEngine, model_dir: Path
+) -> None:
+    gaps = follow_versions(rollout, model_dir, lambda trainer: None)
+    assert all(g > 10 * TOLERANCE[rollout.name] for g, _ in gaps), gaps

@@ -113,7 +113,11 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs(self._on_device(batch)).float().cpu()
+        self.engine.eval()  # no adapter dropout: the policy's own log-probs
+        try:
+            return self._logprobs(self._on_device(batch)).float().cpu()
+        finally:
+            self.engine.train()
 
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = self._on_device(batch)

@@ -123,7 +123,11 @@ class FSDPTrainEngine(TrainEngine):
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs(batch).float().cpu()
+        self.model.eval()  # no adapter dropout: the policy's own log-probs
+        try:
+            return self._logprobs(batch).float().cpu()
+        finally:
+            self.model.train()
 
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         if batch.input_ids.device != self.device:
