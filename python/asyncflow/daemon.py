@@ -115,6 +115,7 @@ class DaemonProcess:
         if not line.startswith("listening on "):
             self.proc.kill()
             self.proc.wait()
+            self.proc.stdout.close()
             raise RuntimeError(f"the store daemon did not start (flags {flags}): {line!r}")
         #: ``tcp://HOST:PORT``
         self.url = line.split()[-1]
@@ -138,7 +139,9 @@ class DaemonProcess:
         """Ends it with SIGKILL, as a crash would: nothing is flushed, nothing cleaned up."""
         self._killed = True
         self.proc.kill()
-        return self.proc.wait()
+        code = self.proc.wait()
+        self._close_pipe()
+        return code
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -149,6 +152,13 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait()
             raise
+        finally:
+            self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        """Closes our end of its stdout once it has ended (it printed only its address)."""
+        if self.proc.stdout is not None and self.proc.poll() is not None:
+            self.proc.stdout.close()
 
     def __enter__(self) -> DaemonProcess:
         return self

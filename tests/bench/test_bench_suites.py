@@ -38,6 +38,7 @@ def metric(rows: list[dict[str, Any]], case: str, name: str, baseline: str | Non
     )
 
 
+@pytest.mark.slow
 def test_the_pipeline_suite_compares_every_mode_with_the_colocated_baseline(
     tmp_path: Path,
 ) -> None:
@@ -69,6 +70,7 @@ def test_the_sim_suite_reports_scaling_from_the_smallest_cluster(tmp_path: Path)
         assert metric(rows, case, "index_us_per_sample")["value"] > 0
 
 
+@pytest.mark.slow
 def test_the_e2e_suite_times_the_main_job_at_each_staleness(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

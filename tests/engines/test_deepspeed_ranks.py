@@ -14,6 +14,8 @@ import pytest
 from asyncflow.engines.errors import EngineDiedError
 from rank_groups import Setting, check_initial_weights, check_one_step, rank_config, rank_group
 
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+
 CONFIG = rank_config("trainer.zero_stage=3")
 
 

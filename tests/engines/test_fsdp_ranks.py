@@ -31,6 +31,8 @@ from rank_groups import (
     samples,
 )
 
+pytestmark = [pytest.mark.slow]
+
 CONFIG = rank_config("trainer.engine=fsdp")
 
 

@@ -26,6 +26,8 @@ from asyncflow.models.tiny import create_tiny_model
 from asyncflow.train import logprob_agreement
 from asyncflow.workers.batches import to_train_batch
 
+pytestmark = [pytest.mark.slow]
+
 # vLLM CPU attention needs a head size of at least 32 (hidden 128 over 4 heads).
 OVERRIDES = [
     "model.intermediate_size=128",

@@ -18,6 +18,8 @@ from asyncflow.engines.vllm import VLLMRolloutEngine
 from asyncflow.models.tiny import create_tiny_model
 from partial_replay import PROMPT, SWITCH, generate_with_switch, policy_versions, replay
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 CONFIG = cfg.load(None, ["rollout.partial=continue", "rollout.max_num_seqs=4"])
 TOLERANCE = 1e-4
 

@@ -19,7 +19,9 @@ from asyncflow.config import ModelConfig
 from asyncflow.models.tiny import create_tiny_model
 from run_outputs import busy_spans, metrics, trained_groups
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed, pytest.mark.slow]
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 #: 1-digit addition, as in test_workflow, with a model vLLM's CPU attention supports.
 SMALL = [

@@ -24,6 +24,8 @@ from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.train import logprob_agreement
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 # vLLM CPU attention needs a head size of at least 32 (hidden 128 over 4 heads).
 CONFIG = cfg.load(None, ["model.intermediate_size=128"])
 PROMPTS = ["12+34=", "7+8=", "99+1=", "5+55=", "40+2="]

@@ -32,6 +32,8 @@ from asyncflow.weight_sync.group import Group, GroupSpec
 from asyncflow.weight_sync.layout import Layout, as_bytes, pack
 from asyncflow.weight_sync.store_transport import StorePublisher, StoreReceiver
 
+pytestmark = [pytest.mark.slow]
+
 #: Small buckets, so the tiny model's versions take many (and tensors straddle their ends).
 BUCKET = 16 << 10
 #: The groups' timeout: generous, as the machine running the tests may be loaded.

@@ -33,6 +33,8 @@ from asyncflow.train import train
 from asyncflow.workers.base import Context, RunState
 from asyncflow.workers.trainer import Ledger
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 GROUPS, N = 4, 8
 FAST = [
     "launcher=ray",

@@ -63,7 +63,7 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:
     assert cfg.load(path) == c
 
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def test_the_arithmetic_example_is_valid() -> None:

@@ -527,8 +527,9 @@ def test_a_run_with_a_reward_model_worker_and_gspo_finishes(tmp_path: Path) -> N
 
 
 def test_dynamic_sampling_replaces_left_out_groups_up_to_the_cap(tmp_path: Path) -> None:
-    from asyncflow.workers.feeder import EXTRA_GROUPS
     from test_workflow import run
+
+    from asyncflow.workers.feeder import EXTRA_GROUPS
 
     summary = run(
         tmp_path,

@@ -164,7 +164,7 @@ def test_datasets_with_verl_columns_from_parquet_and_json(tmp_path: Path, name: 
 
 def test_a_directory_saved_by_hugging_face_datasets_is_read(tmp_path: Path) -> None:
     # Written by datasets 5.2 (Dataset.from_list(...).save_to_disk): three rows asking 1+1=.
-    saved = Path(__file__).parent / "data" / "hf_save_to_disk"
+    saved = Path(__file__).parents[1] / "data" / "hf_save_to_disk"
     data = DataConfig(
         task="dataset", train_file=str(saved), eval_size=1, extra_keys=["extra_info.index"]
     )

@@ -23,6 +23,8 @@ from asyncflow.train import train
 from asyncflow.workers import routing
 from run_outputs import busy_spans, ledger, metrics, trained_groups
 
+pytestmark = [pytest.mark.slow]
+
 STEPS, GROUPS, N = 20, 16, 16
 #: Small but real: 1-digit addition, where a short warm start leaves the model right about two
 #: times in three and RL visibly raises that within seconds.

@@ -50,6 +50,7 @@ def test_a_producer_killed_mid_put_leaves_no_partial_row(kind: str, transport: s
     ("kind", "victim"),
     [("standalone", "standalone"), ("cluster", "controller"), ("cluster", "storage-1")],
 )
+@pytest.mark.slow
 def test_a_killed_daemon_restarts_with_every_completed_put_and_unacked_row(
     kind: str, victim: str
 ) -> None:

@@ -35,7 +35,11 @@ def namespaces_work() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not namespaces_work(), reason="cannot create network namespaces")
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.skipif(not namespaces_work(), reason="cannot create network namespaces"),
+]
 
 
 @pytest.fixture(scope="module")

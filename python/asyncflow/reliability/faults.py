@@ -1,6 +1,6 @@
 """Faults injected into real daemons and clients, each a function that runs one trial and
 reports what came of it: rows lost, rows committed twice, partial rows seen, and errors that a
-client could not make sense of. The fast CI tests (``tests/test_faults.py``) run each once; the
+client could not make sense of. The fast CI tests (``tests/store/test_faults.py``) run each once; the
 ``asyncflow reliability`` command runs each many times and tabulates the outcomes.
 
 Every row a trial writes carries its own proof: an ``id`` and a ``payload`` derived from it, so a
@@ -119,14 +119,21 @@ def spawn(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
 
+def kill_client(child: subprocess.Popen[str]) -> None:
+    """SIGKILLs a client, waits for it and closes our end of its stdout."""
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    if child.stdout is not None:
+        child.stdout.close()
+
+
 def hear(child: subprocess.Popen[str], timeout: float = WAIT * 2) -> dict[str, Any]:
     """The child's next message; fails (killing it) if none comes in time."""
     assert child.stdout is not None
     ready, _, _ = select.select([child.stdout], [], [], timeout)
     line = child.stdout.readline() if ready else ""
     if not line:
-        child.kill()
-        child.wait()
+        kill_client(child)
         raise RuntimeError(f"client {child.args!r} said nothing within {timeout}s")
     return dict(json.loads(line))
 
@@ -149,8 +156,7 @@ def consumer_killed_holding_leases(kind: Kind = "standalone", rows: int = 96) ->
         child = spawn("consumer", d.url)
         told = hear(child)
         acked = told["acked"]
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        kill_client(child)
         killed = time.monotonic()
         seen = drain_until(store, "t", rows - len(acked), outcome)
         outcome.notes.append(f"leased rows came again {time.monotonic() - killed:.1f}s after")
@@ -200,8 +206,7 @@ def producer_killed_mid_put(
         child = spawn("producer", d.url, transport, str(record))
         hear(child)
         time.sleep(rng.uniform(0.0, 0.3))
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        kill_client(child)
         # A controller drops the unfinished put's rows when it sees the connection close.
         deadline = time.monotonic() + WAIT
         while unfinished(store) and time.monotonic() < deadline:

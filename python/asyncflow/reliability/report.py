@@ -223,7 +223,7 @@ def random_input_tests(examples: int) -> tuple[str, int, list[str]]:
     """Runs the hypothesis tests with ``examples`` examples each; returns pytest's summary, its
     exit code, and its one-line reasons for each failure or error."""
     env = os.environ | {"AF_HYPOTHESIS_EXAMPLES": str(examples)}
-    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "tests/test_store_hypothesis.py"]
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "tests/store/test_store_hypothesis.py"]
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     out = done.stdout.strip().splitlines()
     summary = out[-1] if out else done.stderr[-500:]
@@ -342,7 +342,7 @@ def render(
         "",
         "Faults injected into real daemon and client processes, bad input, and a soak of many",
         "concurrent clients, with what came of each. Produced by `make reliability` (this file is",
-        "its output; the fast CI tests in `tests/test_faults.py` run each fault once).",
+        "its output; the fast CI tests in `tests/store/test_faults.py` run each fault once).",
         "",
         f"Run at commit `{run_at['commit']}`, started {run_at['date']}"
         + (
