@@ -1,7 +1,7 @@
 """Faults injected into real daemons and clients, each a function that runs one trial and
 reports what came of it: rows lost, rows committed twice, partial rows seen, and errors that a
-client could not make sense of. The fast CI tests (``tests/store/test_faults.py``) run each once; the
-``asyncflow reliability`` command runs each many times and tabulates the outcomes.
+client could not make sense of. The fast CI tests (``tests/store/test_faults.py``) run each once;
+the ``asyncflow reliability`` command runs each many times and tabulates the outcomes.
 
 Every row a trial writes carries its own proof: an ``id`` and a ``payload`` derived from it, so a
 reader can tell a whole row from a partial or corrupted one.
