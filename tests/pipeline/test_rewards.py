@@ -167,7 +167,9 @@ class Judge(BaseHTTPRequestHandler):
         cls = type(self)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         content = body["messages"][0]["content"]
-        # Requests at once, but for the ones the client has given up on ("hang").
+        # Requests at once, but for the ones the client has given up on ("hang"). A request stops
+        # counting before its answer is written: the client may send the next one as soon as it
+        # has the answer.
         counted = int("hang" not in content)
         with cls.lock:
             cls.count += 1
@@ -176,10 +178,14 @@ class Judge(BaseHTTPRequestHandler):
         try:
             time.sleep(0.02)
             if "hang" in content:
-                time.sleep(5.0)  # beyond the client's timeout
+                time.sleep(60.0)  # far beyond the client's timeout
             with cls.lock:
                 first = content not in cls.seen
                 cls.seen.add(content)
+        finally:
+            with cls.lock:
+                cls.in_flight -= counted
+        try:
             if first or "down" in content:
                 self.send_response(503)
                 self.end_headers()
@@ -193,9 +199,6 @@ class Judge(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except BrokenPipeError:  # the client gave up waiting (the "hang" text)
             pass
-        finally:
-            with cls.lock:
-                cls.in_flight -= counted
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -222,7 +225,7 @@ def test_the_judge_is_retried_bounded_and_its_failures_are_reported(judge_url: s
     waits: list[float] = []
     source = HttpSource(
         RewardHttpConfig(
-            url=judge_url, template="{response}", concurrency=3, timeout=1.5, retries=2
+            url=judge_url, template="{response}", concurrency=3, timeout=5.0, retries=2
         ),
         sleep=waits.append,
     )
