@@ -7,8 +7,6 @@ its reward (the reward worker passes it on)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from asyncflow.agents.loop import AgentLoop
@@ -49,39 +47,13 @@ class AgentRollout(Rollout):
             problems.append(Problem(self.ctx.tokenizer.decode(prompt.tolist()), truth, info))
         return problems
 
-    def step(self) -> bool:
-        self.sync_weights()
-        with self.waiting("engine room"):
-            if not self.engine.wait_for_room(self.config.run.poll_interval):
-                return True
-        work = self._claim() if self.inbox is None else self._take()
-        if work is None:
-            return True
-        if self.config.trainer.staleness_policy == "wait":
-            oldest_allowed = work.target - self.config.trainer.max_staleness
-            if self.engine.version < oldest_allowed:
-                self._settle(work, done=False)
-                self._wait_for_weights(oldest_allowed)
-                return True
-        version = self.engine.version
+    def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]]:
+        """Each prompt's trajectories, as completions whose tokens carry their own masks."""
         with self.busy(f"agent trajectories v{version}"):
             runs = self.loop.run(
                 self.engine, [p.tolist() for p in work.prompts], self._problems(work), self.sampling
             )
-        outputs: list[list[Completion]] = [[TrajectoryCompletion.of(t) for t in g] for g in runs]
-        routing = self.dispatcher.lock if self.dispatcher is not None else contextlib.nullcontext()
-        with self.ctx.state.snapshot_lock, routing:
-            if work.assignments is not None:
-                work, outputs = self._drop_rerouted(work, outputs)
-                if not work.prompts:
-                    return True
-            fresh, fresh_outputs = self._drop_already_put(work, outputs)
-            if fresh.prompts:
-                self._put_samples(
-                    fresh.target, version, fresh.prompts, fresh.answers, fresh.groups, fresh_outputs
-                )
-            self._settle(work, done=True)
-        return True
+        return [[TrajectoryCompletion.of(t) for t in g] for g in runs]
 
     def _put_samples(
         self,

@@ -156,10 +156,13 @@ class Rollout(Worker):
         # Read before generating: an engine shared by several workers may load newer weights while
         # this call is in flight, and a sample is as old as the oldest policy that wrote it.
         version = self.engine.version
-        with self.busy(f"generate v{version}"):
-            outputs = self.engine.generate([p.tolist() for p in work.prompts], self.sampling)
-        self._deliver(work, version, outputs)
+        self._deliver(work, version, self._generate(work, version))
         return True
+
+    def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]]:
+        """Each prompt's completions, from ``version`` of the policy."""
+        with self.busy(f"generate v{version}"):
+            return self.engine.generate([p.tolist() for p in work.prompts], self.sampling)
 
     def _deliver(self, work: PromptGroups, version: int, outputs: list[list[Completion]]) -> None:
         """Puts the samples of ``work`` (``version``: that of tokens without their own) and acks
