@@ -41,6 +41,7 @@ from asyncflow.launch.local import run_threads
 from asyncflow.models.tiny import create_tiny_model, parameter_count
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.progress import Reporter
+from asyncflow.quiet import quiet_libraries
 from asyncflow.store import Store
 from asyncflow.tasks import Task, load_task
 from asyncflow.tasks.prompts import PromptEncoder
@@ -583,18 +584,6 @@ class Run:
             **({"placement": self.placement} if self.placement else {}),
             "run_dir": str(self.run_dir),
         }
-
-
-def quiet_libraries() -> None:
-    """Progress bars of model loading and saving would interleave with ours."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
 
 
 def train(

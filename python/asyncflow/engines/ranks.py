@@ -25,13 +25,12 @@ import torch
 
 from asyncflow import weights
 from asyncflow.config import Config
-from asyncflow.engines.base import LossFn, StepTrainEngine, TrainBatch
+from asyncflow.engines.base import LossFn, StepResult, StepTrainEngine, TrainBatch
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
 from asyncflow.engines.process_group import free_port
 from asyncflow.engines.rank_process import RankSpec, main
 from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.store import Store
-from asyncflow.workers.steps import StepResult
 
 #: Lines of a rank's log quoted in an error.
 LOG_TAIL = 15

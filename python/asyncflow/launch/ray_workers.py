@@ -31,6 +31,7 @@ from asyncflow.engines.registry import create_rollout_engine, resolve_engine_nam
 from asyncflow.launch.local import WorkerFailed
 from asyncflow.launch.ray_wait import Say, wait
 from asyncflow.models.tokenizer import load_tokenizer
+from asyncflow.quiet import quiet_libraries
 from asyncflow.telemetry.trace import Span, Tracer
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import Context, RunState, Worker
@@ -61,8 +62,6 @@ class WorkerActor:
     def __init__(
         self, config: Config, role: str, label: str, url: str, token: str, model_dir: Path
     ) -> None:
-        from asyncflow.train import quiet_libraries
-
         quiet_libraries()
         store = connect(url, token=token)
         self.ctx = Context(store, config, load_tokenizer(model_dir), Tracer(), RunState())

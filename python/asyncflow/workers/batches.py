@@ -89,11 +89,6 @@ def _packed(
     )
 
 
-def padded_tokens(lengths: Sequence[int]) -> int:
-    """What a padded micro-batch of these rows holds: rows times the longest."""
-    return len(lengths) * max(lengths, default=0)
-
-
 def split_micro_batches(
     lengths: Sequence[int], budget: int, packed: bool, min_count: int = 1
 ) -> list[list[int]]:

@@ -20,11 +20,11 @@ import torch
 from asyncflow import weights
 from asyncflow.batch import Batch
 from asyncflow.config import Config
-from asyncflow.engines.base import TrainBatch, TrainEngine
+from asyncflow.engines.base import StepResult, TrainBatch, TrainEngine
 from asyncflow.errors import StoreTimeoutError
 from asyncflow.store import Store
 from asyncflow.workers.base import StallError, step_partition
-from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, sample_lengths, update
+from asyncflow.workers.steps import StepLoss, sample_fields, sample_lengths, update
 
 
 def agree_on_most(count: int) -> int:

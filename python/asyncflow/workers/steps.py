@@ -8,9 +8,7 @@ gradient is the plain sum over its micro-batches, however many there are and whe
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,7 +17,7 @@ import torch
 from asyncflow.algorithms.losses import ALIASES, LossSettings, policy_loss
 from asyncflow.config import Config
 from asyncflow.engines.base import TrainBatch, TrainEngine
-from asyncflow.workers.batches import padded_tokens, split_micro_batches, to_train_batch
+from asyncflow.workers.batches import split_micro_batches, to_train_batch
 
 #: Fields a training step reads from each sample row.
 SAMPLE_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage", "reward"]
@@ -153,67 +151,3 @@ def update(
             engine.forward_backward(tb, loss)
         figures = engine.optimizer_step()
     return figures
-
-
-@dataclass
-class StepResult:
-    """What one step trained, and its optimiser's figures."""
-
-    trained_groups: list[int] = field(default_factory=list)
-    dropped_groups: list[int] = field(default_factory=list)
-    #: Trained samples by age (policy versions behind the step).
-    staleness: Counter[int] = field(default_factory=Counter)
-    rewards: list[float] = field(default_factory=list)
-    loss_stats: list[dict[str, float]] = field(default_factory=list)
-    optimizer: dict[str, float] = field(default_factory=dict)
-    #: Tokens of the trained samples; tokens the micro-batches' tensors held (padding too); and
-    #: what the same micro-batches would hold padded (rows times the longest).
-    tokens: int = 0
-    tensor_tokens: int = 0
-    padded_tokens: int = 0
-    #: The most tokens one micro-batch's tensors held.
-    largest_micro_batch: int = 0
-
-    def count_batch(self, batch: TrainBatch, lengths: Sequence[int]) -> None:
-        self.tokens += batch.tokens
-        self.tensor_tokens += int(batch.input_ids.numel())
-        self.largest_micro_batch = max(self.largest_micro_batch, int(batch.input_ids.numel()))
-        self.padded_tokens += padded_tokens(lengths)
-
-    def padding(self) -> dict[str, float]:
-        """Padding's share of the tensors trained on, and its share had they been padded."""
-        if not self.tensor_tokens:
-            return {}
-        return {
-            "padding_fraction": 1 - self.tokens / self.tensor_tokens,
-            "padding_fraction_unpacked": 1 - self.tokens / max(self.padded_tokens, 1),
-            "micro_batch_tokens_max": float(self.largest_micro_batch),
-        }
-
-    def note(
-        self, groups: np.ndarray, ages: np.ndarray, stale: np.ndarray, rewards: Sequence[Any]
-    ) -> None:
-        """Records a claim's rows: the ``stale`` ones as dropped, the others as trained (with
-        their ``rewards``)."""
-        self.dropped_groups += sorted({int(g) for g in groups[stale]})
-        self.trained_groups += sorted({int(g) for g in groups[~stale]})
-        self.staleness.update(int(a) for a in ages[~stale])
-        self.rewards += [float(r) for r in rewards]
-
-    @staticmethod
-    def merge(parts: Sequence[StepResult]) -> StepResult:
-        """The step as a whole, from its data-parallel ranks' parts (figures of the first)."""
-        merged = StepResult(optimizer=dict(parts[0].optimizer) if parts else {})
-        for p in parts:
-            merged.trained_groups += p.trained_groups
-            merged.dropped_groups += p.dropped_groups
-            merged.staleness += p.staleness
-            merged.rewards += p.rewards
-            merged.loss_stats += p.loss_stats
-            merged.tokens += p.tokens
-            merged.tensor_tokens += p.tensor_tokens
-            merged.padded_tokens += p.padded_tokens
-            merged.largest_micro_batch = max(merged.largest_micro_batch, p.largest_micro_batch)
-        merged.trained_groups.sort()
-        merged.dropped_groups.sort()
-        return merged

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from asyncflow import weights
-from asyncflow.engines.base import StepTrainEngine, TrainBatch, TrainEngine
+from asyncflow.engines.base import StepResult, StepTrainEngine, TrainBatch, TrainEngine
 from asyncflow.errors import StoreTimeoutError
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.workers.base import Context, Worker, step_partition
-from asyncflow.workers.steps import StepLoss, StepResult, sample_fields, sample_lengths, update
+from asyncflow.workers.steps import StepLoss, sample_fields, sample_lengths, update
 
 #: Runs in the trainer's thread after each step (evaluation, checkpoints); returns extra metrics.
 StepHook = Callable[[int], dict[str, Any]]
