@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from asyncflow.engines.base import TrainEngine
+from asyncflow.errors import UnknownIndexError
 from asyncflow.store import Store
 from asyncflow.workers.base import PROMPTS, RunState
 
@@ -36,32 +38,77 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _in_flight(store: Store) -> tuple[pa.Table, int]:
-    """Prompt and sample rows with their ready fields, as one table. A prompt group whose samples
-    are already in the store is left out (rollout writes samples before acking prompts)."""
-    rows = store.rows()
-    keep = [i for i, p in enumerate(rows.partitions) if p == PROMPTS or p.startswith(SAMPLE_PREFIX)]
-    sampled = {int(rows.groups[i]) for i in keep if rows.partitions[i] != PROMPTS}
-    keep = [
-        i for i in keep if not (rows.partitions[i] == PROMPTS and int(rows.groups[i]) in sampled)
+@dataclass
+class _Row:
+    """A row as a checkpoint keeps it: where it was, and its ready fields' values."""
+
+    partition: str
+    group: int
+    version: int
+    cells: dict[str, Any]
+
+
+def _read(store: Store, indexes: np.ndarray) -> list[_Row]:
+    """The rows ``indexes`` with the values of the fields ready on them; those with none ready
+    (a put still under way) are left out. Raises ``UnknownIndexError`` if one was freed."""
+    if len(indexes) == 0:
+        return []
+    meta = store.rows(indexes)
+    ready = store.ready_fields(indexes)
+    rows = [
+        _Row(meta.partitions[k], int(meta.groups[k]), int(meta.versions[k]), {})
+        for k in range(len(indexes))
     ]
-    indexes = rows.indexes[keep]
-    ready = store.ready_fields(indexes) if len(indexes) else []
     by_fields: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for k, names in enumerate(ready):
-        by_fields[tuple(sorted(names))].append(k)
-    columns: dict[str, list[Any]] = defaultdict(lambda: [None] * len(indexes))
+        if names:
+            by_fields[tuple(sorted(names))].append(k)
     for fields, ks in by_fields.items():
         values = store.read(indexes[ks], list(fields))
         for name in fields:
             for k, value in zip(ks, values[name], strict=True):
-                columns[name][k] = value if isinstance(value, bytes) else np.asarray(value).tolist()
+                rows[k].cells[name] = (
+                    value if isinstance(value, bytes) else np.asarray(value).tolist()
+                )
+    return [row for row in rows if row.cells]
+
+
+def _read_live(store: Store, indexes: np.ndarray, attempts: int = 100) -> list[_Row]:
+    """As :func:`_read`, leaving out the rows freed while they are read."""
+    for _ in range(attempts):
+        try:
+            return _read(store, indexes)
+        except UnknownIndexError:
+            indexes = indexes[np.isin(indexes, store.rows().indexes)]
+    raise RuntimeError(f"rows kept being freed while a checkpoint read them ({attempts} tries)")
+
+
+def _in_flight(store: Store) -> tuple[pa.Table, int]:
+    """Prompt and sample rows with their ready fields, as one table: each prompt group once, as
+    its prompt or as its samples.
+
+    The snapshot's lock keeps the feeder from putting prompts meanwhile, and a rollout worker of
+    this process from turning prompts into samples; rollout workers elsewhere (the Ray
+    launcher's actors) go on. A rollout makes a group's samples ready before it acks the group's
+    prompt, so the prompts are read first and the samples listed after: a prompt freed before it
+    was read has its samples listed; a prompt read whose samples are listed too is left out;
+    samples still being put (no field ready yet) are left out, and their prompt kept."""
+    prompts = _read_live(store, store.rows(partition=PROMPTS).indexes)
+    listed = store.rows()
+    is_sample = np.array([p.startswith(SAMPLE_PREFIX) for p in listed.partitions], bool)
+    samples = _read_live(store, listed.indexes[is_sample])
+    sampled = {row.group for row in samples}
+    kept = [row for row in prompts if row.group not in sampled] + samples
+    columns: dict[str, list[Any]] = defaultdict(lambda: [None] * len(kept))
+    for k, row in enumerate(kept):
+        for name, value in row.cells.items():
+            columns[name][k] = value
     meta = {
-        "__partition": [rows.partitions[i] for i in keep],
-        "__group": [int(rows.groups[i]) for i in keep],
-        "__version": [int(rows.versions[i]) for i in keep],
+        "__partition": [row.partition for row in kept],
+        "__group": [row.group for row in kept],
+        "__version": [row.version for row in kept],
     }
-    return pa.table(meta | dict(columns)), len(indexes)
+    return pa.table(meta | dict(columns)), len(kept)
 
 
 def save(
