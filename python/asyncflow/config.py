@@ -19,11 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from asyncflow.errors import ConfigError
 from asyncflow.units import parse_size
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key and what is wrong."""
 
 
 @dataclass
@@ -762,7 +759,9 @@ def _validate_agent(c: Config) -> None:
         "agent.enabled and rollout.partial cannot be combined yet: a trajectory's turns are "
         "generated between weight loads",
     )
-    # Names are checked now, not when the first rollout worker starts.
+    # Names are checked now, not when the first rollout worker starts. The registries are
+    # imported here, not at the top: the agents package reaches the engines, which read the
+    # configuration this module defines.
     from asyncflow.agents.env import environment_factory
     from asyncflow.agents.parser import create_parser
     from asyncflow.agents.tools import create_tool

@@ -1,4 +1,5 @@
-"""The store's exception hierarchy, rooted at :class:`StoreError`.
+"""The package's exceptions: the store's hierarchy, rooted at :class:`StoreError`, and
+:class:`ConfigError` for an invalid configuration.
 
 The native module raises these classes (one per Rust error variant). Each also derives from the
 closest builtin, so ``except TimeoutError`` and ``except ValueError`` keep working. A failed call
@@ -12,6 +13,7 @@ import builtins
 __all__ = [
     "AuthError",
     "BadRequestError",
+    "ConfigError",
     "ConnectionError",
     "LeaseError",
     "MemoryLimitError",
@@ -24,6 +26,10 @@ __all__ = [
     "UnknownIndexError",
     "UnknownTaskError",
 ]
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and what is wrong."""
 
 
 class StoreError(Exception):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncflow.agents.parser import CallError, ToolCall, create_parser
 from asyncflow.agents.tools import Tool, ToolError, check_arguments
+from asyncflow.errors import ConfigError
 from asyncflow.tasks.base import Problem
 
 if TYPE_CHECKING:
@@ -153,8 +154,6 @@ def register_environment(name: str, factory: EnvironmentFactory) -> None:
 
 
 def environment_factory(name: str) -> EnvironmentFactory:
-    from asyncflow.config import ConfigError
-
     if name not in _ENVIRONMENTS:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
             if ep.name == name:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from asyncflow.errors import ConfigError
+
 ENTRY_POINTS = "asyncflow.tool_parsers"
 
 
@@ -98,8 +100,6 @@ def register_parser(name: str, factory: Callable[[], ToolCallParser]) -> None:
 
 
 def create_parser(name: str) -> ToolCallParser:
-    from asyncflow.config import ConfigError
-
     if name not in _PARSERS:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
             if ep.name == name:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncflow.agents.calculator import CalculatorError, evaluate, format_number
 from asyncflow.agents.sandbox import SandboxLimits, run_python
+from asyncflow.errors import ConfigError
 
 if TYPE_CHECKING:
     from asyncflow.config import AgentConfig
@@ -170,8 +171,6 @@ def known_tools() -> list[str]:
 
 def create_tool(name: str, config: AgentConfig | None = None) -> Tool:
     """The tool registered as ``name``; raises ``ConfigError`` for an unknown name."""
-    from asyncflow.config import ConfigError
-
     if name not in _TOOLS:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
             if ep.name == name:
