@@ -422,9 +422,7 @@ class Run:
                 evals.append((step, acc))
                 # The trainer waits for evaluation: time-to-accuracy figures subtract it.
                 extra |= {"eval_accuracy": acc, "eval_seconds": time.monotonic() - since}
-            # Checkpoints snapshot the pipeline's in-process state: the local launcher's only.
-            checkpointing = c.launcher == "local" and step % c.run.checkpoint_every == 0
-            if checkpointing and step < c.trainer.max_steps:
+            if step % c.run.checkpoint_every == 0 and step < c.trainer.max_steps:
                 checkpoint.save(self.run_dir, step, trainer_engine, store, state, figures)
             return extra
 
@@ -594,11 +592,6 @@ def train(
 ) -> dict[str, Any]:
     """Runs the main job; returns the summary (also written to ``summary.json``)."""
     quiet_libraries()
-    if resume is not None and config.launcher == "ray":
-        raise ConfigError(
-            "--resume works with the local launcher only: checkpoints snapshot the pipeline "
-            "inside one process (run it again with --launcher local, or start afresh)"
-        )
     directory = resume if resume is not None else resolve_run_dir(config, run_dir)
     return Run(
         config, directory, reporter or Reporter(config.run.progress), resume is not None

@@ -5,6 +5,7 @@ the Ray instance the launcher starts itself, on loopback only."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 import asyncflow as af
+from asyncflow import checkpoint
 from asyncflow import config as cfg
 from asyncflow.launch.ray_cluster import RayCluster
 from asyncflow.launch.ray_join import LOOPBACK, join
@@ -32,6 +34,7 @@ from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import train
 from asyncflow.workers.base import Context, RunState
 from asyncflow.workers.trainer import Ledger
+from run_outputs import metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -241,10 +244,46 @@ def test_a_restart_is_counted_when_the_run_ends_before_the_new_life_answers(
         ray.shutdown()
 
 
-def test_resuming_is_refused_on_ray(tmp_path: Path) -> None:
-    config = cfg.load(None, ["launcher=ray"])
-    with pytest.raises(cfg.ConfigError, match="local launcher only"):
-        train(config, resume=tmp_path, reporter=Reporter(enabled=False))
+def test_a_killed_ray_job_resumes_with_no_group_lost_or_trained_twice(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """As the local launcher's: the job SIGKILLed once a checkpoint exists, its actors busy with
+    rows they claimed (Ray ends them, and the store, with their job), then resumed on the same
+    cluster from the checkpoint."""
+    steps, run_dir = 4, tmp_path / "killed"
+    cli = [sys.executable, "-m", "asyncflow.cli", "train"]
+    args = [*FAST, f"ray.address={cluster.address}", f"trainer.max_steps={steps}"]
+    args += ["trainer.engine=hf", "run.checkpoint_every=2", "run.progress=false"]
+    ckpt = run_dir / "checkpoints" / "step-000002"
+    with (tmp_path / "killed.log").open("w") as log:
+        job = subprocess.Popen([*cli, "--run-dir", str(run_dir), *args], stderr=log)
+        try:
+            deadline = time.monotonic() + 600
+            while not ckpt.is_dir():
+                assert job.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "no checkpoint appeared"
+                time.sleep(0.2)
+        finally:
+            job.send_signal(signal.SIGKILL)
+            job.wait()
+    assert not (run_dir / "summary.json").exists(), "the job was killed before it finished"
+    # Groups of the steps left were issued before the kill: only the checkpoint has them.
+    saved = checkpoint.read_state(ckpt)
+    assert saved["issued_groups"] > 2 * GROUPS and saved["rows"] > 0, saved
+
+    resumed = subprocess.run(
+        [*cli, "--resume", str(run_dir), "run.progress=true"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from step-000002" in resumed.stderr
+    assert [entry["step"] for entry in ledger(run_dir)] == list(range(steps))
+    assert trained_groups(run_dir) == list(range(steps * GROUPS)), "every group trained once"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["launcher"] == "ray"
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, steps + 1)), "one per step"
 
 
 def test_a_placement_the_cluster_cannot_hold_is_an_error_naming_it(
