@@ -57,7 +57,7 @@ TAIL = 30
 
 
 def key(name: str) -> str:
-    return name.split()[0].lower()
+    return name.split(maxsplit=1)[0].lower()
 
 
 def run(out: Path, name: str, seed: int, overrides: list[str]) -> dict[str, float] | None:
@@ -99,9 +99,9 @@ def cell(values: list[float], digits: int) -> str:
 
 def plot(out: Path, png: Path) -> None:
     """Held-out accuracy after RL, each seed a dot and the mean a bar, per algorithm."""
-    import matplotlib
+    import matplotlib as mpl
 
-    matplotlib.use("Agg")
+    mpl.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (acc, secs) = plt.subplots(1, 2, figsize=(9, 3.5))

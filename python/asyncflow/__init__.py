@@ -12,14 +12,14 @@ from asyncflow.daemon import connect
 from asyncflow.errors import (
     AuthError,
     BadRequestError,
-    ConnectionError,
+    ConnectionError,  # noqa: A004 - af.ConnectionError subclasses the builtin
     LeaseError,
     MemoryLimitError,
     PersistenceError,
     SchemaError,
     StoreError,
     StoreTimeoutError,
-    TimeoutError,
+    TimeoutError,  # noqa: A004 - af.TimeoutError subclasses the builtin
     UnknownFieldError,
     UnknownIndexError,
     UnknownTaskError,

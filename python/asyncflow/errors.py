@@ -41,7 +41,7 @@ class StoreTimeoutError(StoreError, builtins.TimeoutError):
 
 
 #: The name used in docs and examples: ``af.TimeoutError`` (also a builtin ``TimeoutError``).
-TimeoutError = StoreTimeoutError
+TimeoutError = StoreTimeoutError  # noqa: A001 - named like the builtin it subclasses, on purpose
 
 
 class MemoryLimitError(StoreError):
@@ -72,7 +72,7 @@ class BadRequestError(StoreError, ValueError):
     """Malformed arguments: bad sizes, options or names."""
 
 
-class ConnectionError(StoreError, builtins.ConnectionError):
+class ConnectionError(StoreError, builtins.ConnectionError):  # noqa: A001 - the builtin it subclasses
     """The store daemon cannot be reached, or the connection broke."""
 
 

@@ -101,7 +101,7 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
 
 async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
     workdir = tempfile.mkdtemp(prefix="asyncflow-sandbox-")
-    os.chmod(workdir, 0o777)  # the child may run as nobody
+    Path(workdir).chmod(0o777)  # the child may run as nobody
     settings = {
         "cpu": limits.cpu_seconds,
         "memory": limits.memory_bytes,

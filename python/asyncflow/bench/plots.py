@@ -139,9 +139,9 @@ FIGURES: dict[str, Callable[[Report, Any], Any]] = {"pipeline": pipeline, "sim":
 
 
 def write_png(report: Report, path: Path) -> None:
-    import matplotlib
+    import matplotlib as mpl
 
-    matplotlib.use("Agg")
+    mpl.use("Agg")
     import matplotlib.pyplot as plt
 
     fig = FIGURES.get(report.suite, ratios)(report, plt)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -34,7 +35,7 @@ TASK = "scale"
 
 
 def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
+    with Path(f"/proc/{pid}/status").open() as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024

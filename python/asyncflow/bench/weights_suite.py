@@ -28,6 +28,7 @@ import multiprocessing
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -267,7 +268,7 @@ class BroadcastBench:
 
 
 def available_bytes() -> int:
-    with open("/proc/meminfo") as f:
+    with Path("/proc/meminfo").open() as f:
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024

@@ -93,7 +93,7 @@ def faults_table(trials: int) -> list[Row]:
         ("garbage and mutated frames to a live daemon",
          lambda s: faults.garbage_frames(rounds=50, seed=s)),
         ("damaged log: a byte of the meta log flipped after a clean stop; start, then --recover",
-         lambda s: hardening.damaged_log(s)),
+         hardening.damaged_log),
         ("in-place write through a shared-memory view of another reader's row",
          lambda s: hardening.read_only_views()),
         ("socket-path clashes: a live daemon's path, a regular file, a path that leads to "
@@ -146,12 +146,12 @@ def flood_lines(floods: list[hardening.Flood]) -> list[str]:
         "| outcome |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for f in floods:
-        lines.append(
-            f"| {f.flood} | {f.trials} | {f.sent} {f.unit} | {f.limit / 2**20:.0f} + "
-            f"{f.transit / 2**20:.0f} | {f.start_rss / 2**20:.0f} | {f.peak_rss / 2**20:.0f} "
-            f"| {(f.peak_rss - f.start_rss) / 2**20:.0f} | {'ok' if f.ok else 'FAILED'} |"
-        )
+    lines.extend(
+        f"| {f.flood} | {f.trials} | {f.sent} {f.unit} | {f.limit / 2**20:.0f} + "
+        f"{f.transit / 2**20:.0f} | {f.start_rss / 2**20:.0f} | {f.peak_rss / 2**20:.0f} "
+        f"| {(f.peak_rss - f.start_rss) / 2**20:.0f} | {'ok' if f.ok else 'FAILED'} |"
+        for f in floods
+    )
     return lines
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def run_client(url: str, client: int, until: float) -> ClientResult:
 
 def _rss_bytes(pid: int) -> int:
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with Path(f"/proc/{pid}/status").open() as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024

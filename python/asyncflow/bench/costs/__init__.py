@@ -153,7 +153,7 @@ class CostModel:
         """(rollout devices, training devices) of the separated modes."""
         if self.rollout_devices is not None:
             return self.rollout_devices, self.devices - self.rollout_devices
-        best = max(range(1, self.devices), key=lambda r: self.separated_bound(r))
+        best = max(range(1, self.devices), key=self.separated_bound)
         return best, self.devices - best
 
     def separated_bound(self, rollout_devices: int) -> float:

@@ -332,7 +332,7 @@ class DecodeDevice:
         budget = elapsed - paid + self._carry
         while self._active:
             step = self._cost.decode_step(len(self._active))
-            steps = min(int(budget // step), min(s.remaining for s in self._active))
+            steps = min(int(budget // step), *(s.remaining for s in self._active))
             if steps == 0:
                 break
             budget -= steps * step
