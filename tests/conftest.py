@@ -61,9 +61,7 @@ def transport(backend: str) -> str:
 
 
 @pytest.fixture
-def make_store(
-    backend: str, daemons: Callable[..., DaemonProcess]
-) -> Iterator[Callable[..., af.Store]]:
+def make_store(backend: str, daemons: Callable[..., DaemonProcess]) -> Callable[..., af.Store]:
     """Builds stores of the parametrised backend with the given settings."""
 
     def make(**settings: Any) -> af.Store:
@@ -73,7 +71,7 @@ def make_store(
             return af.connect(daemons(*daemon_flags(**settings)).url)
         raise AssertionError(f"unknown backend {backend}")
 
-    yield make
+    return make
 
 
 @pytest.fixture

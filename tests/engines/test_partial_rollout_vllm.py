@@ -37,9 +37,8 @@ def engine(model_dir: Path) -> Iterator[VLLMRolloutEngine]:
 
 
 @pytest.fixture(autouse=True)
-def seeded() -> Iterator[None]:
+def seeded() -> None:
     torch.manual_seed(7)
-    yield
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort"])

@@ -258,10 +258,10 @@ def _agent(**tools: Tool) -> AgentLoop:
 
 
 def _multiply(context: str, turn: int) -> str:
-    expression = context.split("*")[0][-4:] + "*" + context.split("*")[1][:4]
+    expression = context.split("*", maxsplit=1)[0][-4:] + "*" + context.split("*")[1][:4]
     if turn == 0:
         return format_call(ToolCall("calculator", {"expression": expression}))
-    return context.split("<tool_response>\n")[-1].split("\n")[0]
+    return context.rsplit("<tool_response>\n", maxsplit=1)[-1].split("\n", maxsplit=1)[0]
 
 
 def test_a_trajectory_is_kept_as_tokens_with_model_tokens_masked_in() -> None:
@@ -390,7 +390,7 @@ def test_demonstrations_make_mistakes_at_the_given_rate() -> None:
     problems = list(zip(range(400), task.train_stream(seed=3), strict=False))
     demos = [task.demonstration(p, rng, 0.6) for _, p in problems]
     right = sum(
-        d.endswith(">\n" + p.answer) or d.endswith("\n" + p.answer)
+        d.endswith((">\n" + p.answer, "\n" + p.answer))
         for d, (_, p) in zip(demos, problems, strict=True)
     )
     skipped = sum("<tool_call>" not in d for d in demos)

@@ -13,14 +13,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import matplotlib as mpl
 import pytest
 
 from asyncflow import config as cfg
 from asyncflow.telemetry.loggers import TrackerWarning, flatten
 from asyncflow.telemetry.metrics import MetricsLog
 
-matplotlib.use("Agg")
+mpl.use("Agg")
 
 RECORDS = [
     {"step": 1, "loss": 0.5, "reward": {"mean": 0.25}, "stale": False},

@@ -4,7 +4,6 @@ the same weight schedule recomputes them (bit for bit: the hf engine in fp32 on 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,9 +54,8 @@ def versions(model_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(autouse=True)
-def seeded() -> Iterator[None]:
+def seeded() -> None:
     torch.manual_seed(7)
-    yield
 
 
 def engine_at(
@@ -262,9 +260,13 @@ def test_an_engine_killed_mid_sequence_loses_only_its_in_flight_groups(model_dir
     engine = DiesMidSequence(model_dir, ctx.config)
     put_prompts(ctx.store, target=0, groups=2)
     worker = PartialRollout(ctx, engine)
-    with pytest.raises(EngineDiedError):
+
+    def step_until_it_dies() -> None:
         for _ in range(10):
             worker.step()
+
+    with pytest.raises(EngineDiedError):
+        step_until_it_dies()
     samples = ctx.store.rows(partition=step_partition(0))
     assert sorted(samples.groups.tolist()) == [0, 0]
     again = ctx.store.claim("rollout", "prompt_ids", 2, timeout=1, allow_partial=True)

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -442,7 +443,11 @@ def test_a_killed_daemons_socket_is_removed_when_the_next_one_starts(daemons: Da
     temp = tempfile.gettempdir()
 
     def sockets() -> list[str]:
-        return [n for n in os.listdir(temp) if n.startswith(pattern) and n.endswith(".sock")]
+        return [
+            p.name
+            for p in Path(temp).iterdir()
+            if p.name.startswith(pattern) and p.name.endswith(".sock")
+        ]
 
     assert len(sockets()) == 1, "the daemon serves shared memory on a socket in the temp dir"
     first.kill()

@@ -62,7 +62,7 @@ def test_reads_are_read_only_views_that_share_store_memory(store: af.Store) -> N
     second = store.read(idx, "x")["x"][0]
     assert np.shares_memory(first, second), "both reads view the same store bytes"
     assert not first.flags.writeable
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="read-only"):
         first[0] = 1.0
 
 

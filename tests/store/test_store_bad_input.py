@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,10 +15,10 @@ STABLE_STATS = ("live_rows", "memory_used", "rows_put", "field_ready_updates", "
 
 
 @pytest.fixture
-def seeded(store: af.Store) -> Iterator[tuple[af.Store, np.ndarray]]:
+def seeded(store: af.Store) -> tuple[af.Store, np.ndarray]:
     store.register_task("t")
     idx = store.put({"ids": [np.arange(4), np.arange(2)], "r": [1.0, 2.0]}, partition="p")
-    yield store, idx
+    return store, idx
 
 
 def snapshot(store: af.Store) -> dict[str, Any]:

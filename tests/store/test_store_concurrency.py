@@ -73,9 +73,7 @@ def inside(thread: int, method: str) -> bool:
     frame = sys._current_frames().get(thread)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == method and code.co_filename.endswith(
-            os.path.join("asyncflow", "store.py")
-        ):
+        if code.co_name == method and code.co_filename.endswith(f"asyncflow{os.sep}store.py"):
             return True
         frame = frame.f_back
     return False
@@ -124,8 +122,8 @@ def test_ctrl_c_interrupts_a_blocked_claim(store: af.Store) -> None:
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupter = threading.Thread(target=interrupt_the_claim)
     try:
+        interrupter.start()  # it waits until the claim below is under way
         with pytest.raises(KeyboardInterrupt):
-            interrupter.start()
             store.claim("t", "x", 1, timeout=60)
         interrupter.join()
     finally:

@@ -182,7 +182,12 @@ def test_a_put_of_anything_is_stored_or_rejected_cleanly(
     tags: dict[str, str] | None,
     timeout: float | None,
 ) -> None:
-    options = dict(partition=partition, groups=groups, group_size=group_size, version=version)
+    options = {
+        "partition": partition,
+        "groups": groups,
+        "group_size": group_size,
+        "version": version,
+    }
     idx = attempt(seeded, lambda: seeded.put(data, **options, tags=tags, timeout=timeout))
     event("accepted" if idx is not None else "rejected")
     if idx is None:
