@@ -26,6 +26,7 @@ Every figure is emulated: accelerators spend the cost model's time, nothing is c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -87,8 +88,6 @@ def quick_costs(costs: CostModel) -> CostModel:
 def _proc_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    import os
-
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

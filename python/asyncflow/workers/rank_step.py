@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from asyncflow import weights
 from asyncflow.batch import Batch
@@ -29,8 +30,6 @@ from asyncflow.workers.steps import StepLoss, sample_fields, sample_lengths, upd
 
 def agree_on_most(count: int) -> int:
     """The largest ``count`` over all ranks (a collective call)."""
-    import torch.distributed as dist
-
     value = torch.tensor([count], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)

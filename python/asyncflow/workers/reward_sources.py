@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from asyncflow.config import ConfigError, RewardConfig, RewardHttpConfig, RewardModelConfig
 
@@ -181,13 +182,11 @@ class ModelSource:
     name = "model"
 
     def __init__(self, config: RewardModelConfig) -> None:
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         path = Path(str(config.path))
         check_classifier_dir(path)
         self.config = config
-        self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -218,7 +217,6 @@ class ModelSource:
         return out
 
     def _forward(self, texts: list[str]) -> list[float]:
-        torch = self.torch
         enc = self.tokenizer(texts, return_tensors="pt", padding=True)
         enc = {k: v.to(self.config.device) for k, v in enc.items()}
         with self._lock, torch.no_grad():
