@@ -18,6 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from asyncflow.config import ModelConfig
+from asyncflow.models.tiny import create_tiny_model
+
 SEEDS = (0, 1, 2)
 DASH = "\u2013"  # ranges as RESULTS.md writes them
 EXAMPLE = Path(__file__).parent.parent / "examples" / "parquet.yaml"
@@ -47,12 +53,6 @@ def chat_rows(rng: random.Random, count: int) -> list[dict[str, Any]]:
 
 
 def make_data(out: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from asyncflow.config import ModelConfig
-    from asyncflow.models.tiny import create_tiny_model
-
     out.mkdir(parents=True, exist_ok=True)
     create_tiny_model(ModelConfig(max_positions=512), out / "model", seed=0)
     rng = random.Random(0)

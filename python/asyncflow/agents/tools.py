@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from asyncflow.agents.calculator import CalculatorError, evaluate, format_number
 from asyncflow.agents.sandbox import SandboxLimits, run_python
 from asyncflow.errors import ConfigError
+from asyncflow.units import parse_size
 
 if TYPE_CHECKING:
     from asyncflow.config import AgentConfig
@@ -143,8 +144,6 @@ def sandbox_limits(config: AgentConfig | None) -> SandboxLimits:
     if config is None:
         return SandboxLimits()
     s = config.sandbox
-    from asyncflow.units import parse_size
-
     return SandboxLimits(
         cpu_seconds=s.cpu_seconds,
         memory_bytes=int(parse_size(s.memory) or SandboxLimits.memory_bytes),

@@ -11,6 +11,7 @@ import importlib
 import time
 from pathlib import Path
 
+from asyncflow.bench.plots import write_png
 from asyncflow.bench.records import Report, machine
 
 #: Suite name -> module exposing ``run(report, quick)``.
@@ -40,8 +41,6 @@ def run_suite(
     report.note(f"finished after {time.monotonic() - report.started:.0f}s; {machine()}")
     print(report.markdown())
     if json_path:
-        from asyncflow.bench.plots import write_png
-
         path = Path(json_path)
         report.write_json(path)
         path.with_suffix(".md").write_text(report.markdown() + "\n")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config
@@ -77,8 +78,6 @@ class DeepSpeedTrainEngine(TrainEngine):
         rank = 0 if rendezvous is None else rendezvous.rank
         try:
             init_process_group(rendezvous, config.trainer.timeout)
-            import torch.distributed as dist
-
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             model = lora.wrap(load_model(model_dir, "float32"), self.lora, config.run.seed)
             optimizer = torch.optim.AdamW(

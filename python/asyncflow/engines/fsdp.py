@@ -25,6 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config
@@ -73,9 +77,6 @@ class FSDPTrainEngine(TrainEngine):
         self, model_dir: Path, config: Config, rendezvous: Rendezvous | None = None
     ) -> None:
         super().__init__()
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         self.model_dir = model_dir
         self.temperature = config.rollout.temperature
         self.grad_clip = config.trainer.grad_clip
@@ -157,30 +158,23 @@ class FSDPTrainEngine(TrainEngine):
         return iter(lora.merged(self._full_weights(), self.lora))
 
     def _state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model, optimizer = get_state_dict(self.model, self.optimizer)
         return {"model": model, "optimizer": optimizer}
 
     def save(self, directory: Path) -> None:
         """Every rank writes its shards of model and optimiser (a collective call)."""
-        from torch.distributed.checkpoint.state_dict_saver import save
-
         directory.mkdir(parents=True, exist_ok=True)
-        save(self._state(), checkpoint_id=str(directory / "fsdp"))
+        state_dict_saver.save(self._state(), checkpoint_id=str(directory / "fsdp"))
         if self.rank == 0:
             extra = {"schedule": self.schedule.state_dict(), "version": self.version}
             torch.save(extra, directory / "fsdp-trainer.pt")
         dist.barrier()
 
     def load(self, directory: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-        from torch.distributed.checkpoint.state_dict_loader import load
-
         if not (directory / "fsdp-trainer.pt").exists():
             raise FileNotFoundError(f"no fsdp checkpoint in {directory}")
         state = self._state()
-        load(state, checkpoint_id=str(directory / "fsdp"))
+        state_dict_loader.load(state, checkpoint_id=str(directory / "fsdp"))
         set_state_dict(
             self.model,
             self.optimizer,

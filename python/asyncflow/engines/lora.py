@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from asyncflow.config import ConfigError, LoraConfig
 
@@ -117,8 +118,6 @@ def save_adapter(
 ) -> None:
     """Writes the adapters as a peft adapter directory (``adapter_config.json`` and
     ``adapter_model.safetensors``) that peft, or vLLM's LoRA support, can load over ``base``."""
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     save_file(adapters(named), str(directory / "adapter_model.safetensors"))
     config = {

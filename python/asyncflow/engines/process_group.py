@@ -21,6 +21,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
 
 @dataclass(frozen=True)
 class Rendezvous:
@@ -58,8 +62,6 @@ def is_loopback(host: str) -> bool:
 def _store(rendezvous: Rendezvous, timeout: timedelta) -> Any:
     """The rendezvous's key-value store: rank 0 serves it on ``master_addr`` alone, through a
     socket bound here and handed over, and the other ranks connect to it."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
     r = rendezvous
     if r.rank != 0:
         return TCPStore(r.master_addr, r.master_port, r.world_size, False, timeout)
@@ -77,8 +79,6 @@ def _store(rendezvous: Rendezvous, timeout: timedelta) -> Any:
 
 
 def on_gpu() -> bool:
-    import torch
-
     return bool(torch.cuda.is_available())
 
 
@@ -111,8 +111,6 @@ def join_group(rendezvous: Rendezvous, timeout: float) -> str:
     """Creates the default process group with torch alone: rank 0 serves the rendezvous on its
     address, and ranks meeting on loopback keep their collectives' sockets there. Returns the
     backend (nccl on GPUs, gloo on CPUs)."""
-    import torch.distributed as dist
-
     os.environ.update(rendezvous.environ())
     backend = "nccl" if on_gpu() else "gloo"
     if is_loopback(rendezvous.master_addr) and sys.platform == "linux":
@@ -131,10 +129,9 @@ def join_group(rendezvous: Rendezvous, timeout: float) -> str:
 def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
     """Joins (or, alone, creates) the default process group. Without ``rendezvous`` an existing
     group is reused, else a group of one is made on a free port."""
+    prepare_environment()  # before DeepSpeed is imported: it reads these then
     import deepspeed
-    import torch.distributed as dist
 
-    prepare_environment()
     if rendezvous is None:
         if dist.is_initialized():
             # deepspeed.init_distributed adopts the existing group.

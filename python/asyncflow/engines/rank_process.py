@@ -19,6 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config
+from asyncflow.daemon import connect
+from asyncflow.engines.base import TrainEngine
+from asyncflow.engines.process_group import Rendezvous
+from asyncflow.engines.registry import create_train_engine, resolve_engine_name
+from asyncflow.models.tokenizer import load_tokenizer
+from asyncflow.workers.rank_step import RankStep
 
 #: The train engines that run as data-parallel ranks, one process each.
 RANK_ENGINES = ("deepspeed", "fsdp")
@@ -81,13 +87,6 @@ def main(spec: RankSpec, conn: Connection) -> None:
 
 def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
     """Starts the rank (see the module's docstring); its command handlers by name."""
-    from asyncflow.daemon import connect
-    from asyncflow.engines.base import TrainEngine
-    from asyncflow.engines.process_group import Rendezvous
-    from asyncflow.engines.registry import create_train_engine, resolve_engine_name
-    from asyncflow.models.tokenizer import load_tokenizer
-    from asyncflow.workers.rank_step import RankStep
-
     name = resolve_engine_name("train", spec.config.trainer.engine)
     engine: TrainEngine
     if spec.world_size == 1 and name not in RANK_ENGINES:  # a lone rank may use any engine

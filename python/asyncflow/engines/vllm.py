@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from asyncflow.config import Config
 from asyncflow.engines.base import Completion, Request, RolloutEngine, Sampling
@@ -53,8 +54,6 @@ def _quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
 def checkpoint_names(model_dir: Path) -> set[str]:
     """The parameter names a full reload must cover: those of the model's own checkpoint, less
     a tied output embedding (it is the input embedding)."""
-    from safetensors import safe_open
-
     names: set[str] = set()
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -66,8 +65,6 @@ def checkpoint_names(model_dir: Path) -> set[str]:
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of the model's own checkpoint."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:

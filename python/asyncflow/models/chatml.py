@@ -9,6 +9,9 @@ import string
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RawTokenizer
+
 from asyncflow.models.tokenizer import HFTokenizer
 
 PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
@@ -28,8 +31,6 @@ CHAT_TEMPLATE = (
 
 
 def _fast_tokenizer() -> Any:
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
     from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate([*SPECIAL, *CHARACTERS])}

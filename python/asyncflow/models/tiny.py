@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from asyncflow.config import ModelConfig
 from asyncflow.models.chatml import chatml_tokenizer, save_chatml_tokenizer
@@ -42,7 +43,5 @@ def create_tiny_model(config: ModelConfig, directory: Path, seed: int) -> Path:
 
 
 def parameter_count(directory: Path) -> int:
-    from safetensors import safe_open
-
     with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
         return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -345,8 +346,6 @@ def daemon_killed(
     daemon) is SIGKILLed at a random moment and started again on its data directory. Every put
     that returned must be there unless its ack returned; no acked row may come back; clients go
     on through the restart by reconnecting."""
-    import threading
-
     rng = random.Random(seed)
     outcome = Outcome()
     ledger = Ledger()

@@ -14,6 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 NAMES = ["Ava", "Ben", "Cora", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]
 ITEMS = ["apples", "books", "cards", "eggs", "pens", "shells", "stamps", "marbles", "cups"]
 INSTRUCTION = "Solve it step by step, then give the final answer after ####."
@@ -107,9 +110,6 @@ def problems(seed: int, count: int) -> list[dict[str, Any]]:
 
 def write(out: Path, train: int = 4000, test: int = 200, seed: int = 0) -> tuple[Path, Path]:
     """Writes ``train.parquet`` and ``test.parquet`` (no question in both) into ``out``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rows = problems(seed, train + test)
     out.mkdir(parents=True, exist_ok=True)
     paths = out / "train.parquet", out / "test.parquet"

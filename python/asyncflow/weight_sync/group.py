@@ -11,6 +11,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed import BroadcastOptions, PrefixStore  # type: ignore[attr-defined]
 
 from asyncflow.engines.process_group import Rendezvous, _store, is_loopback
 
@@ -38,8 +40,6 @@ class Group:
     """One member's end of the group."""
 
     def __init__(self, spec: GroupSpec, rank: int, label: str) -> None:
-        from torch.distributed import PrefixStore  # type: ignore[attr-defined]
-
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside a group of {spec.world_size}")
         self.spec, self.rank, self.label = spec, rank, label
@@ -56,8 +56,6 @@ class Group:
         self.labels = [self._kv.get(f"{PREFIX}/label/{r}").decode() for r in range(spec.world_size)]
 
     def _process_group(self, store: Any, timeout: timedelta) -> Any:
-        import torch.distributed as dist
-
         size = self.spec.world_size
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -74,8 +72,6 @@ class Group:
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         """Starts broadcasting ``tensor`` from rank 0; returns the work to ``wait()`` on."""
-        from torch.distributed import BroadcastOptions
-
         options = BroadcastOptions()
         options.rootRank = 0
         options.rootTensor = 0
