@@ -21,10 +21,13 @@ from asyncflow import weights
 from asyncflow.engines import lora
 from asyncflow.engines.base import RolloutEngine, TrainBatch
 from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
+from asyncflow.engines.registry import create_train_engine
+from asyncflow.engines.vllm import VLLMRolloutEngine
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.train import logprob_agreement
 from asyncflow.workers.batches import to_train_batch
+from rank_groups import check_one_step, rank_config, rank_group
 
 pytestmark = [pytest.mark.slow]
 
@@ -188,8 +191,6 @@ def test_a_sharding_engine_trains_only_adapters_and_publishes_them_merged(
     """A group of one rank in this process: the same contract as the hf engine's, through the
     engine's own gathering of its parameters, and a checkpoint that brings the adapters back."""
     pytest.importorskip(name if name == "deepspeed" else "torch.distributed.fsdp")
-    from asyncflow.engines.registry import create_train_engine
-
     config = cfg.load(None, [*OVERRIDES, f"trainer.engine={name}"])
     engine = create_train_engine(name, model_dir, config)
     try:
@@ -232,8 +233,6 @@ def test_two_ranks_with_lora_step_as_one_process_does(
     """Two ranks each wrap and shard their own copy of the model: their adapters start alike,
     and one step publishes the merged weights of one single-process step on the whole batch."""
     pytest.importorskip("deepspeed" if engine == "deepspeed" else "torch.distributed.fsdp")
-    from rank_groups import check_one_step, rank_config, rank_group
-
     config = rank_config(f"trainer.engine={engine}", "trainer.zero_stage=3", *LORA_RANKS)
     setting = rank_group(tmp_path_factory.mktemp(f"{engine}-lora"), config)
     try:
@@ -250,8 +249,6 @@ def rollout(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Rollout
         yield HFRolloutEngine(model_dir, CONFIG)
         return
     pytest.importorskip("vllm")
-    from asyncflow.engines.vllm import VLLMRolloutEngine
-
     engine = VLLMRolloutEngine(model_dir, CONFIG)
     yield engine
     engine.close()

@@ -20,6 +20,7 @@ import torch
 
 import asyncflow as af
 from asyncflow import config as cfg
+from asyncflow.bench import weights_suite as ws
 from asyncflow.config import Config, ModelConfig
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.hf import HFRolloutEngine
@@ -344,8 +345,6 @@ def test_broadcast_receiver_dying_fails_the_publisher_naming_the_receivers(
 
 def test_bench_weight_sets_are_shaped_like_qwen2_decoder_layers() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from asyncflow.bench import weights_suite as ws
 
     config = Qwen2Config(
         hidden_size=ws.HIDDEN,

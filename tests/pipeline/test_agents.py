@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from asyncflow.agents.calculator import CalculatorError, evaluate
-from asyncflow.agents.env import Step, ToolEnvironment, register_environment
+from asyncflow.agents.env import Latency, Step, ToolEnvironment, register_environment
 from asyncflow.agents.loop import AgentLoop
 from asyncflow.agents.parser import CallError, HermesParser, ToolCall, format_call
-from asyncflow.agents.tools import Tool, ToolError, calculator_tool, check_arguments
-from asyncflow.config import AgentConfig, Config, ConfigError
+from asyncflow.agents.tools import Tool, ToolError, calculator_tool, check_arguments, python_tool
+from asyncflow.config import AgentConfig, Config, ConfigError, LatencyConfig, load
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
-from asyncflow.workers.steps import StepLoss
+from asyncflow.workers.steps import StepLoss, sample_fields
 
 TOKENIZER = chatml_tokenizer()
 
@@ -72,8 +72,6 @@ def test_the_loss_does_not_depend_on_masked_tokens_log_probs() -> None:
 
 
 def test_the_trainer_reads_the_loss_mask_only_in_agent_runs() -> None:
-    from asyncflow.workers.steps import sample_fields
-
     config = Config()
     assert "loss_mask" not in sample_fields(config)
     config.agent.enabled = True
@@ -143,8 +141,6 @@ async def _refuses(**_: object) -> str:
 
 
 def _env(timeout: float = 0.5, **extra: Tool) -> ToolEnvironment:
-    from asyncflow.agents.tools import python_tool
-
     config = AgentConfig()
     config.sandbox.cpu_seconds = 1
     config.sandbox.wall_seconds = 3.0
@@ -418,16 +414,11 @@ def test_held_out_problems_are_never_trained_on() -> None:
     ],
 )
 def test_agent_settings_are_refused_before_the_run(override: str, says: str) -> None:
-    from asyncflow.config import load
-
     with pytest.raises(ConfigError, match=says):
         load("examples/tools.yaml", [override])
 
 
 def test_tool_latency_follows_its_distribution() -> None:
-    from asyncflow.agents.env import Latency
-    from asyncflow.config import LatencyConfig
-
     config = LatencyConfig(distribution="lognormal", median=0.2, sigma=0.5)
     latency = Latency(config, seed=7)
     draws = sorted(latency.draw() for _ in range(2001))

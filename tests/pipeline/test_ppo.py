@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_workflow import run
 
 import asyncflow as af
 from asyncflow import config as cfg
@@ -156,8 +157,6 @@ def test_bad_critic_settings_are_refused(overrides: list[str], message: str) -> 
 
 
 def test_a_ppo_run_trains_the_policy_and_the_critic(tmp_path: Path) -> None:
-    from test_workflow import run
-
     summary = run(
         tmp_path,
         "trainer.max_steps=3",

@@ -6,7 +6,12 @@ One run is shared by the tests that only inspect its outputs, to keep the suite 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -178,12 +183,6 @@ def test_an_unknown_engine_name_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(tmp_path: Path) -> None:
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     run_dir = tmp_path / "killed"
     args = [
         *FAST,
