@@ -310,10 +310,12 @@ def test_a_placement_that_fits_but_finds_no_room_now_waits_saying_so_then_fails(
         hog = placement_group([{"CPU": 3.0}, {"CPU": 3.0}], strategy="SPREAD")
         ray.get(hog.ready(), timeout=60)
         overrides = ["warm_start.enabled=false", "ray.start_timeout=3"]
-        with pytest.raises(TimeoutError, match=r"found no room: waited 3s .* trainer placement"):
-            config = cfg.load(None, [*FAST, *overrides])
-            with RayCluster(config):
-                pass
+        config = cfg.load(None, [*FAST, *overrides])
+        with (
+            pytest.raises(TimeoutError, match=r"found no room: waited 3s .* trainer placement"),
+            RayCluster(config),
+        ):
+            pass
         remove_placement_group(hog)
     finally:
         ray.shutdown()

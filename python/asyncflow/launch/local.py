@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from asyncflow.workers.base import Worker
 
 
-class WorkerFailed(RuntimeError):
+class WorkerError(RuntimeError):
     """A worker raised; the message names it."""
 
 
@@ -50,6 +50,6 @@ def run_threads(
     stuck = [t.name for t in threads if t.is_alive()]
     if errors:
         role, error = errors[0]
-        raise WorkerFailed(f"the {role} worker failed: {type(error).__name__}: {error}") from error
+        raise WorkerError(f"the {role} worker failed: {type(error).__name__}: {error}") from error
     if stuck:
-        raise WorkerFailed(f"workers did not stop within {join_timeout:.0f}s: {', '.join(stuck)}")
+        raise WorkerError(f"workers did not stop within {join_timeout:.0f}s: {', '.join(stuck)}")

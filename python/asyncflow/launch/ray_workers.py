@@ -28,7 +28,7 @@ from asyncflow.daemon import connect
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.engines.registry import create_rollout_engine, resolve_engine_name
-from asyncflow.launch.local import WorkerFailed
+from asyncflow.launch.local import WorkerError
 from asyncflow.launch.ray_wait import Say, wait
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.quiet import quiet_libraries
@@ -187,7 +187,7 @@ def start(
         try:
             wait([actor.ready.remote()], f"the {label} actor to start", timeout, say)
         except RayActorError as e:
-            raise WorkerFailed(f"the {label} actor failed to start: {e}") from None
+            raise WorkerError(f"the {label} actor failed to start: {e}") from None
     return actors
 
 
@@ -215,7 +215,7 @@ class Supervisor(Worker):
         self.polls = {label: actor.report.remote() for label, actor in actors.items()}
         #: Each actor's current life, and its counters already added to the run's.
         self.lives: dict[str, str] = {}
-        self.counted = {label: (0, 0, 0) for label in actors}
+        self.counted = dict.fromkeys(actors, (0, 0, 0))
         self.counted_spans: dict[str, Counter[int]] = {label: Counter() for label in actors}
         self.counted_failures = dict.fromkeys(actors, 0)
         #: Restarts: those seen (a new life reported) during the run, Ray's count at its end;
@@ -249,14 +249,14 @@ class Supervisor(Worker):
         except RayActorError as e:
             self.deaths[label] += 1
             if self.deaths[label] > self.config.ray.max_restarts:
-                raise WorkerFailed(
+                raise WorkerError(
                     f"the {label} actor died {self.deaths[label]} times "
                     f"(ray.max_restarts {self.config.ray.max_restarts}): {e}"
                 ) from None
             self._ask_again(label)
             return
         except RayTaskError as e:
-            raise WorkerFailed(f"the {label} worker failed: {e}") from None
+            raise WorkerError(f"the {label} worker failed: {e}") from None
         self._count(label, report, spans=True)
 
     def _ask_again(self, label: str) -> None:
@@ -266,7 +266,7 @@ class Supervisor(Worker):
         since = self.restarting.setdefault(label, time.monotonic())
         waited = time.monotonic() - since
         if waited > self.config.ray.start_timeout:
-            raise WorkerFailed(
+            raise WorkerError(
                 f"the {label} actor was not back {waited:.0f}s after it died (ray.start_timeout)"
             )
         self.ctx.stop.wait(0.2)

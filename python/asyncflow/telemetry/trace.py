@@ -79,17 +79,17 @@ class Tracer:
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[r], "args": {"name": r}}
             for r in roles
         ]
-        for s in spans:
-            events.append(
-                {
-                    "name": s.name,
-                    "cat": s.kind,
-                    "ph": "X",
-                    "ts": round(s.start * 1e6, 1),
-                    "dur": round((s.end - s.start) * 1e6, 1),
-                    "pid": 0,
-                    "tid": tid[s.role],
-                    "cname": "good" if s.kind == "busy" else "grey",
-                }
-            )
+        events.extend(
+            {
+                "name": s.name,
+                "cat": s.kind,
+                "ph": "X",
+                "ts": round(s.start * 1e6, 1),
+                "dur": round((s.end - s.start) * 1e6, 1),
+                "pid": 0,
+                "tid": tid[s.role],
+                "cname": "good" if s.kind == "busy" else "grey",
+            }
+            for s in spans
+        )
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
