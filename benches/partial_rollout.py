@@ -50,8 +50,10 @@ def spread(values: list[float]) -> str:
 
 def table(by_seed: dict[int, dict[str, ModeResult]]) -> str:
     rows = [
-        "| mode | samples/s | x async-1 | generation pool busy | training pool busy "
-        "| decode fill | weight load busy | sim samples/s (async-1) |",
+        (
+            "| mode | samples/s | x async-1 | generation pool busy | training pool busy "
+            "| decode fill | weight load busy | sim samples/s (async-1) |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in MODES:

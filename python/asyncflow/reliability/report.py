@@ -66,11 +66,11 @@ PROCESS_DEATH = "process death, page cache kept"
 
 def faults_table(trials: int) -> list[Row]:
     plans: list[tuple[str, Callable[[int], faults.Outcome]]] = [
-        (f"SIGKILL consumer holding leases (standalone), leases {faults.LEASE:g} s, "
-         f"--reconnect-grace {faults.GRACE:g} s",
+        ((f"SIGKILL consumer holding leases (standalone), leases {faults.LEASE:g} s, "
+          f"--reconnect-grace {faults.GRACE:g} s"),
          lambda s: faults.consumer_killed_holding_leases("standalone")),
-        (f"SIGKILL consumer holding leases (cluster), leases {faults.LEASE:g} s, "
-         f"--reconnect-grace {faults.GRACE:g} s",
+        ((f"SIGKILL consumer holding leases (cluster), leases {faults.LEASE:g} s, "
+          f"--reconnect-grace {faults.GRACE:g} s"),
          lambda s: faults.consumer_killed_holding_leases("cluster")),
         ("SIGKILL producer mid-put (standalone, shm)",
          lambda s: faults.producer_killed_mid_put("standalone", "shm", s)),
@@ -96,8 +96,8 @@ def faults_table(trials: int) -> list[Row]:
          hardening.damaged_log),
         ("in-place write through a shared-memory view of another reader's row",
          lambda s: hardening.read_only_views()),
-        ("socket-path clashes: a live daemon's path, a regular file, a path that leads to "
-         "another daemon", lambda s: hardening.socket_path_clash()),
+        (("socket-path clashes: a live daemon's path, a regular file, a path that leads to "
+          "another daemon"), lambda s: hardening.socket_path_clash()),
         ("slot exhaustion: 40 silent sockets, then every place taken by idle clients",
          lambda s: hardening.slot_exhaustion()),
     ]  # fmt: skip
@@ -141,9 +141,11 @@ def floods_table(trials: int) -> list[hardening.Flood]:
 
 def flood_lines(floods: list[hardening.Flood]) -> list[str]:
     lines = [
-        "| flood | trials | sent | --memory-limit + --max-transit-bytes (MiB) "
-        "| RSS at start (MiB) | peak RSS, most of any trial (MiB) | peak - start (MiB) "
-        "| outcome |",
+        (
+            "| flood | trials | sent | --memory-limit + --max-transit-bytes (MiB) "
+            "| RSS at start (MiB) | peak RSS, most of any trial (MiB) | peak - start (MiB) "
+            "| outcome |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     lines.extend(
@@ -233,8 +235,10 @@ def random_input_tests(examples: int) -> tuple[str, int, list[str]]:
 
 def soak_lines(results: list[SoakResult]) -> list[str]:
     lines = [
-        "| deployment | clients | seconds | rows | lost | duplicated | partial | errors "
-        "| calls/s | p50 put/claim/ack (ms) | p99 put/claim/ack (ms) | peak RSS / limit (MiB) |",
+        (
+            "| deployment | clients | seconds | rows | lost | duplicated | partial | errors "
+            "| calls/s | p50 put/claim/ack (ms) | p99 put/claim/ack (ms) | peak RSS / limit (MiB) |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in results:
@@ -357,14 +361,18 @@ def render(
             if uncommitted
             else "; no uncommitted changes to tracked files."
         ),
-        f"Settings: `asyncflow reliability --trials {run_at['trials']} --soak-seconds "
-        f"{run_at['soak_seconds']:g} --examples {examples}`, after the fuzz run below.",
+        (
+            f"Settings: `asyncflow reliability --trials {run_at['trials']} --soak-seconds "
+            f"{run_at['soak_seconds']:g} --examples {examples}`, after the fuzz run below."
+        ),
         "",
-        f"Machine: {machine['cpu']}, {platform.machine()}, {platform.system()} "
-        f"{platform.release()}, {_cores()} cores, shared with other work (load average 1 / 5 / "
-        f"15 min {machine['load_before']} at the start, {machine['load_after']} at the end). "
-        f"The faults, soak, random-input tests and corpus replay took "
-        f"{machine['minutes']:.0f} min.",
+        (
+            f"Machine: {machine['cpu']}, {platform.machine()}, {platform.system()} "
+            f"{platform.release()}, {_cores()} cores, shared with other work (load average 1 / 5 / "
+            f"15 min {machine['load_before']} at the start, {machine['load_after']} at the end). "
+            f"The faults, soak, random-input tests and corpus replay took "
+            f"{machine['minutes']:.0f} min."
+        ),
         "",
         "## Faults",
         "",
@@ -383,8 +391,10 @@ def render(
         "within the 30 s the drain waits only because the killed consumer's connection gives",
         "its leases back after its 1 s `--reconnect-grace`.",
         "",
-        "| fault | trials | rows | lost | duplicated | partial | crashes | client errors "
-        "| outcome |",
+        (
+            "| fault | trials | rows | lost | duplicated | partial | crashes | client errors "
+            "| outcome |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---|---|",
         *[r.markdown() for r in rows],
         "",
@@ -416,13 +426,19 @@ def render(
         "",
         "| input | executions | crashes |",
         "|---|---:|---:|",
-        f"| `cargo fuzz run decode_frame` (frames, requests, replies, log records) | {runs} "
-        f"in {seconds:.0f} s | {crashes} |",
-        f"| fuzz corpus (`{CORPUS.relative_to('crates/asyncflow-proto')}`) replayed by "
-        f"`cargo test` | {replay['inputs']} inputs ({replay['checked_in']} checked in) | "
-        f"test {replay['outcome']} |",
-        f"| hypothesis: random dtypes, shapes, lengths, options (embedded and daemon) "
-        f"| {examples} examples per test | {'0' if code == 0 else 'see below'} |",
+        (
+            f"| `cargo fuzz run decode_frame` (frames, requests, replies, log records) | {runs} "
+            f"in {seconds:.0f} s | {crashes} |"
+        ),
+        (
+            f"| fuzz corpus (`{CORPUS.relative_to('crates/asyncflow-proto')}`) replayed by "
+            f"`cargo test` | {replay['inputs']} inputs ({replay['checked_in']} checked in) | "
+            f"test {replay['outcome']} |"
+        ),
+        (
+            f"| hypothesis: random dtypes, shapes, lengths, options (embedded and daemon) "
+            f"| {examples} examples per test | {'0' if code == 0 else 'see below'} |"
+        ),
         "",
         f"Corpus replay: `{replay['command']}`: `{replay['summary']}`.",
         f"Random-input tests: `{random_input['summary']}`.",
