@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib as mpl
+import matplotlib.pyplot as plt
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from asyncflow import config as cfg
 from asyncflow.telemetry.loggers import TrackerWarning, flatten
@@ -29,8 +31,6 @@ RECORDS = [
 
 
 def figure(path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(2, 1))
     ax.plot([0, 1], [0, 1])
     fig.savefig(path)
@@ -52,8 +52,6 @@ def run_log(tmp_path: Path, loggers: list[str]) -> list[dict[str, Any]]:
 def test_tensorboard_gets_the_steps_of_metrics_jsonl_the_config_and_the_figure(
     tmp_path: Path,
 ) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     records = run_log(tmp_path, ["tensorboard"])
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 
 from asyncflow.engines.process_group import is_loopback
 
@@ -45,8 +46,6 @@ def _host(address: str) -> str:
 def _one_machine() -> Iterator[None]:
     """Ray's one-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), read when Ray works out
     this node's address; the variable itself is read once, when Ray is imported."""
-    from ray._private import ray_constants
-
     before = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private import state as ray_state
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from asyncflow import weights
@@ -195,9 +196,7 @@ def ray_restarts(actor: Any) -> int | None:
     """How many times Ray has restarted ``actor``, from the cluster's actor table (where Ray's
     own ``was_current_actor_reconstructed`` looks): the count goes up as a restart begins. None
     where the table has no entry for it."""
-    from ray._private.state import actors
-
-    entry = actors(actor_id=actor._actor_id.hex())
+    entry = ray_state.actors(actor_id=actor._actor_id.hex())
     return int(entry["NumRestarts"]) if entry else None
 
 
