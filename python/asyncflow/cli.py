@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from asyncflow import config as cfg
+    from asyncflow.errors import ConfigError
     from asyncflow.train import train
 
     overrides = list(args.overrides)
@@ -78,18 +79,18 @@ def _train(args: argparse.Namespace) -> int:
         if args.resume is not None:
             saved = args.resume / "config.yaml"
             if not saved.is_file():
-                raise cfg.ConfigError(
+                raise ConfigError(
                     f"--resume {args.resume}: no config.yaml there; is it a run directory?"
                 )
             config = cfg.load(args.config or saved, overrides)
         else:
             config = cfg.load(args.config, overrides)
-    except cfg.ConfigError as e:
+    except ConfigError as e:
         print(f"asyncflow train: invalid configuration: {e}", file=sys.stderr)
         return 2
     try:
         summary = train(config, run_dir=args.run_dir, resume=args.resume)
-    except cfg.ConfigError as e:
+    except ConfigError as e:
         print(f"asyncflow train: invalid configuration: {e}", file=sys.stderr)
         return 2
     print(f"summary written to {summary['run_dir']}/summary.json")

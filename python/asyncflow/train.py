@@ -24,7 +24,7 @@ import torch
 from asyncflow import checkpoint, weights
 from asyncflow.agents.evaluation import agent_totals, agent_view
 from asyncflow.agents.rollout import AgentRollout
-from asyncflow.config import Config, ConfigError
+from asyncflow.config import Config
 from asyncflow.daemon import DaemonProcess, connect, new_token
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
 from asyncflow.engines.critic import HFCriticEngine
@@ -36,6 +36,7 @@ from asyncflow.engines.registry import (
     create_train_engine,
     resolve_engine_name,
 )
+from asyncflow.errors import ConfigError
 from asyncflow.evaluation import accuracy, pass_at_k, verifier
 from asyncflow.launch.local import run_threads
 from asyncflow.models.tiny import create_tiny_model, parameter_count

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from asyncflow.config import ConfigError, LoraConfig
+from asyncflow.config import LoraConfig
+from asyncflow.errors import ConfigError
 
 #: peft's name of the one adapter the engines train.
 ADAPTER = "default"

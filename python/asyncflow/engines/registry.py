@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncflow.config import Config, ConfigError
+from asyncflow.config import Config
 from asyncflow.engines.base import RolloutEngine, TrainEngine
+from asyncflow.errors import ConfigError
 
 RolloutFactory = Callable[[Path, Config], RolloutEngine]
 TrainFactory = Callable[[Path, Config], TrainEngine]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from asyncflow.config import ConfigError, DataConfig
+from asyncflow.config import DataConfig
+from asyncflow.errors import ConfigError
 from asyncflow.tasks.arithmetic import ArithmeticTask
 from asyncflow.tasks.base import Problem, Task
 from asyncflow.tasks.dataset import DatasetTask, read_problems

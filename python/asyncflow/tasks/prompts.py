@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from asyncflow.config import ConfigError, DataConfig
+from asyncflow.config import DataConfig
+from asyncflow.errors import ConfigError
 from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.tasks.base import Prompt
 

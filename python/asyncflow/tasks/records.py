@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from asyncflow.config import ConfigError
+from asyncflow.errors import ConfigError
 
 
 class DatasetError(ConfigError):

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from asyncflow.batch import Batch
-from asyncflow.config import Config, ConfigError
+from asyncflow.config import Config
+from asyncflow.errors import ConfigError
 from asyncflow.tasks.base import Problem
 from asyncflow.workers.base import Context, Worker
 from asyncflow.workers.reward_sources import (

@@ -37,7 +37,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from asyncflow.config import ConfigError, RewardConfig, RewardHttpConfig, RewardModelConfig
+from asyncflow.config import RewardConfig, RewardHttpConfig, RewardModelConfig
+from asyncflow.errors import ConfigError
 
 
 @dataclass(frozen=True)
