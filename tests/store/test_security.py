@@ -95,7 +95,7 @@ def test_the_daemon_a_training_job_starts_demands_a_token_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from asyncflow.config import Config
-    from asyncflow.train import open_store, start_daemon
+    from asyncflow.launch.local import open_store, start_daemon
 
     monkeypatch.delenv("ASYNCFLOW_TOKEN", raising=False)
     config = Config()
