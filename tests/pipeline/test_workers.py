@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,15 @@ def context(*overrides: str) -> Context:
     return Context(store, config, chatml_tokenizer(), Tracer(), RunState())
 
 
+@pytest.fixture
+def metrics(tmp_path: Path) -> Iterator[MetricsLog]:
+    """A trainer's metrics log, closed with its trackers at teardown as the main job closes it."""
+    log = MetricsLog(tmp_path)
+    yield log
+    log.close()
+    log.finish()
+
+
 def put_samples(store: af.Store, group: int) -> None:
     """One group of two samples of step 0, every field the trainer reads ready."""
     ids = [np.array([3, 4], np.int64)] * 2
@@ -51,9 +61,11 @@ def put_samples(store: af.Store, group: int) -> None:
     )
 
 
-def test_a_non_streaming_trainer_waits_for_the_whole_step(tmp_path: Path) -> None:
+def test_a_non_streaming_trainer_waits_for_the_whole_step(
+    tmp_path: Path, metrics: MetricsLog
+) -> None:
     ctx = context("trainer.streaming=false", "run.poll_interval=0.05")
-    trainer = Trainer(ctx, None, MetricsLog(tmp_path), Ledger(tmp_path / "ledger"))  # type: ignore[arg-type]
+    trainer = Trainer(ctx, None, metrics, Ledger(tmp_path / "ledger"))  # type: ignore[arg-type]
     put_samples(ctx.store, group=0)
     assert not trainer._whole_step_ready(0)
     put_samples(ctx.store, group=1)
@@ -188,7 +200,7 @@ def put_long_samples(store: af.Store, groups: int, n: int, rng: np.random.Genera
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_the_trainer_keeps_every_micro_batch_within_the_token_budget_on_long_prompts(
-    tmp_path: Path, packing: bool
+    tmp_path: Path, metrics: MetricsLog, packing: bool
 ) -> None:
     budget, groups, n = 400, 6, 2
     ctx = context(
@@ -205,7 +217,7 @@ def test_the_trainer_keeps_every_micro_batch_within_the_token_budget_on_long_pro
     model = create_tiny_model(ctx.config.model, tmp_path / "model", seed=0)
     engine = RecordingTrainEngine(model, ctx.config)
     total = put_long_samples(ctx.store, groups, n, np.random.default_rng(1))
-    trainer = Trainer(ctx, engine, MetricsLog(tmp_path), Ledger(tmp_path / "ledger"))
+    trainer = Trainer(ctx, engine, metrics, Ledger(tmp_path / "ledger"))
     outcome = trainer._accumulate(0)
     assert outcome is not None
     assert engine.seen and max(tensor for tensor, _ in engine.seen) <= budget
