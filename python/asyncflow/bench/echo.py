@@ -40,6 +40,8 @@ class EchoPeer:
         self.client.close()
         self.proc.terminate()
         self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
     def __enter__(self) -> EchoPeer:
         return self
