@@ -289,6 +289,10 @@ def _captured_frames(d: DaemonProcess) -> dict[int, bytes]:
     def run() -> None:
         client, _ = relay.accept()
         daemon = socket.create_connection(("127.0.0.1", d.port))
+        with client, daemon:  # both closed once the claim is caught
+            relay_until_claim(client, daemon)
+
+    def relay_until_claim(client: socket.socket, daemon: socket.socket) -> None:
         stream = b""
         client.settimeout(0.05)
         daemon.settimeout(0.05)
