@@ -69,9 +69,12 @@ class Watcher:
     new weights share one poller thread, which reads the store every ``interval`` seconds while
     anyone waits and wakes them only when the version changes."""
 
-    def __init__(self, store: Store, interval: float) -> None:
+    def __init__(self, store: Store, interval: float, stop: threading.Event | None = None) -> None:
+        """``stop``: once it is set, waiters return (within about ``interval``) as if their
+        time were up."""
         self.store = store
         self.interval = interval
+        self.stop = stop
         lock = threading.Lock()
         self._changed = threading.Condition(lock)
         self._wanted = threading.Condition(lock)
@@ -79,26 +82,60 @@ class Watcher:
         self._read_at = -math.inf
         self._waiters = 0
         self._poller: threading.Thread | None = None
+        #: One store read at a time: callers that queued behind it use what it read.
+        self._reading = threading.Lock()
+        #: ``(row, version)`` of the publications seen whole (their manifest ready): a row's
+        #: readiness is asked for once, so a poll is a single listing of the partition.
+        self._whole: set[tuple[int, int]] = set()
 
-    def _read(self) -> int | None:
-        newest = latest_version(self.store)
-        with self._changed:
-            if newest != self._newest:
-                self._newest = newest
-                self._changed.notify_all()
-            self._read_at = time.monotonic()
+    def _newest_published(self) -> int | None:
+        """:func:`latest_version`, asking for the readiness of rows not seen whole before only."""
+        while True:
+            rows = self.store.rows(partition=PARTITION)
+            listed = set(zip(rows.indexes.tolist(), rows.versions.tolist(), strict=True))
+            unknown = [pair for pair in listed if pair not in self._whole]
+            if unknown:
+                try:
+                    ready = self.store.ready_fields([i for i, _ in unknown])
+                except UnknownIndexError:
+                    continue  # a publisher deleted an old version after the listing: list again
+                self._whole.update(p for p, f in zip(unknown, ready, strict=True) if MANIFEST in f)
+            self._whole &= listed
+            return max((v for _, v in self._whole), default=None)
+
+    def _read(self, fresh_since: float | None = None) -> int | None:
+        """Reads the newest version from the store, unless a read that began after
+        ``fresh_since`` (a monotonic time) has completed meanwhile."""
+        with self._reading:
+            if fresh_since is not None and self._read_at >= fresh_since:
+                return self._newest
+            started = time.monotonic()
+            newest = self._newest_published()
+            with self._changed:
+                if newest != self._newest:
+                    self._newest = newest
+                    self._changed.notify_all()
+                self._read_at = started
         return newest
 
     def latest(self) -> int | None:
         """The newest version, read from the store at most ``interval`` seconds ago."""
+        now = time.monotonic()
         with self._changed:
-            if time.monotonic() - self._read_at < self.interval:
+            if now - self._read_at < self.interval:
                 return self._newest
-        return self._read()
+        return self._read(fresh_since=now - self.interval)
+
+    def _stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
 
     def wait_for(self, version: int, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds for ``version`` (or a newer one) to be published;
-        returns whether it has been."""
+        """Waits up to ``timeout`` seconds (or until ``stop`` is set) for ``version`` (or a
+        newer one) to be published; returns whether it has been."""
+
+        def published() -> bool:
+            return self._newest is not None and self._newest >= version
+
         with self._changed:
             self._waiters += 1
             if self._poller is None:
@@ -106,9 +143,8 @@ class Watcher:
                 self._poller.start()
             self._wanted.notify()
             try:
-                return self._changed.wait_for(
-                    lambda: self._newest is not None and self._newest >= version, timeout
-                )
+                self._changed.wait_for(lambda: published() or self._stopped(), timeout)
+                return published()
             finally:
                 self._waiters -= 1
 
@@ -120,6 +156,9 @@ class Watcher:
                 self._read()
             except StoreError:
                 return  # the store is gone: the run is over
+            if self._stopped():
+                with self._changed:
+                    self._changed.notify_all()
             time.sleep(self.interval)
 
 

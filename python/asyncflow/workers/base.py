@@ -18,6 +18,7 @@ from typing import Any
 
 from asyncflow.batch import Batch
 from asyncflow.config import Config
+from asyncflow.errors import StoreTimeoutError
 from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.store import Store
 from asyncflow.tasks.prompts import PromptEncoder
@@ -115,7 +116,7 @@ class Context:
             self.tokenizer, data, data.max_prompt_length
         )
         # A tenth of the claim wait: new weights are seen promptly, for one store read.
-        self.weights = Watcher(self.store, self.config.run.poll_interval / 10)
+        self.weights = Watcher(self.store, self.config.run.poll_interval / 10, self.stop)
 
 
 class Worker(ABC):
@@ -144,20 +145,46 @@ class Worker(ABC):
     def waiting(self, name: str) -> Any:
         return self.ctx.tracer.span(self.role, "wait", name)
 
-    def claim(self, task: str, fields: Sequence[str], batch_size: int, **options: Any) -> Batch:
-        """Claims up to ``batch_size`` ready rows, waiting at most ``run.poll_interval``; raises
-        :class:`StallError` when nothing has come for ``run.stall_timeout`` seconds."""
+    def claim(
+        self,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> Batch:
+        """Claims up to ``batch_size`` ready rows, waiting at most ``timeout`` (default
+        ``run.poll_interval``) for a full batch; raises :class:`StallError` when nothing has come
+        for ``run.stall_timeout`` seconds."""
+        names = list(fields)
         with self.waiting(f"claim {'+'.join(fields)}"):
-            batch = self.store.claim(
-                task,
-                list(fields),
-                batch_size,
-                timeout=self.config.run.poll_interval,
-                allow_partial=True,
-                **options,
-            )
+            batch = self._full_batch_now(task, names, batch_size, options)
+            if batch is None:
+                batch = self.store.claim(
+                    task,
+                    names,
+                    batch_size,
+                    timeout=self.config.run.poll_interval if timeout is None else timeout,
+                    allow_partial=True,
+                    **options,
+                )
         self.note_progress(len(batch) > 0, f"rows with {list(fields)} for task {task!r}")
         return batch
+
+    def _full_batch_now(
+        self, task: str, fields: list[str], batch_size: int, options: dict[str, Any]
+    ) -> Batch | None:
+        """The claim's full batch if it is ready now, else None (nothing claimed). The same
+        claim as the waiting one that follows, whose first look would return this batch too;
+        but a claim that may wait (or settle for part of a batch) is served by one of the
+        daemon's waiting threads, and one that may not is answered at once, for a small
+        fraction of the daemon's and this process's CPU."""
+        try:
+            return self.store.claim(
+                task, fields, batch_size, timeout=0.0, allow_partial=False, **options
+            )
+        except StoreTimeoutError:
+            return None
 
     def note_progress(self, progressed: bool, waiting_for: str) -> None:
         if progressed:

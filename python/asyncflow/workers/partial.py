@@ -78,11 +78,18 @@ class PartialRollout(Rollout):
         # Sequences in flight are progress: a long generation is no stall for want of prompts.
         super().note_progress(progressed or self.engine.in_flight() > 0, waiting_for)
 
-    def claim(self, task: str, fields: Sequence[str], batch_size: int, **options: Any) -> Batch:
+    def claim(
+        self,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> Batch:
         """As :meth:`Worker.claim`, but with sequences in flight it does not wait for rows:
         decoding goes on meanwhile."""
         if not self.engine.in_flight():
-            return super().claim(task, fields, batch_size, **options)
+            return super().claim(task, fields, batch_size, timeout, **options)
         batch = self.store.claim(
             task, list(fields), batch_size, timeout=0.0, allow_partial=True, **options
         )

@@ -13,6 +13,8 @@ what it has and the trainer discards samples that turn out too stale.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,24 @@ from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 
 FIELDS = ["prompt_ids", "answer", "target_step"]
+#: Seconds (at least) an idle worker waits at once for room in its engine or for new weights,
+#: both of which wake it as soon as they come: the timeout only bounds how late it sees the run
+#: stop (weights: not even that, the watcher wakes its waiters on stop). Many workers share one
+#: engine, and each wake-up to find nothing changed costs this process and the GIL.
+IDLE_WAIT = 1.0
+
+#: One lock per engine, for the workers sharing it: one of them fetches and loads new weights,
+#: the others find them loaded.
+_load_locks: weakref.WeakKeyDictionary[RolloutEngine, threading.Lock] = weakref.WeakKeyDictionary()
+_load_locks_guard = threading.Lock()
+
+
+def _load_lock(engine: RolloutEngine) -> threading.Lock:
+    with _load_locks_guard:
+        lock = _load_locks.get(engine)
+        if lock is None:
+            lock = _load_locks[engine] = threading.Lock()
+        return lock
 
 
 @dataclass
@@ -61,6 +81,7 @@ class Rollout(Worker):
         self.sampling = Sampling(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens)
         #: Versions whose weights failed to load; newer ones are still tried.
         self._unloadable: set[int] = set()
+        self._idle_wait = max(self.config.run.poll_interval, IDLE_WAIT)
 
     def sync_weights(self) -> bool:
         """Loads the newest published weights if they are newer than the engine's; returns
@@ -69,8 +90,11 @@ class Rollout(Worker):
         newest = self.ctx.weights.latest()
         if newest is None or newest <= self.engine.version or newest in self._unloadable:
             return False
-        with self.busy(f"load weights v{newest}"):
-            failure = load_version(self.store, self.engine, newest)
+        with _load_lock(self.engine):
+            if newest <= self.engine.version:
+                return False  # another worker sharing the engine loaded it meanwhile
+            with self.busy(f"load weights v{newest}"):
+                failure = load_version(self.store, self.engine, newest)
         if failure is not None:
             self._unloadable.add(newest)
             self.ctx.state.note_weight_failure(failure)
@@ -78,7 +102,11 @@ class Rollout(Worker):
         return True
 
     def _claim(self, groups: int | None = None) -> PromptGroups | None:
-        batch = self.claim("rollout", FIELDS, groups or self.config.rollout.groups_per_call)
+        groups = groups or self.config.rollout.groups_per_call
+        # A claim returns as soon as its batch is full: for one group, as soon as there is any.
+        # Only a larger batch's wait for more groups is bounded by the poll interval.
+        timeout = self._idle_wait if groups == 1 else None
+        batch = self.claim("rollout", FIELDS, groups, timeout=timeout)
         if len(batch) == 0:
             return None
         data = batch.read()
@@ -121,7 +149,9 @@ class Rollout(Worker):
             while not self.ctx.stop.is_set():
                 if self.dispatcher is not None:
                     self.dispatcher.report(self.role)  # waiting is not falling silent
-                if self.ctx.weights.wait_for(version, self.config.run.poll_interval):
+                # The dispatcher hears from a waiting worker every poll interval.
+                wait = self._idle_wait if self.dispatcher is None else self.config.run.poll_interval
+                if self.ctx.weights.wait_for(version, wait):
                     return
                 self.note_progress(False, f"policy weights version {version}")
 
@@ -142,7 +172,7 @@ class Rollout(Worker):
     def step(self) -> bool:
         self.sync_weights()
         with self.waiting("engine room"):
-            if not self.engine.wait_for_room(self.config.run.poll_interval):
+            if not self.engine.wait_for_room(self._idle_wait):
                 return True
         work = self._claim() if self.inbox is None else self._take()
         if work is None:

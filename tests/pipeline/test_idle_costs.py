@@ -1,0 +1,158 @@
+"""What idle workers ask of the store: new weights fetched once per engine, a publication's
+readiness asked for once, waits that end when the run stops, and claims that take a full batch
+without waiting."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+import asyncflow as af
+from asyncflow import config as cfg
+from asyncflow import weights
+from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.models.chatml import chatml_tokenizer
+from asyncflow.telemetry.trace import Tracer
+from asyncflow.train import register_tasks
+from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
+from asyncflow.workers.rollout import Rollout
+
+
+class Counting(af.Store):
+    """An embedded store that counts the calls of each kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.claim_timeouts: list[float | None] = []
+
+    def rows(self, *args: Any, **kwargs: Any) -> af.Rows:
+        self.calls["rows"] += 1
+        return super().rows(*args, **kwargs)
+
+    def ready_fields(self, indexes: Any) -> list[list[str]]:
+        self.calls["ready_fields"] += 1
+        return super().ready_fields(indexes)
+
+    def read(self, indexes: Any, fields: Any) -> dict[str, list[Any]]:
+        self.calls["read"] += 1
+        return super().read(indexes, fields)
+
+    def claim(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["claim"] += 1
+        self.claim_timeouts.append(kwargs.get("timeout"))
+        return super().claim(*args, **kwargs)
+
+
+def context(store: af.Store, *overrides: str) -> Context:
+    config = cfg.load(None, ["rollout.n=2", "trainer.groups_per_step=2", *overrides])
+    register_tasks(store, reference=False)
+    return Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+
+
+class Shared(RolloutEngine):
+    """An engine several workers share; counts its weight loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads = 0
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        return [[Completion([5], [0.0], "", "stop")] * sampling.n for _ in prompts]
+
+    def load_weights(self, version: int, tensors: Any) -> None:
+        self.loads += 1
+        self.version = version
+
+
+def test_workers_sharing_an_engine_fetch_each_version_once() -> None:
+    store = Counting()
+    ctx = context(store)
+    engine = Shared()
+    workers = [Rollout(ctx, engine, f"rollout-{k}") for k in range(4)]
+    weights.publish(store, 1, [("w", torch.ones(2))])
+    reads = store.calls["read"]
+    assert [w.sync_weights() for w in workers].count(True) == 1
+    assert engine.version == 1 and engine.loads == 1
+    # The manifest and the tensors of version 1, read once for the four workers.
+    assert store.calls["read"] - reads == 2
+    weights.publish(store, 2, [("w", torch.ones(2))])
+    ctx.weights = weights.Watcher(store, 0.0)  # every call reads the store
+    threads = [threading.Thread(target=w.sync_weights) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert engine.version == 2 and engine.loads == 2
+
+
+def test_a_publication_s_readiness_is_asked_for_once() -> None:
+    store = Counting()
+    watcher = weights.Watcher(store, interval=0.0)
+    weights.publish(store, 1, [("w", torch.ones(2))])
+    assert watcher.latest() == 1
+    asked = store.calls["ready_fields"]
+    for _ in range(5):
+        assert watcher.latest() == 1
+    assert store.calls["ready_fields"] == asked
+    # A row listed before its manifest is in is asked about again until it is.
+    store.put({"weights/w": np.zeros((1, 2), np.float32)}, partition=weights.PARTITION, version=2)
+    assert watcher.latest() == 1
+    assert watcher.latest() == 1
+    assert store.calls["ready_fields"] == asked + 2
+    weights.publish(store, 3, [("w", torch.ones(2))])
+    assert watcher.latest() == 3
+    assert watcher.latest() == weights.latest_version(store) == 3
+
+
+def test_a_wait_for_weights_ends_when_the_run_stops() -> None:
+    store = af.Store()
+    stop = threading.Event()
+    watcher = weights.Watcher(store, interval=0.01, stop=stop)
+    threading.Timer(0.1, stop.set).start()
+    started = time.monotonic()
+    assert not watcher.wait_for(1, timeout=60)
+    assert time.monotonic() - started < 30
+    started = time.monotonic()
+    assert not watcher.wait_for(1, timeout=60)  # stopped already: at once
+    assert time.monotonic() - started < 30
+
+
+def test_a_full_batch_is_claimed_without_waiting_and_a_partial_one_after_the_timeout() -> None:
+    store = Counting()
+    ctx = context(store, "run.poll_interval=0.2")
+
+    class Claimer(Worker):
+        def step(self) -> bool:
+            return False
+
+    worker = Claimer(ctx)
+    store.put(
+        {"prompt_ids": [np.array([3], np.int64)] * 3, "answer": [b"0"] * 3},
+        partition=PROMPTS,
+        groups=np.arange(3),
+        group_size=1,
+    )
+    full = worker.claim("rollout", ["prompt_ids"], 2)
+    assert len(full) == 2 and store.claim_timeouts == [0.0]
+    partial = worker.claim("rollout", ["prompt_ids"], 2)
+    assert len(partial) == 1
+    assert store.claim_timeouts == [0.0, 0.0, 0.2]  # full now? no: then waited for more
+    assert len(worker.claim("rollout", ["prompt_ids"], 2, timeout=0.05)) == 0
+    assert store.claim_timeouts[-1] == 0.05
+
+
+def test_a_single_group_claim_waits_longer_than_the_poll_interval_for_its_group() -> None:
+    store = Counting()
+    ctx = context(store, "run.poll_interval=0.05", "rollout.groups_per_call=1")
+    worker = Rollout(ctx, Shared())
+    assert worker._claim() is None
+    # It asked for a full batch at once, then waited: one group is a full batch as soon as
+    # there is one, so only an idle worker's wait is longer.
+    assert store.claim_timeouts[0] == 0.0
+    assert store.claim_timeouts[1] is not None and store.claim_timeouts[1] > 0.05
