@@ -17,18 +17,22 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import torch
+from test_workflow import run
 
 import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow.algorithms.advantages import batch_normalised, overlong_penalty
 from asyncflow.algorithms.losses import LossSettings, aggregate, policy_loss
 from asyncflow.config import ConfigError, RewardHttpConfig, RewardModelConfig
+from asyncflow.evaluation import verifier
 from asyncflow.models.chatml import chatml_tokenizer, save_chatml_tokenizer
+from asyncflow.tasks.base import Problem
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import SAMPLES, register_tasks
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import Context, RunState, step_partition
-from asyncflow.workers.reward import RewardWorker
+from asyncflow.workers.feeder import EXTRA_GROUPS
+from asyncflow.workers.reward import RewardModelWorker, RewardWorker
 from asyncflow.workers.reward_sources import (
     Failure,
     FnSource,
@@ -404,9 +408,6 @@ def test_bad_reward_and_algorithm_settings_are_refused(overrides: list[str], mes
 
 
 def test_held_out_answers_are_judged_by_async_and_batched_functions_too() -> None:
-    from asyncflow.evaluation import verifier
-    from asyncflow.tasks.base import Problem
-
     async def judge(response: str, truth: str) -> float:
         return float(response == truth)
 
@@ -440,8 +441,6 @@ def test_groups_are_filtered_on_their_rewards_before_the_length_penalty() -> Non
 def test_a_run_with_a_function_and_a_failing_judge_finishes_dropping_what_fails(
     judge_url: str, tmp_path: Path
 ) -> None:
-    from test_workflow import run
-
     summary = run(
         tmp_path,
         "trainer.max_steps=2",
@@ -470,8 +469,6 @@ def test_a_run_with_a_function_and_a_failing_judge_finishes_dropping_what_fails(
 def test_the_reward_model_is_a_task_of_its_own_whose_scores_the_reward_worker_weighs(
     tmp_path: Path,
 ) -> None:
-    from asyncflow.workers.reward import RewardModelWorker
-
     path = tiny_classifier(tmp_path / "rm")
     ctx = context(
         "reward.sources=[fn,model]",
@@ -501,8 +498,6 @@ def test_the_reward_model_is_a_task_of_its_own_whose_scores_the_reward_worker_we
 
 
 def test_a_run_with_a_reward_model_worker_and_gspo_finishes(tmp_path: Path) -> None:
-    from test_workflow import run
-
     path = tiny_classifier(tmp_path / "rm")
     summary = run(
         tmp_path / "run",
@@ -530,10 +525,6 @@ def test_a_run_with_a_reward_model_worker_and_gspo_finishes(tmp_path: Path) -> N
 
 
 def test_dynamic_sampling_replaces_left_out_groups_up_to_the_cap(tmp_path: Path) -> None:
-    from test_workflow import run
-
-    from asyncflow.workers.feeder import EXTRA_GROUPS
-
     summary = run(
         tmp_path,
         "trainer.max_steps=3",
