@@ -22,6 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from asyncflow.engines import lora
+from asyncflow.engines.hf import HFTrainEngine
+from asyncflow.workers.batches import to_train_batch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "engines"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,14 +37,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
 
-    import test_lora as t
+    import test_lora as t  # noqa: PLC0415 - found through the sys.path entry above
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
-
-    from asyncflow.engines import lora
-    from asyncflow.engines.hf import HFTrainEngine
-    from asyncflow.workers.batches import to_train_batch
 
     model_dir = t.create_tiny_model(t.CONFIG.model, args.dir / "base", seed=3)
     assert t.CONFIG.model.lora is not None

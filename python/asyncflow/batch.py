@@ -129,7 +129,7 @@ class Batch:
         """``{field: tensor}``, rows stacked on the first axis and ragged rows right-padded with
         ``pad_value`` (this copies). bf16 fields come back as ``torch.bfloat16``. By default all
         claimed numeric fields; naming a bytes field raises ``BadRequestError``."""
-        import torch
+        import torch  # noqa: PLC0415 - store clients without tensors never pay torch's import
 
         out: dict[str, torch.Tensor] = {}
         for name, values in self.read(fields).items():

@@ -63,7 +63,7 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _from_tensor(value: Any) -> tuple[np.ndarray, str | None]:
-    import torch
+    import torch  # noqa: PLC0415 - store clients without tensors never pay torch's import
 
     t = value.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:

@@ -762,9 +762,9 @@ def _validate_agent(c: Config) -> None:
     # Names are checked now, not when the first rollout worker starts. The registries are
     # imported here, not at the top: the agents package reaches the engines, which read the
     # configuration this module defines.
-    from asyncflow.agents.env import environment_factory
-    from asyncflow.agents.parser import create_parser
-    from asyncflow.agents.tools import create_tool
+    from asyncflow.agents.env import environment_factory  # noqa: PLC0415 - the cycle above
+    from asyncflow.agents.parser import create_parser  # noqa: PLC0415 - the cycle above
+    from asyncflow.agents.tools import create_tool  # noqa: PLC0415 - the cycle above
 
     environment_factory(a.environment)
     create_parser(a.parser)

@@ -94,8 +94,9 @@ def test_a_write_through_a_shared_memory_view_cannot_change_what_others_read(
 def test_the_daemon_a_training_job_starts_demands_a_token_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from asyncflow.config import Config
-    from asyncflow.launch.local import open_store, start_daemon
+    # The store's tests import the job's launcher (and so torch) only here.
+    from asyncflow.config import Config  # noqa: PLC0415
+    from asyncflow.launch.local import open_store, start_daemon  # noqa: PLC0415
 
     monkeypatch.delenv("ASYNCFLOW_TOKEN", raising=False)
     config = Config()
