@@ -17,7 +17,7 @@ from asyncflow import config as cfg
 from asyncflow import weights
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.hf import HFTrainEngine
-from asyncflow.engines.ranks import RankGroup
+from asyncflow.launch.ranks import RankGroup
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.workers.steps import StepLoss

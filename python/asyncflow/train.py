@@ -23,21 +23,10 @@ import torch
 
 from asyncflow import checkpoint, weights
 from asyncflow.agents.evaluation import agent_totals, agent_view
-from asyncflow.agents.rollout import AgentRollout
 from asyncflow.config import Config
-from asyncflow.daemon import DaemonProcess, connect, new_token
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
-from asyncflow.engines.critic import HFCriticEngine
-from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
-from asyncflow.engines.rank_process import RANK_ENGINES
-from asyncflow.engines.ranks import RankGroup
-from asyncflow.engines.registry import (
-    create_rollout_engine,
-    create_train_engine,
-    resolve_engine_name,
-)
-from asyncflow.errors import ConfigError
 from asyncflow.evaluation import accuracy, pass_at_k, verifier
+from asyncflow.launch.base import Resources, launcher
 from asyncflow.launch.local import run_threads
 from asyncflow.models.tiny import create_tiny_model, parameter_count
 from asyncflow.models.tokenizer import load_tokenizer
@@ -49,36 +38,19 @@ from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.figure import write_summary_png
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
-from asyncflow.units import parse_size
 from asyncflow.warm_start import warm_start
-from asyncflow.workers.advantage import AdvantageWorker
-from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
+from asyncflow.workers.base import PROMPTS, Context, RunState
 from asyncflow.workers.batches import to_train_batch
 from asyncflow.workers.critic import CriticWorker
 from asyncflow.workers.feeder import Feeder
-from asyncflow.workers.partial import rollout_worker as partial_rollout_worker
-from asyncflow.workers.reference import ReferenceWorker
 from asyncflow.workers.reward import (
-    RewardModelWorker,
-    RewardWorker,
     resolve_reward,
     separate_reward_model,
 )
-from asyncflow.workers.routing import Dispatcher, Inbox
 from asyncflow.workers.trainer import Ledger, Trainer
 
 SAMPLES = "step-"
 PASS_K = 8
-
-
-def close_all(engines: list[RolloutEngine]) -> None:
-    for engine in engines:
-        engine.close()
-
-
-def rollout_label(i: int, count: int) -> str:
-    """A rollout engine's name in traces, routing and errors."""
-    return "rollout" if count == 1 else f"rollout-{i}"
 
 
 @dataclass
@@ -100,33 +72,6 @@ def resolve_run_dir(config: Config, run_dir: Path | None) -> Path:
     while candidate.exists():
         candidate, k = base.with_name(f"{base.name}-{k}"), k + 1
     return candidate
-
-
-def open_store(config: Config, daemon: DaemonProcess | None) -> Store:
-    s = config.store
-    if daemon is not None:
-        return daemon.connect()
-    if s.address == "embedded":
-        return Store(shards=s.shards, memory_limit=s.memory_limit, lease_timeout=s.lease_timeout)
-    return connect(s.address, token=s.token)
-
-
-def start_daemon(config: Config) -> DaemonProcess | None:
-    """A store daemon for this run, when trainer ranks in other processes need one and none is
-    configured. It demands a token made for the run (``daemon.token``, handed to the ranks): on
-    loopback without one, any local user could connect, read every row and clear partitions."""
-    s = config.store
-    if config.trainer.dp_size == 1 or s.address != "embedded":
-        return None
-    limit = parse_size(s.memory_limit)
-    return DaemonProcess(
-        "--shards",
-        str(s.shards),
-        "--lease-timeout",
-        str(s.lease_timeout),
-        *(["--memory-limit", str(limit)] if limit is not None else []),
-        token=new_token(),
-    )
 
 
 def logprob_agreement(
@@ -249,110 +194,18 @@ class Run:
         task, prompts = self.load_task(base)
         model_dir = self.prepare_model(task, prompts, base)
         with contextlib.ExitStack() as cleanup:
-            if c.launcher == "ray":
-                return self._execute_on_ray(cleanup, task, model_dir, prompts)
-            daemon = start_daemon(c)
-            if daemon is not None:
-                cleanup.enter_context(daemon)
-                self.reporter.line(f"store daemon for the trainer ranks at {daemon.url}")
-            address = daemon.url if daemon is not None else c.store.address
-            token = daemon.token if daemon is not None else c.store.token
-            store = open_store(c, daemon)
             since = time.monotonic()
-            rollout_name = resolve_engine_name("rollout", c.rollout.engine)
-            train_name = resolve_engine_name("train", c.trainer.engine)
-            self.reporter.line(
-                f"starting engines: rollout={rollout_name} x{c.rollout.engines}, "
-                f"trainer={train_name} x{c.trainer.dp_size}"
-            )
-            # The trainer first: its process group must exist before vLLM would make its own.
-            trainer_engine = self._train_engine(train_name, model_dir, store, address, token)
-            cleanup.callback(trainer_engine.close)
-            rollouts: list[RolloutEngine] = []
-            # Last in, first out: the rollout engines close before the trainer (vLLM's shutdown
-            # tears down the process group, which an in-process trainer has stopped using).
-            cleanup.callback(close_all, rollouts)
-            for i in range(c.rollout.engines):
-                rollouts.append(create_rollout_engine(rollout_name, model_dir, c))
-                rollouts[-1].label = rollout_label(i, c.rollout.engines)
-            evaluator = HFRolloutEngine(model_dir, c)
+            start = launcher(c.launcher)
+            resources = start(c, model_dir, self.run_dir, cleanup, self.reporter.line)
+            self.placement = resources.placement
             self.phases.timed("engine_start", since)
-            return self._run(
-                task,
-                model_dir,
-                prompts,
-                store,
-                rollouts,
-                trainer_engine,
-                evaluator,
-                rollout_name,
-                train_name,
-            )
-
-    def _execute_on_ray(
-        self, cleanup: contextlib.ExitStack, task: Task, model_dir: Path, prompts: PromptEncoder
-    ) -> dict[str, Any]:
-        """As :meth:`execute`, with the store, engines and workers as actors of a Ray cluster."""
-        from asyncflow.launch.ray_cluster import RayCluster, rollout_labels
-        from asyncflow.launch.ray_workers import RemoteRollout
-
-        c = self.config
-        since = time.monotonic()
-        cluster = cleanup.enter_context(RayCluster(c, self.reporter.line))
-        self.reporter.line(f"on Ray: store controller at {cluster.url}")
-        store = connect(cluster.url, token=cluster.token)
-        self.placement = {
-            "nodes": cluster.nodes,
-            "storage_daemons": store.stats()["storage_daemons"],
-        }
-        rollout_name = resolve_engine_name("rollout", c.rollout.engine)
-        train_name = resolve_engine_name("train", c.trainer.engine)
-        trainer_engine = cluster.ranks(model_dir, store)
-        actors = cluster.workers(model_dir)
-        first = rollout_labels(c)[0]
-        evaluate_with = RemoteRollout(actors[first], rollout_name, c.ray.start_timeout)
-        evaluate_with.label = first
-        self.phases.timed("engine_start", since)
-        return self._run(
-            task,
-            model_dir,
-            prompts,
-            store,
-            [evaluate_with],
-            trainer_engine,
-            HFRolloutEngine(model_dir, c),
-            rollout_name,
-            train_name,
-            actors,
-        )
-
-    def _train_engine(
-        self, name: str, model_dir: Path, store: Store, address: str, token: str | None
-    ) -> TrainEngine:
-        c = self.config
-        if c.trainer.dp_size == 1:
-            return create_train_engine(name, model_dir, c)
-        if name not in RANK_ENGINES:
-            raise ConfigError(
-                f"trainer.dp_size > 1 needs trainer.engine {' or '.join(RANK_ENGINES)}, "
-                f"not {name!r}"
-            )
-        return RankGroup(model_dir, c, store, address, self.run_dir / "logs", token)
+            return self._run(task, prompts, model_dir, resources)
 
     def _run(
-        self,
-        task: Task,
-        model_dir: Path,
-        prompts: PromptEncoder,
-        store: Store,
-        rollouts: list[RolloutEngine],
-        trainer_engine: TrainEngine,
-        evaluator: RolloutEngine,
-        rollout_name: str,
-        train_name: str,
-        actors: dict[str, Any] | None = None,
+        self, task: Task, prompts: PromptEncoder, model_dir: Path, resources: Resources
     ) -> dict[str, Any]:
         c = self.config
+        store, trainer_engine = resources.store, resources.trainer
         tokenizer = prompts.tokenizer
         eval_set = task.eval_set()
         # Held-out answers are judged as the rewards judge training ones.
@@ -362,8 +215,8 @@ class Run:
             c.reward.batched,
         )
         # Agent runs are evaluated on whole trajectories, each judged on its last model turn.
-        scored = agent_view(c, rollouts[0], eval_set, prompts)
-        evaluator = agent_view(c, evaluator, eval_set, prompts)
+        scored = agent_view(c, resources.scorer, eval_set, prompts)
+        evaluator = agent_view(c, resources.evaluator, eval_set, prompts)
         max_tokens = c.rollout.max_tokens
         ckpt = checkpoint.latest(self.run_dir) if self.resume else None
         if ckpt is not None:
@@ -435,14 +288,8 @@ class Run:
         )
         if not isinstance(trainer_engine, StepTrainEngine):  # its ranks publish their own
             weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
-        supervisor = None
-        if actors is None:
-            middle = self._workers(ctx, rollouts, trainer_engine, model_dir)
-        else:
-            from asyncflow.launch.ray_workers import Supervisor
-
-            supervisor = Supervisor(ctx, actors)
-            middle = [supervisor]
+        middle = resources.middle(ctx)
+        self.critic = next((w for w in middle if isinstance(w, CriticWorker)), None)
         trainer = Trainer(ctx, trainer_engine, metrics, ledger, after_step)
         workers = [Feeder(ctx, task, start_group), *middle, trainer]
         try:
@@ -458,12 +305,10 @@ class Run:
             tracer.write_chrome_trace(self.run_dir / "trace.json")
         self.phases.timed("rl", since)
         busy = tracer.busy_fraction()
-        if supervisor is not None:
-            self.placement["actor_restarts"] = supervisor.restarts
 
         since = time.monotonic()
         version, final = weights.fetch(store, trainer_engine.version)
-        rollouts[0].load_weights(version, final)
+        resources.scorer.load_weights(version, final)
         after = accuracy(scored, eval_set, prompts, max_tokens, verify=verify)
         pass_after = pass_at_k(
             scored,
@@ -475,7 +320,7 @@ class Run:
             verify=verify,
         )
         probe = [prompts.encode(p.prompt) for p in eval_set[:64]]
-        diff = logprob_agreement(rollouts[0], trainer_engine, probe, c, tokenizer.pad_id)
+        diff = logprob_agreement(resources.scorer, trainer_engine, probe, c, tokenizer.pad_id)
         trainer_engine.save_pretrained(self.run_dir / "final")
         self.phases.timed("eval_after", since)
 
@@ -485,8 +330,8 @@ class Run:
             pass_before,
             pass_after,
             diff,
-            rollout_name,
-            train_name,
+            resources.rollout_name,
+            resources.train_name,
             state,
             busy,
             model_dir,
@@ -498,42 +343,6 @@ class Run:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self.reporter.summary(summary)
         return summary
-
-    def _workers(
-        self,
-        ctx: Context,
-        rollouts: list[RolloutEngine],
-        trainer_engine: TrainEngine,
-        model_dir: Path,
-    ) -> list[Worker]:
-        """The workers between the feeder and the trainer, as threads of this process."""
-        workers: list[Worker] = []
-        rollout_worker = AgentRollout if self.config.agent.enabled else partial_rollout_worker
-        if len(rollouts) == 1:
-            workers.append(rollout_worker(ctx, rollouts[0], rollouts[0].label))
-        else:
-            dispatcher = Dispatcher(ctx, {engine.label: Inbox() for engine in rollouts})
-            workers.append(dispatcher)
-            workers += [
-                rollout_worker(ctx, engine, engine.label, dispatcher) for engine in rollouts
-            ]
-        separate = separate_reward_model(self.config)
-        if separate:
-            workers.append(RewardModelWorker(ctx))
-        workers.append(
-            RewardWorker(
-                ctx,
-                resolve_reward(self.config.reward.fn, bool(self.config.data.extra_keys)),
-                model_worker=separate,
-            )
-        )
-        if self.config.algorithm.reference:
-            workers.append(ReferenceWorker(ctx, HFTrainEngine(model_dir, self.config)))
-        if self.config.algorithm.advantage == "gae":
-            self.critic = CriticWorker(ctx, HFCriticEngine(model_dir, self.config))
-            workers.append(self.critic)
-        workers.append(AdvantageWorker(ctx))
-        return workers
 
     def _summary(
         self,

@@ -1,13 +1,154 @@
-"""Runs workers as threads of this process (they share the embedded store, and torch releases
-the GIL in its kernels). The run ends when the trainer finishes, when any worker fails (the error
-names it), or on Ctrl-C; every other worker then stops at its next poll."""
+"""``launcher: local``: the store, the engines and the workers in this process.
+
+The store is embedded (or the configured daemon), with a daemon of the run's own when trainer
+ranks in other processes need one; the engines are made here, the data-parallel trainer ranks as
+processes of this machine. Workers run as threads (they share the embedded store, and torch
+releases the GIL in its kernels). The run ends when the trainer finishes, when any worker fails
+(the error names it), or on Ctrl-C; every other worker then stops at its next poll."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from asyncflow.workers.base import Worker
+from asyncflow.agents.rollout import AgentRollout
+from asyncflow.config import Config
+from asyncflow.daemon import DaemonProcess, connect, new_token
+from asyncflow.engines.base import RolloutEngine, TrainEngine
+from asyncflow.engines.critic import HFCriticEngine
+from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
+from asyncflow.engines.registry import (
+    create_rollout_engine,
+    create_train_engine,
+    resolve_engine_name,
+)
+from asyncflow.errors import ConfigError
+from asyncflow.launch.base import Resources, rollout_labels
+from asyncflow.launch.rank_process import RANK_ENGINES
+from asyncflow.launch.ranks import RankGroup
+from asyncflow.store import Store
+from asyncflow.units import parse_size
+from asyncflow.workers.advantage import AdvantageWorker
+from asyncflow.workers.base import Context, Worker
+from asyncflow.workers.critic import CriticWorker
+from asyncflow.workers.partial import rollout_worker as partial_rollout_worker
+from asyncflow.workers.reference import ReferenceWorker
+from asyncflow.workers.reward import (
+    RewardModelWorker,
+    RewardWorker,
+    resolve_reward,
+    separate_reward_model,
+)
+from asyncflow.workers.routing import Dispatcher, Inbox
+
+
+def open_store(config: Config, daemon: DaemonProcess | None) -> Store:
+    s = config.store
+    if daemon is not None:
+        return daemon.connect()
+    if s.address == "embedded":
+        return Store(shards=s.shards, memory_limit=s.memory_limit, lease_timeout=s.lease_timeout)
+    return connect(s.address, token=s.token)
+
+
+def start_daemon(config: Config) -> DaemonProcess | None:
+    """A store daemon for this run, when trainer ranks in other processes need one and none is
+    configured. It demands a token made for the run (``daemon.token``, handed to the ranks): on
+    loopback without one, any local user could connect, read every row and clear partitions."""
+    s = config.store
+    if config.trainer.dp_size == 1 or s.address != "embedded":
+        return None
+    limit = parse_size(s.memory_limit)
+    return DaemonProcess(
+        "--shards",
+        str(s.shards),
+        "--lease-timeout",
+        str(s.lease_timeout),
+        *(["--memory-limit", str(limit)] if limit is not None else []),
+        token=new_token(),
+    )
+
+
+def start(
+    config: Config,
+    model_dir: Path,
+    run_dir: Path,
+    cleanup: contextlib.ExitStack,
+    say: Callable[[str], None],
+) -> Resources:
+    """The store, then the trainer (its process group must exist before vLLM would make its
+    own), then the rollout engines; ``cleanup`` closes them in reverse."""
+    c = config
+    daemon = start_daemon(c)
+    if daemon is not None:
+        cleanup.enter_context(daemon)
+        say(f"store daemon for the trainer ranks at {daemon.url}")
+    store = open_store(c, daemon)
+    rollout_name = resolve_engine_name("rollout", c.rollout.engine)
+    train_name = resolve_engine_name("train", c.trainer.engine)
+    say(
+        f"starting engines: rollout={rollout_name} x{c.rollout.engines}, "
+        f"trainer={train_name} x{c.trainer.dp_size}"
+    )
+    if c.trainer.dp_size == 1:
+        trainer: TrainEngine = create_train_engine(train_name, model_dir, c)
+    elif train_name not in RANK_ENGINES:
+        raise ConfigError(
+            f"trainer.dp_size > 1 needs trainer.engine {' or '.join(RANK_ENGINES)}, "
+            f"not {train_name!r}"
+        )
+    else:
+        address = daemon.url if daemon is not None else c.store.address
+        token = daemon.token if daemon is not None else c.store.token
+        trainer = RankGroup(model_dir, c, store, address, run_dir / "logs", token)
+    cleanup.callback(trainer.close)
+    rollouts: list[RolloutEngine] = []
+
+    def close_rollouts() -> None:
+        for engine in rollouts:
+            engine.close()
+
+    # Last in, first out: the rollout engines close before the trainer (vLLM's shutdown tears
+    # down the process group, which an in-process trainer has stopped using).
+    cleanup.callback(close_rollouts)
+    for label in rollout_labels(c):
+        rollouts.append(create_rollout_engine(rollout_name, model_dir, c))
+        rollouts[-1].label = label
+    return Resources(
+        store=store,
+        trainer=trainer,
+        scorer=rollouts[0],
+        evaluator=HFRolloutEngine(model_dir, c),
+        rollout_name=rollout_name,
+        train_name=train_name,
+        middle=lambda ctx: workers(ctx, rollouts, model_dir),
+    )
+
+
+def workers(ctx: Context, rollouts: Sequence[RolloutEngine], model_dir: Path) -> list[Worker]:
+    """The workers between the feeder and the trainer, as threads of this process."""
+    config = ctx.config
+    found: list[Worker] = []
+    rollout_worker = AgentRollout if config.agent.enabled else partial_rollout_worker
+    if len(rollouts) == 1:
+        found.append(rollout_worker(ctx, rollouts[0], rollouts[0].label))
+    else:
+        dispatcher = Dispatcher(ctx, {engine.label: Inbox() for engine in rollouts})
+        found.append(dispatcher)
+        found += [rollout_worker(ctx, engine, engine.label, dispatcher) for engine in rollouts]
+    separate = separate_reward_model(config)
+    if separate:
+        found.append(RewardModelWorker(ctx))
+    reward_fn = resolve_reward(config.reward.fn, bool(config.data.extra_keys))
+    found.append(RewardWorker(ctx, reward_fn, model_worker=separate))
+    if config.algorithm.reference:
+        found.append(ReferenceWorker(ctx, HFTrainEngine(model_dir, config)))
+    if config.algorithm.advantage == "gae":
+        found.append(CriticWorker(ctx, HFCriticEngine(model_dir, config)))
+    found.append(AdvantageWorker(ctx))
+    return found
 
 
 class WorkerError(RuntimeError):

@@ -28,8 +28,8 @@ from asyncflow.config import Config
 from asyncflow.engines.base import LossFn, StepResult, StepTrainEngine, TrainBatch
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
 from asyncflow.engines.process_group import free_port
-from asyncflow.engines.rank_process import RankSpec, main
 from asyncflow.engines.registry import resolve_engine_name
+from asyncflow.launch.rank_process import RankSpec, main
 from asyncflow.store import Store
 
 #: Lines of a rank's log quoted in an error.
@@ -69,7 +69,7 @@ class Ranks(StepTrainEngine):
         timeout: float | None = None,
         stop: threading.Event | None = None,
     ) -> list[Any] | None:
-        """Runs ``command`` (a handler of :func:`asyncflow.engines.rank_process.handlers`) on
+        """Runs ``command`` (a handler of :func:`asyncflow.launch.rank_process.handlers`) on
         every rank; their answers in rank order, or None if ``stop`` is set first."""
 
     @abstractmethod

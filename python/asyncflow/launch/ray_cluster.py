@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -23,7 +24,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncflow.config import Config
+from asyncflow.daemon import connect
+from asyncflow.engines.hf import HFRolloutEngine
+from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.launch import ray_workers
+from asyncflow.launch.base import Resources, rollout_labels
 from asyncflow.launch.ray_join import join
 from asyncflow.launch.ray_ranks import RayRanks
 from asyncflow.launch.ray_store import place_store
@@ -37,6 +42,7 @@ from asyncflow.launch.ray_wait import (
     wait,
 )
 from asyncflow.store import Store
+from asyncflow.workers.base import Context, Worker
 
 #: Environment of every actor: one compute thread each (see ``asyncflow.cli``), no downloads.
 ACTOR_ENV = {
@@ -45,11 +51,6 @@ ACTOR_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
 }
-
-
-def rollout_labels(config: Config) -> list[str]:
-    n = config.rollout.engines
-    return ["rollout"] if n == 1 else [f"rollout-{i}" for i in range(n)]
 
 
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -174,3 +175,44 @@ class RayCluster:
         self._cleanup.callback(lambda: [ray.kill(a) for a in actors.values()])
         actors |= ray_workers.start(c, roles, self.url, self.token, model_dir, placement, self.say)
         return actors
+
+
+def start(
+    config: Config,
+    model_dir: Path,
+    run_dir: Path,
+    cleanup: ExitStack,
+    say: Callable[[str], None],
+) -> Resources:
+    """The cluster joined and reserved, the store placed, the trainer ranks and the worker actors
+    started; the job generates for evaluation through the first rollout actor. ``cleanup``
+    stops them all and leaves the cluster."""
+    cluster = cleanup.enter_context(RayCluster(config, say))
+    say(f"on Ray: store controller at {cluster.url}")
+    store = connect(cluster.url, token=cluster.token)
+    trainer = cluster.ranks(model_dir, store)
+    actors = cluster.workers(model_dir)
+    rollout_name = resolve_engine_name("rollout", config.rollout.engine)
+    first = rollout_labels(config)[0]
+    scorer = ray_workers.RemoteRollout(actors[first], rollout_name, config.ray.start_timeout)
+    scorer.label = first
+    placement: dict[str, Any] = {
+        "nodes": cluster.nodes,
+        "storage_daemons": store.stats()["storage_daemons"],
+    }
+
+    def supervise(ctx: Context) -> list[Worker]:
+        supervisor = ray_workers.Supervisor(ctx, actors)
+        placement["actor_restarts"] = supervisor.restarts  # counted as the run goes
+        return [supervisor]
+
+    return Resources(
+        store=store,
+        trainer=trainer,
+        scorer=scorer,
+        evaluator=HFRolloutEngine(model_dir, config),
+        rollout_name=rollout_name,
+        train_name=resolve_engine_name("train", config.trainer.engine),
+        middle=supervise,
+        placement=placement,
+    )

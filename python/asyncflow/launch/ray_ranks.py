@@ -22,8 +22,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from asyncflow.config import Config
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
 from asyncflow.engines.process_group import free_port
-from asyncflow.engines.rank_process import RankSpec, describe, start
-from asyncflow.engines.ranks import Ranks
+from asyncflow.launch.rank_process import RankSpec, describe, start
+from asyncflow.launch.ranks import Ranks
 from asyncflow.launch.ray_wait import SAY_EVERY, Say
 from asyncflow.store import Store
 
