@@ -123,6 +123,8 @@ def run_mode(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mod
                     proc.terminate()
             for proc in procs.values():
                 proc.wait(timeout=120)
+                if proc.stdout is not None:
+                    proc.stdout.close()
         daemon_cpu = _proc_cpu_seconds(daemon.proc.pid) - daemon_cpu
     failed = [n for n, p in procs.items() if p.returncode != 0]
     if failed:
