@@ -1,6 +1,7 @@
 """The package's import graph: no module imports itself back through others, and the engine layer
 imports no worker. Function-level imports count (a cycle hidden inside a function still runs
-both ways); imports under ``TYPE_CHECKING`` do not (they never run)."""
+both ways), and so do the package ``__init__`` modules an import runs on its way; imports under
+``TYPE_CHECKING`` do not (they never run)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,14 @@ def import_graph() -> dict[str, set[str]]:
                 targets |= {owner(a.name) for a in node.names if a.name.startswith("asyncflow")}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("asyncflow"):
                 targets |= {owner(f"{node.module}.{a.name}") for a in node.names}
+        # Importing ``a.b.c`` first runs the packages ``a`` and ``a.b``: their imports count too
+        # (but not the packages this module is itself inside, already being imported).
+        for target in list(targets):
+            package = (target or "").rpartition(".")[0]
+            while package.count("."):
+                if not name.startswith(package + "."):
+                    targets.add(package)
+                package = package.rpartition(".")[0]
         graph[name] = {t for t in targets if t is not None and t != name}
     return graph
 

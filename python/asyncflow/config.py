@@ -759,17 +759,9 @@ def _validate_agent(c: Config) -> None:
         "agent.enabled and rollout.partial cannot be combined yet: a trajectory's turns are "
         "generated between weight loads",
     )
-    # Names are checked now, not when the first rollout worker starts. The registries are
-    # imported here, not at the top: the agents package reaches the engines, which read the
-    # configuration this module defines.
-    from asyncflow.agents.env import environment_factory  # noqa: PLC0415 - the cycle above
-    from asyncflow.agents.parser import create_parser  # noqa: PLC0415 - the cycle above
-    from asyncflow.agents.tools import create_tool  # noqa: PLC0415 - the cycle above
-
-    environment_factory(a.environment)
-    create_parser(a.parser)
-    for name in a.tools:
-        create_tool(name, a)
+    # The environment, parser and tool names are checked by the agents package, which owns their
+    # registries, when a run starts (``asyncflow.agents.loop.check_names``): this module stays
+    # below everything that reads a configuration.
 
 
 def _validate_reward_and_algorithm(c: Config) -> None:

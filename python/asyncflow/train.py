@@ -23,6 +23,7 @@ import torch
 
 from asyncflow import checkpoint, weights
 from asyncflow.agents.evaluation import agent_totals, agent_view
+from asyncflow.agents.loop import check_names
 from asyncflow.config import Config
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
 from asyncflow.evaluation import accuracy, pass_at_k, verifier
@@ -33,7 +34,8 @@ from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.progress import Reporter
 from asyncflow.quiet import quiet_libraries
 from asyncflow.store import Store
-from asyncflow.tasks import Task, load_task
+from asyncflow.tasks import Task
+from asyncflow.tasks.loader import load_task
 from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.figure import write_summary_png
 from asyncflow.telemetry.metrics import MetricsLog
@@ -402,6 +404,8 @@ def train(
 ) -> dict[str, Any]:
     """Runs the main job; returns the summary (also written to ``summary.json``)."""
     quiet_libraries()
+    if config.agent.enabled:
+        check_names(config.agent)  # refused now, before anything starts
     directory = resume if resume is not None else resolve_run_dir(config, run_dir)
     return Run(
         config, directory, reporter or Reporter(config.run.progress), resume is not None

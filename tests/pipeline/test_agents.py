@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
+from asyncflow.train import train
 from asyncflow.workers.steps import StepLoss, sample_fields
 
 TOKENIZER = chatml_tokenizer()
@@ -406,8 +408,6 @@ def test_held_out_problems_are_never_trained_on() -> None:
 @pytest.mark.parametrize(
     ("override", "says"),
     [
-        ("agent.tools=[nope]", "unknown tool"),
-        ("agent.environment=nope", "unknown agent environment"),
         ("agent.max_turns=0", "max_turns"),
         ("agent.observation_template=x", "{observation}"),
         ("launcher=ray", "launcher local"),
@@ -416,6 +416,23 @@ def test_held_out_problems_are_never_trained_on() -> None:
 def test_agent_settings_are_refused_before_the_run(override: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         load("examples/tools.yaml", [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("agent.tools=[nope]", "unknown tool 'nope'"),
+        ("agent.environment=nope", "unknown agent environment 'nope'"),
+        ("agent.parser=nope", "unknown tool-call parser 'nope'"),
+    ],
+)
+def test_unregistered_agent_names_are_refused_before_anything_starts(
+    override: str, says: str, tmp_path: Path
+) -> None:
+    config = load("examples/tools.yaml", [override])  # names are the agents package's to check
+    with pytest.raises(ConfigError, match=says):
+        train(config, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_tool_latency_follows_its_distribution() -> None:

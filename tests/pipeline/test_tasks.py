@@ -15,10 +15,11 @@ from asyncflow.cli import main
 from asyncflow.config import ConfigError, DataConfig
 from asyncflow.models.chatml import save_chatml_tokenizer
 from asyncflow.models.tokenizer import load_tokenizer
-from asyncflow.tasks import gsm_synthetic, load_task
+from asyncflow.tasks import gsm_synthetic
 from asyncflow.tasks.arithmetic import ArithmeticTask, add_dropping_carries, has_carry
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.dataset import read_problems
+from asyncflow.tasks.loader import load_task
 from asyncflow.tasks.prompts import PromptEncoder, PromptError
 from asyncflow.tasks.records import DatasetError
 from asyncflow.workers.reward import (

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from asyncflow.agents.env import Environment, Step, environment_factory
+from asyncflow.agents.parser import create_parser
 from asyncflow.agents.tools import Tool, create_tool
 from asyncflow.agents.trajectory import Trajectory
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
@@ -97,6 +98,15 @@ def _as_step(result: Any) -> Step:
         return result
     observation, reward, done = result
     return Step(str(observation), float(reward), bool(done))
+
+
+def check_names(config: AgentConfig) -> None:
+    """Raises ``ConfigError`` naming an environment, tool-call parser or tool that is not
+    registered (checked when a run starts, before any worker)."""
+    environment_factory(config.environment)
+    create_parser(config.parser)
+    for name in config.tools:
+        create_tool(name, config)
 
 
 class AgentLoop:

@@ -1,6 +1,6 @@
-"""Prompt datasets with their verifiers: the built-in arithmetic task, or local dataset files."""
+"""Prompt datasets with their verifiers: the built-in arithmetic task, or local dataset files
+(:func:`asyncflow.tasks.loader.load_task` builds the one a configuration names)."""
 
 from asyncflow.tasks.base import Problem, Task
-from asyncflow.tasks.loader import load_task
 
-__all__ = ["Problem", "Task", "load_task"]
+__all__ = ["Problem", "Task"]
