@@ -187,12 +187,13 @@ def start(
     """The cluster joined and reserved, the store placed, the trainer ranks and the worker actors
     started; the job generates for evaluation through the first rollout actor. ``cleanup``
     stops them all and leaves the cluster."""
+    rollout_name = resolve_engine_name("rollout", config.rollout.engine)  # unknown: refused now
+    train_name = resolve_engine_name("train", config.trainer.engine)
     cluster = cleanup.enter_context(RayCluster(config, say))
     say(f"on Ray: store controller at {cluster.url}")
     store = connect(cluster.url, token=cluster.token)
     trainer = cluster.ranks(model_dir, store)
     actors = cluster.workers(model_dir)
-    rollout_name = resolve_engine_name("rollout", config.rollout.engine)
     first = rollout_labels(config)[0]
     scorer = ray_workers.RemoteRollout(actors[first], rollout_name, config.ray.start_timeout)
     scorer.label = first
@@ -212,7 +213,7 @@ def start(
         scorer=scorer,
         evaluator=HFRolloutEngine(model_dir, config),
         rollout_name=rollout_name,
-        train_name=resolve_engine_name("train", config.trainer.engine),
+        train_name=train_name,
         middle=supervise,
         placement=placement,
     )
