@@ -49,6 +49,18 @@ def daemons() -> Iterator[Callable[..., DaemonProcess]]:
     assert codes == [0] * len(codes), "every daemon stops cleanly on SIGTERM"
 
 
+@pytest.fixture
+def sharded_store(daemons: Callable[..., DaemonProcess]) -> Callable[..., af.Store]:
+    """Connects to a controller over ``count`` storage daemons, each started with ``flags``."""
+
+    def start(count: int, *flags: str) -> af.Store:
+        storage = [daemons("--role", "storage", *flags) for _ in range(count)]
+        addresses = ",".join(d.url.removeprefix("tcp://") for d in storage)
+        return af.connect(daemons("--role", "controller", "--storage", addresses).url)
+
+    return start
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

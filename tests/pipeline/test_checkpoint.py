@@ -17,7 +17,6 @@ import pytest
 import asyncflow as af
 from asyncflow import checkpoint
 from asyncflow.batch import Batch
-from asyncflow.daemon import DaemonProcess
 from asyncflow.train import register_tasks
 from asyncflow.workers.base import PROMPTS, RunState
 
@@ -61,14 +60,12 @@ class Racing:
 
 @pytest.fixture(params=["embedded", "sharded"])
 def store(
-    request: pytest.FixtureRequest, daemons: Callable[..., DaemonProcess]
+    request: pytest.FixtureRequest, sharded_store: Callable[..., af.Store]
 ) -> Iterator[af.Store]:
     if request.param == "embedded":
         yield af.Store()
         return
-    storage = [daemons("--role", "storage", "--memory-limit", str(ROOM)) for _ in range(2)]
-    addresses = ",".join(d.url.removeprefix("tcp://") for d in storage)
-    yield af.connect(daemons("--role", "controller", "--storage", addresses).url)
+    yield sharded_store(2, "--memory-limit", str(ROOM))
 
 
 def samples(group: int) -> dict[str, Any]:
@@ -148,14 +145,11 @@ def test_a_prompt_read_whose_samples_come_before_the_listing_is_left_out(
 
 
 def test_samples_still_being_put_are_left_out_and_their_prompt_kept(
-    daemons: Callable[..., DaemonProcess], tmp_path: Path
+    sharded_store: Callable[..., af.Store], tmp_path: Path
 ) -> None:
     """On a sharded store a put's rows are listed (admitted) before their payloads are stored:
     a put held up by a full storage daemon stays so until room is made."""
-    storage = daemons("--role", "storage", "--memory-limit", str(ROOM))
-    store = af.connect(
-        daemons("--role", "controller", "--storage", storage.url.removeprefix("tcp://")).url
-    )
+    store = sharded_store(1, "--memory-limit", str(ROOM))
     held = pipeline(store)
     full = np.zeros(ROOM - store.stats()["memory_used"], np.uint8)
     [filler] = store.put({"fill": [full]}, partition="other")

@@ -70,28 +70,24 @@ def test_the_arithmetic_example_is_valid() -> None:
     assert cfg.load(EXAMPLES / "arithmetic.yaml").run.name == "arithmetic"
 
 
-def test_the_parquet_example_is_valid_once_its_paths_exist(tmp_path: Path) -> None:
+def existing_paths(tmp_path: Path) -> list[str]:
+    """Overrides pointing an example's model and data paths at files that exist (empty)."""
     (tmp_path / "model").mkdir()
     for name in ("train.parquet", "test.parquet"):
         (tmp_path / name).write_bytes(b"")
-    overrides = [
+    return [
         f"model.path={tmp_path / 'model'}",
         f"data.train_file={tmp_path / 'train.parquet'}",
         f"data.eval_file={tmp_path / 'test.parquet'}",
     ]
-    assert cfg.load(EXAMPLES / "parquet.yaml", overrides).data.task == "dataset"
+
+
+def test_the_parquet_example_is_valid_once_its_paths_exist(tmp_path: Path) -> None:
+    assert cfg.load(EXAMPLES / "parquet.yaml", existing_paths(tmp_path)).data.task == "dataset"
 
 
 def test_the_two_node_ray_example_is_valid_once_its_paths_exist(tmp_path: Path) -> None:
-    (tmp_path / "model").mkdir()
-    for name in ("train.parquet", "test.parquet"):
-        (tmp_path / name).write_bytes(b"")
-    overrides = [
-        f"model.path={tmp_path / 'model'}",
-        f"data.train_file={tmp_path / 'train.parquet'}",
-        f"data.eval_file={tmp_path / 'test.parquet'}",
-    ]
-    c = cfg.load(EXAMPLES / "ray-2x8gpu.yaml", overrides)
+    c = cfg.load(EXAMPLES / "ray-2x8gpu.yaml", existing_paths(tmp_path))
     assert (c.launcher, c.trainer.dp_size, c.rollout.engines) == ("ray", 8, 8)
     assert (c.ray.trainer_gpus, c.ray.rollout_gpus) == (1.0, 1.0)
 

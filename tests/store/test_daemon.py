@@ -249,10 +249,8 @@ def test_a_put_into_a_spare_waits_for_memory_under_a_limit(daemons: Daemons) -> 
     assert store.stats()["memory_used"] == 0
 
 
-def test_a_store_sharded_over_three_storage_daemons(daemons: Daemons) -> None:
-    storage = [daemons("--role", "storage") for _ in range(3)]
-    addresses = ",".join(d.url.removeprefix("tcp://") for d in storage)
-    store = af.connect(daemons("--role", "controller", "--storage", addresses).url)
+def test_a_store_sharded_over_three_storage_daemons(sharded_store: Callable[..., af.Store]) -> None:
+    store = sharded_store(3)
     store.register_task("t")
     rows = [np.full(n + 1, n, dtype=np.int32) for n in range(9)]
     store.put({"ids": rows})
@@ -276,10 +274,10 @@ def test_a_store_sharded_over_three_storage_daemons(daemons: Daemons) -> None:
     assert store.stats()["memory_used"] == 0
 
 
-def test_data_parallel_ranks_share_a_claim_on_a_sharded_store(daemons: Daemons) -> None:
-    storage = [daemons("--role", "storage") for _ in range(2)]
-    addresses = ",".join(d.url.removeprefix("tcp://") for d in storage)
-    store = af.connect(daemons("--role", "controller", "--storage", addresses).url)
+def test_data_parallel_ranks_share_a_claim_on_a_sharded_store(
+    sharded_store: Callable[..., af.Store],
+) -> None:
+    store = sharded_store(2)
     store.register_task("train")
     # Groups of two rows, 1 to 4 tokens long: balanced parts hold 5 tokens each.
     for g, tokens in enumerate([1, 4, 2, 3]):
