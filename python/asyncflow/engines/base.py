@@ -83,6 +83,9 @@ class RolloutEngine(ABC):
 
     def __init__(self) -> None:
         self.version = 0
+        #: Held by the worker loading new weights into this engine, so that workers sharing it
+        #: load each version once.
+        self.load_lock = threading.Lock()
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:

@@ -13,8 +13,6 @@ what it has and the trainer discards samples that turn out too stale.
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,19 +32,6 @@ FIELDS = ["prompt_ids", "answer", "target_step"]
 #: stop (weights: not even that, the watcher wakes its waiters on stop). Many workers share one
 #: engine, and each wake-up to find nothing changed costs this process and the GIL.
 IDLE_WAIT = 1.0
-
-#: One lock per engine, for the workers sharing it: one of them fetches and loads new weights,
-#: the others find them loaded.
-_load_locks: weakref.WeakKeyDictionary[RolloutEngine, threading.Lock] = weakref.WeakKeyDictionary()
-_load_locks_guard = threading.Lock()
-
-
-def _load_lock(engine: RolloutEngine) -> threading.Lock:
-    with _load_locks_guard:
-        lock = _load_locks.get(engine)
-        if lock is None:
-            lock = _load_locks[engine] = threading.Lock()
-        return lock
 
 
 @dataclass
@@ -90,7 +75,7 @@ class Rollout(Worker):
         newest = self.ctx.weights.latest()
         if newest is None or newest <= self.engine.version or newest in self._unloadable:
             return False
-        with _load_lock(self.engine):
+        with self.engine.load_lock:
             if newest <= self.engine.version:
                 return False  # another worker sharing the engine loaded it meanwhile
             with self.busy(f"load weights v{newest}"):
