@@ -131,6 +131,9 @@ class RolloutConfig:
     #: Sequences the request-level loop (``partial`` other than ``off``) keeps in flight; new
     #: prompt groups are admitted as others finish.
     max_num_seqs: int = 64
+    #: hf engine: where its model and tensors live, ``cpu``, ``cuda`` or ``cuda:N`` (the held-out
+    #: evaluator, an hf engine, too). Results come back as Python lists wherever it runs.
+    device: str = "cpu"
 
 
 @dataclass
@@ -181,6 +184,10 @@ class TrainerConfig:
     #: Seconds to wait for trainer ranks to start, and for a peer rank in any collective, before
     #: failing with an error that names the rank.
     timeout: float = 900.0
+    #: hf engine (and the hf reference model of ``algorithm.reference``): where the model, its
+    #: optimiser state and each micro-batch live, ``cpu``, ``cuda`` or ``cuda:N``. Log-probs come
+    #: back on the CPU. DeepSpeed and FSDP place themselves (CUDA when torch sees it).
+    device: str = "cpu"
 
 
 @dataclass
@@ -658,6 +665,9 @@ def validate(c: Config) -> None:
     if c.agent.enabled:
         _validate_agent(c)
     _validate_weights(c.weights)
+    for key, device in [("rollout.device", c.rollout.device), ("trainer.device", c.trainer.device)]:
+        # Under Ray the engines run on other nodes, which check their own devices as they start.
+        check_device(key, device, here=c.launcher == "local")
     if c.model.lora is not None:
         _validate_lora(c)
     if c.model.path is not None:
@@ -711,6 +721,36 @@ def _validate_lora(c: Config) -> None:
         c.trainer.engine in LORA_ENGINES,
         f"model.lora is supported by the train engines {', '.join(LORA_ENGINES[1:])}, "
         f"not {c.trainer.engine!r}",
+    )
+
+
+#: The devices an hf engine may be placed on.
+DEVICE_PATTERN = re.compile(r"cpu|cuda(?::(\d+))?")
+
+
+def check_device(key: str, device: str, here: bool = True) -> None:
+    """Refuses a ``device`` option (named ``key``) that is not ``cpu``, ``cuda`` or ``cuda:N``;
+    with ``here``, also a CUDA device this machine does not have."""
+    match = DEVICE_PATTERN.fullmatch(device)
+    _require(match is not None, f"{key} must be cpu, cuda or cuda:N, not {device!r}")
+    if device == "cpu" or not here:
+        return
+    # Only a GPU setting pays for importing torch here; the CPU default never does.
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"{key} is {device!r} but CUDA is not available on this machine (torch "
+            f"{torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); set {key}=cpu "
+            "or run on a machine with a CUDA GPU"
+        )
+    assert match is not None
+    count = torch.cuda.device_count()
+    index = int(match.group(1) or 0)
+    _require(
+        index < count,
+        f"{key} is {device!r} but this machine has {count} CUDA device(s) (cuda:0 to "
+        f"cuda:{count - 1})",
     )
 
 

@@ -1,6 +1,10 @@
 """The ``hf`` engine pair: plain transformers + torch. It is the reference implementation of both
 interfaces and the worked example of a custom engine: a new engine implements the same few
 methods and registers a factory under a name (see :mod:`asyncflow.engines.registry`).
+
+Each engine's model and tensors live on its device (``rollout.device``, ``trainer.device``: the
+CPU by default, or a CUDA GPU); what the engines hand back (completions, log-probs) is on the
+CPU, as the workers read it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 import torch
 
 from asyncflow.algorithms.lr_schedule import lr_factor
-from asyncflow.config import Config
+from asyncflow.config import Config, check_device
 from asyncflow.engines import lora
 from asyncflow.engines.base import (
     Completion,
@@ -26,7 +30,7 @@ from asyncflow.engines.base import (
     token_logprobs,
 )
 from asyncflow.engines.errors import WeightLoadError
-from asyncflow.engines.hf_decode import DecodeLoop
+from asyncflow.engines.hf_decode import DecodeLoop, model_device
 from asyncflow.models.tokenizer import Tokenizer, load_tokenizer
 
 TOKENIZER_FILES = (
@@ -50,6 +54,13 @@ def load_model(model_dir: Path, dtype: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_dtype(dtype))
+
+
+def engine_device(key: str, device: str) -> torch.device:
+    """The device an option (``key``: ``rollout.device`` or ``trainer.device``) names, checked
+    on this machine: a CUDA device it lacks is a :class:`ConfigError` naming the option."""
+    check_device(key, device)
+    return torch.device(device)
 
 
 def save_merged(
@@ -78,20 +89,22 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 def sample(
     model: Any, prompts: list[list[int]], sampling: Sampling, tokenizer: Tokenizer
 ) -> list[list[Completion]]:
-    """Batched decoding with a KV cache: prompts left-padded, ``sampling.n`` rows per prompt."""
+    """Batched decoding with a KV cache: prompts left-padded, ``sampling.n`` rows per prompt.
+    Every tensor is built on the model's device; the completions come back as Python lists."""
+    device = model_device(model)
     rows = [p for p in prompts for _ in range(sampling.n)]
     width = max(len(p) for p in rows)
     pad, eos = tokenizer.pad_id, tokenizer.eos_id
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
     generator = None
     if sampling.seed is not None:
-        generator = torch.Generator().manual_seed(sampling.seed)
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
 
-    out_ids = torch.full((len(rows), sampling.max_tokens), pad)
-    out_lp = torch.zeros((len(rows), sampling.max_tokens))
-    done = torch.zeros(len(rows), dtype=torch.bool)
-    lengths = torch.full((len(rows),), sampling.max_tokens)
+    out_ids = torch.full((len(rows), sampling.max_tokens), pad, device=device)
+    out_lp = torch.zeros((len(rows), sampling.max_tokens), device=device)
+    done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+    lengths = torch.full((len(rows),), sampling.max_tokens, device=device)
     cache = None
     step_ids = input_ids
     for t in range(sampling.max_tokens):
@@ -120,17 +133,19 @@ def sample(
         if bool(done.all()):
             break
         step_ids = token.unsqueeze(-1)
-        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
 
+    # One copy to the host for the whole batch, not one per row.
+    all_ids, all_lp, all_lengths = out_ids.tolist(), out_lp.tolist(), lengths.tolist()
     completions = []
     for i in range(len(rows)):
-        ids = out_ids[i, : int(lengths[i])].tolist()
+        ids = all_ids[i][: int(all_lengths[i])]
         text = tokenizer.decode(ids)
         reason = "stop" if eos in ids else "length"
         for s in sampling.stop:
             if s in text:
                 text, reason = text[: text.index(s)], "stop"
-        completions.append(Completion(ids, out_lp[i, : len(ids)].tolist(), text, reason))
+        completions.append(Completion(ids, all_lp[i][: len(ids)], text, reason))
     return [completions[k * sampling.n : (k + 1) * sampling.n] for k in range(len(prompts))]
 
 
@@ -154,8 +169,9 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, model_dir: Path, config: Config) -> None:
         super().__init__()
+        self.device = engine_device("rollout.device", config.rollout.device)
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir, config.model.dtype).eval()
+        self.model = load_model(model_dir, config.model.dtype).to(self.device).eval()
         self.loop = DecodeLoop(self.model, self.tokenizer.eos_id, config.rollout.max_num_seqs)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
@@ -183,7 +199,9 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checks every tensor before copying any: a set that lacks a parameter or has one of
-        another shape raises :class:`WeightLoadError` and leaves the weights as they were."""
+        another shape raises :class:`WeightLoadError` and leaves the weights as they were. The
+        tensors may live anywhere (the store's host memory, the trainer's GPU): each is copied
+        into the engine's own parameter, in place, on the engine's device and in its dtype."""
         params = dict(self.model.named_parameters())
         incoming = {name: tensor for name, tensor in weights if name in params}
         missing = sorted(set(params) - set(incoming))
@@ -206,20 +224,24 @@ class HFRolloutEngine(RolloutEngine):
 
 
 class HFTrainEngine(TrainEngine):
-    """AdamW on a transformers model, one process. With ``model.lora`` the model carries LoRA
-    adapters, only they are optimised, and the exported weights have them merged in."""
+    """AdamW on a transformers model, one process, on ``trainer.device``. With ``model.lora``
+    the model carries LoRA adapters, only they are optimised, and the exported weights have them
+    merged in."""
 
     name = "hf"
 
     def __init__(self, model_dir: Path, config: Config) -> None:
         super().__init__()
+        self.device = engine_device("trainer.device", config.trainer.device)
         self.model_dir = model_dir
         self.temperature = config.rollout.temperature
         self.grad_clip = config.trainer.grad_clip
         self.lora = config.model.lora
-        self.model = lora.wrap(
-            load_model(model_dir, config.model.dtype), self.lora, config.run.seed
-        ).train()
+        self.model = (
+            lora.wrap(load_model(model_dir, config.model.dtype), self.lora, config.run.seed)
+            .to(self.device)
+            .train()
+        )
         self.optimizer = torch.optim.AdamW(
             lora.trainable(self.model),
             lr=config.trainer.lr,
@@ -228,19 +250,24 @@ class HFTrainEngine(TrainEngine):
         )
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.trainer))
 
+    def _on_device(self, batch: TrainBatch) -> TrainBatch:
+        return batch if batch.input_ids.device == self.device else batch.to(self.device)
+
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         logits = self.model(**batch.model_inputs()).logits
         return token_logprobs(logits, batch.input_ids, self.temperature)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token log-probs ``[batch, length]``, on the CPU wherever the model is."""
         self.model.eval()  # no adapter dropout: the policy's own log-probs
         try:
-            return self._logprobs(batch)
+            return self._logprobs(self._on_device(batch)).cpu()
         finally:
             self.model.train()
 
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        batch = self._on_device(batch)
         loss, stats = loss_fn(self._logprobs(batch), batch)
         loss.backward()
         return stats
@@ -256,6 +283,8 @@ class HFTrainEngine(TrainEngine):
 
     @torch.no_grad()
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights on the engine's device, as DeepSpeed's and FSDP's are on theirs: the
+        store's publication copies them to the host, a rollout engine copies them in place."""
         named = ((name, param.detach()) for name, param in self.model.named_parameters())
         return iter(lora.merged(named, self.lora))
 
@@ -270,7 +299,10 @@ class HFTrainEngine(TrainEngine):
         torch.save(state, directory / "trainer.pt")
 
     def load(self, directory: Path) -> None:
-        state = torch.load(directory / "trainer.pt", weights_only=True)
+        # Read on the host whichever device wrote it: loading copies the weights onto this
+        # engine's device, and the optimiser puts its state beside them (its step counts stay
+        # on the host, as torch keeps them).
+        state = torch.load(directory / "trainer.pt", weights_only=True, map_location="cpu")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if "schedule" in state:  # checkpoints written before schedules existed have none

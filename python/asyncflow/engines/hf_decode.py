@@ -6,6 +6,9 @@ log-prob depends only on its own sequence and on the weights of each forward pas
 the same forward passes under the same weight schedule gives the same figures, bit for bit on a
 CPU. Between two steps the weights may be replaced; the caches are kept, so a sequence goes on
 attending to keys and values the old weights computed (``rollout.partial: continue``).
+
+Inputs, caches and seeded generators live on the model's device; each token and its log-prob
+come back to the host as Python numbers.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ from typing import Any
 import torch
 
 from asyncflow.engines.base import Request
+
+
+def model_device(model: Any) -> torch.device:
+    """Where ``model``'s parameters live."""
+    return next(iter(model.parameters())).device  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -34,6 +42,7 @@ class DecodeLoop:
 
     def __init__(self, model: Any, eos_id: int, max_num_seqs: int) -> None:
         self.model = model
+        self.device = model_device(model)
         self.eos_id = eos_id
         self.max_num_seqs = max_num_seqs
         self.queued: deque[Request] = deque()
@@ -59,7 +68,7 @@ class DecodeLoop:
             request = self.queued.popleft()
             generator = None
             if request.sampling.seed is not None:
-                generator = torch.Generator().manual_seed(request.sampling.seed)
+                generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
             self.running.append(
                 _Running(request, [*request.prompt, *request.token_ids], generator=generator)
             )
@@ -79,7 +88,9 @@ class DecodeLoop:
             request.finish_reason = "length"
             return
         out = self.model(
-            input_ids=torch.tensor([seq.pending]), past_key_values=seq.cache, use_cache=True
+            input_ids=torch.tensor([seq.pending], device=self.device),
+            past_key_values=seq.cache,
+            use_cache=True,
         )
         seq.cache = out.past_key_values
         token, logprob = pick(out.logits[0, -1], request, seq.generator)
