@@ -366,8 +366,9 @@ class WeightsConfig:
     #: ``store``: the store carries whole versions (the portable default). ``broadcast``: the
     #: trainer's rank 0 sends each version in buckets over a torch.distributed group (gloo on
     #: CPUs, NCCL on GPUs) that includes the rollout processes; the store carries only its
-    #: layout (the job does not wire it yet). ``ipc`` (CUDA IPC handles on a shared GPU) is not
-    #: implemented yet.
+    #: layout. ``ipc``: trainer and engines share a GPU, and engines copy each version from the
+    #: trainer's GPU memory through CUDA IPC handles. The job wires neither yet (both are
+    #: asyncflow.weight_sync transports, tested and measured by asyncflow bench weights).
     transport: Literal["store", "broadcast", "ipc"] = "store"
     #: Bytes per broadcast bucket: one is packed while the one before it is on the wire.
     bucket_size: str = "64MiB"
@@ -755,16 +756,12 @@ def check_device(key: str, device: str, here: bool = True) -> None:
 
 
 def _validate_weights(w: WeightsConfig) -> None:
-    _require(
-        w.transport != "ipc",
-        "weights.transport ipc needs CUDA (trainer and rollout engine sharing one GPU) and is "
-        "not implemented yet; use store",
-    )
     # Refused rather than silently run as store: see docs/weights.md for what is missing.
     _require(
-        w.transport != "broadcast",
-        "weights.transport broadcast is not wired into asyncflow train yet (the transport "
-        "itself is asyncflow.weight_sync, measured by asyncflow bench weights); use store",
+        w.transport == "store",
+        f"weights.transport {w.transport} is not wired into asyncflow train yet (the transport "
+        "itself is in asyncflow.weight_sync, measured by asyncflow bench weights; ipc needs "
+        "CUDA, trainer and engines sharing one GPU); use store",
     )
     try:
         bucket = parse_size(w.bucket_size) or 0

@@ -30,6 +30,7 @@ from asyncflow.weight_sync import WeightSyncError
 from asyncflow.weight_sync import broadcast as bc
 from asyncflow.weight_sync.broadcast import BroadcastPublisher, BroadcastReceiver
 from asyncflow.weight_sync.group import Group, GroupSpec
+from asyncflow.weight_sync.ipc import IpcPublisher, IpcReceiver, check_owner, process_identity
 from asyncflow.weight_sync.layout import Layout, as_bytes, pack
 from asyncflow.weight_sync.store_transport import StorePublisher, StoreReceiver
 
@@ -78,7 +79,7 @@ def assert_bit_exact(got: dict[str, bytes], weights: list[tuple[str, torch.Tenso
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("weights.transport=ipc", r"ipc needs CUDA"),
+        ("weights.transport=ipc", r"ipc is not wired into asyncflow train"),
         ("weights.transport=broadcast", r"broadcast is not wired into asyncflow train"),
         ("weights.transport=nccl", r"weights\.transport must be one of"),
         ("weights.bucket_size=0", r"weights\.bucket_size must be a positive size"),
@@ -196,13 +197,20 @@ def test_broadcast_packs_the_next_bucket_while_the_one_before_is_on_the_wire(
 
 
 def _receiving_process(
-    spec: GroupSpec, rank: int, store_url: str, model_dir: Path, versions: list[int], conn: Any
+    spec: GroupSpec,
+    rank: int,
+    store_url: str,
+    model_dir: Path,
+    versions: list[int],
+    transport: str,
+    conn: Any,
 ) -> None:
     """A process holding one rollout engine: loads each version as it arrives and sends its
     engine's bytes back."""
     store = af.connect(store_url)
     engine = HFRolloutEngine(model_dir, Config())
-    receiver = BroadcastReceiver(store, Group(spec, rank, f"rollout process {rank}"), 0.02)
+    kind = IpcReceiver if transport == "ipc" else BroadcastReceiver
+    receiver = kind(store, Group(spec, rank, f"rollout process {rank}"), 0.02)
     for version in versions:
         try:
             if not receiver.wait_for(version, REPORT_WAIT):
@@ -238,7 +246,8 @@ def test_broadcast_delivers_each_version_to_every_engine_bit_exact(
     spec = GroupSpec(port=free_port(), world_size=3, timeout=TIMEOUT)
     versions = [1, 2]
     children = [
-        _spawn(_receiving_process, spec, r, daemon.url, model_dir, versions) for r in (1, 2)
+        _spawn(_receiving_process, spec, r, daemon.url, model_dir, versions, "broadcast")
+        for r in (1, 2)
     ]
     store = daemon.connect()
     publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0"), BUCKET)
@@ -337,6 +346,110 @@ def test_broadcast_receiver_dying_fails_the_publisher_naming_the_receivers(
             publisher.publish(1, version_weights(model_dir, 1))
         assert time.monotonic() - started < TIMEOUT + 60
     finally:
+        proc.kill()
+
+
+# -- the ipc transport ----------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+
+
+def _exits_at_once() -> None:
+    pass
+
+
+def test_an_ipc_handle_is_refused_once_its_owner_is_gone() -> None:
+    me = process_identity(os.getpid())
+    assert me is not None
+    check_owner(me, 1)  # a live owner passes
+    # A later process given the same pid has another start time: refused.
+    with pytest.raises(
+        WeightSyncError, match=rf"v1: refused the CUDA IPC handle of process {me['pid']}"
+    ):
+        check_owner({**me, "start": me["start"] + 1}, 1)
+    context = multiprocessing.get_context("spawn")
+    proc = context.Process(target=_exits_at_once)
+    proc.start()
+    assert proc.pid is not None
+    gone = process_identity(proc.pid)
+    proc.join(timeout=REPORT_WAIT)
+    assert gone is not None and proc.exitcode == 0
+    assert process_identity(proc.pid) is None
+    with pytest.raises(WeightSyncError, match=r"v3: refused .* which is gone"):
+        check_owner(gone, 3)
+
+
+@needs_cuda
+def test_ipc_delivers_each_version_to_every_engine_bit_exact(
+    model_dir: Path, daemon: DaemonProcess
+) -> None:
+    spec = GroupSpec(port=free_port(), world_size=3, timeout=TIMEOUT, backend="gloo")
+    versions = [1, 2, 3]
+    children = [
+        _spawn(_receiving_process, spec, r, daemon.url, model_dir, versions, "ipc") for r in (1, 2)
+    ]
+    store = daemon.connect()
+    publisher = IpcPublisher(store, Group(spec, 0, "trainer rank 0"))
+    try:
+        for version in versions:
+            weights = version_weights(model_dir, version)
+            # The trainer's tensors are on the GPU, as after an optimiser step there.
+            publisher.publish(version, [(n, t.cuda()) for n, t in weights])
+            for _, conn in children:
+                assert conn.poll(REPORT_WAIT), f"no engine report of v{version}"
+                kind, got_version, got = conn.recv()
+                assert (kind, got_version) == ("loaded", version)
+                assert_bit_exact(got, weights)
+        # The store carried the layouts and handles only: no tensor was put.
+        assert not len(store.rows(partition="__weights__"))
+    finally:
+        for proc, conn in children:
+            conn.send("done")
+            proc.join(timeout=TIMEOUT)
+        publisher.close()
+
+
+def _ipc_publisher_dying_after_announcing(
+    spec: GroupSpec, store_url: str, model_dir: Path, conn: Any
+) -> None:
+    """Rank 0: publishes v1 whole, then dies as soon as v2 is announced."""
+    store = af.connect(store_url)
+    conn.send("joining")
+    publisher = IpcPublisher(store, Group(spec, 0, "trainer rank 0"))
+    publisher.publish(1, version_weights(model_dir, 1))
+    conn.recv()
+    real_announce = bc.announce
+
+    def announce_then_die(*args: Any) -> None:
+        real_announce(*args)
+        os._exit(3)
+
+    bc.announce = announce_then_die  # type: ignore[assignment]
+    publisher.publish(2, version_weights(model_dir, 2))
+
+
+@needs_cuda
+def test_ipc_publisher_dying_fails_the_receiver_and_keeps_the_engine_on_the_last(
+    model_dir: Path, daemon: DaemonProcess
+) -> None:
+    spec = GroupSpec(port=free_port(), world_size=2, timeout=TIMEOUT, backend="gloo")
+    proc, conn = _spawn(_ipc_publisher_dying_after_announcing, spec, daemon.url, model_dir)
+    assert conn.poll(REPORT_WAIT) and conn.recv() == "joining"
+    receiver = IpcReceiver(daemon.connect(), Group(spec, 1, "rollout process 1"), 0.02)
+    engine = HFRolloutEngine(model_dir, Config())
+    try:
+        assert receiver.wait_for(1, REPORT_WAIT)
+        receiver.load(engine)
+        conn.send("go")
+        with pytest.raises(WeightSyncError, match=r"v2: .*trainer rank 0"):
+            receiver.wait_for(2, REPORT_WAIT)
+        proc.join(timeout=TIMEOUT)
+        assert proc.exitcode == 3
+        assert receiver.latest_received() == 1
+        assert receiver.load(engine) == 1
+        assert_bit_exact(engine_bytes(engine), version_weights(model_dir, 1))
+    finally:
+        receiver.close()
         proc.kill()
 
 

@@ -15,6 +15,17 @@ engine does (a real model of these sizes would not fit this suite's time on a CP
   ``broadcast-raw``: one ``broadcast`` of the same bytes as one flat tensor over the same group,
   until the receiver has them.
 
+On a machine with CUDA, each size also gets GPU cases, the trainer's tensors and the engine's
+parameters both on the GPU (one GPU: NCCL cannot put two members on one, so ``broadcast`` stays
+on gloo and host memory there):
+
+- ``ipc/<size>``: the ``ipc`` transport to one receiving process on the same GPU (CUDA IPC,
+  no host copy). Baseline ``d2d``: a device-to-device ``copy_`` of the same bytes, tensor by
+  tensor, in one process.
+- ``store-cuda/<size>``: the ``store`` transport from GPU tensors to a GPU engine (the version
+  goes to host memory and back). Baseline ``roundtrip``: each tensor copied to host memory and
+  back into a GPU buffer of its own, in one process.
+
 Weight sets are whole decoder layers shaped like Qwen2-1.5B's (``config.json`` of
 ``Qwen/Qwen2-1.5B``: hidden_size 1536, intermediate_size 8960, 12 attention heads, 2 key-value
 heads, head_dim 128; bfloat16), as many as come nearest the size. Each case is timed
@@ -41,6 +52,7 @@ from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.process_group import free_port
 from asyncflow.weight_sync.broadcast import BroadcastPublisher, BroadcastReceiver
 from asyncflow.weight_sync.group import Group, GroupSpec
+from asyncflow.weight_sync.ipc import IpcPublisher, IpcReceiver
 from asyncflow.weight_sync.layout import as_bytes
 from asyncflow.weight_sync.store_transport import StorePublisher, StoreReceiver
 
@@ -110,10 +122,13 @@ class HeldWeights(RolloutEngine):
 
     name = "held-weights"
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, device: str = "cpu") -> None:
         super().__init__()
+        self.device = torch.device(device)
         self.params = dict(
-            weight_set(layers, lambda shape: torch.zeros(shape, dtype=torch.bfloat16))
+            weight_set(
+                layers, lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device=device)
+            )
         )
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
@@ -123,7 +138,14 @@ class HeldWeights(RolloutEngine):
     def load_weights(self, version: int, weights: Any) -> None:
         for name, tensor in weights:
             self.params[name].copy_(tensor)
+        _synchronize(self.device)
         self.version = version
+
+
+def _synchronize(device: torch.device) -> None:
+    """Waits for the GPU's queued copies (a no-op on the CPU), so that clocks stop after them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _summary(times: list[float]) -> tuple[float, float, float]:
@@ -151,11 +173,16 @@ def _baseline(report: Report, case: str, times: list[float]) -> None:
 # -- the receiving process ---------------------------------------------------------------------
 
 
-def _receiver_main(spec: GroupSpec, store_url: str, conn: Any) -> None:
+def _receiver_main(spec: GroupSpec, store_url: str, transport: str, conn: Any) -> None:
     """Rank 1: answers the bench's commands until told to stop."""
     store = af.connect(store_url)
     group = Group(spec, 1, "bench receiver")
-    receiver = BroadcastReceiver(store, group, poll_interval=0.005)
+    device = "cuda" if transport == "ipc" else "cpu"
+    receiver = (
+        IpcReceiver(store, group, poll_interval=0.005)
+        if transport == "ipc"
+        else BroadcastReceiver(store, group, poll_interval=0.005)
+    )
     engine: HeldWeights | None = None
     flat: torch.Tensor | None = None
     while True:
@@ -172,7 +199,7 @@ def _receiver_main(spec: GroupSpec, store_url: str, conn: Any) -> None:
             conn.send(time.monotonic())
         elif command == "engine":
             engine = flat = None  # the baseline's buffer is done with: free it first
-            engine = HeldWeights(argument)
+            engine = HeldWeights(argument, device)
             conn.send("ready")
         elif command == "load":
             assert engine is not None
@@ -198,10 +225,41 @@ def memcpy_times(weights: list[tuple[str, torch.Tensor]], repeats: int) -> list[
     return times[WARM_UP:]
 
 
-def store_times(weights: list[tuple[str, torch.Tensor]], layers: int, repeats: int) -> list[float]:
+def d2d_times(weights: list[tuple[str, torch.Tensor]], repeats: int) -> list[float]:
+    """A device-to-device ``copy_`` of each (GPU) tensor into a buffer of its own."""
+    targets = [torch.empty_like(t) for _, t in weights]
+    return _copy_times(weights, targets, repeats, lambda target, t: target.copy_(t))
+
+
+def roundtrip_times(weights: list[tuple[str, torch.Tensor]], repeats: int) -> list[float]:
+    """Each (GPU) tensor copied to host memory and back into a GPU buffer of its own."""
+    targets = [torch.empty_like(t) for _, t in weights]
+    return _copy_times(weights, targets, repeats, lambda target, t: target.copy_(t.cpu()))
+
+
+def _copy_times(
+    weights: list[tuple[str, torch.Tensor]],
+    targets: list[torch.Tensor],
+    repeats: int,
+    copy: Callable[[torch.Tensor, torch.Tensor], Any],
+) -> list[float]:
+    device = targets[0].device
+    times = []
+    for _ in range(WARM_UP + repeats):
+        t0 = time.monotonic()
+        for (_, tensor), target in zip(weights, targets, strict=True):
+            copy(target, tensor)
+        _synchronize(device)
+        times.append(time.monotonic() - t0)
+    return times[WARM_UP:]
+
+
+def store_times(
+    weights: list[tuple[str, torch.Tensor]], layers: int, repeats: int, device: str = "cpu"
+) -> list[float]:
     store = af.Store(shards=8)
     publisher, receiver = StorePublisher(store), StoreReceiver(store)
-    engine = HeldWeights(layers)
+    engine = HeldWeights(layers, device)
     times = []
     for version in range(1, WARM_UP + repeats + 1):
         t0 = time.monotonic()
@@ -212,21 +270,26 @@ def store_times(weights: list[tuple[str, torch.Tensor]], layers: int, repeats: i
 
 
 class BroadcastBench:
-    """This process (rank 0) and one receiving process, over one gloo group on loopback."""
+    """This process (rank 0) and one receiving process, over one gloo group on loopback; the
+    ``broadcast`` transport, or ``ipc`` (the receiver's engine on this process's GPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str = "broadcast") -> None:
         self.daemon = DaemonProcess()
         self.store = self.daemon.connect()
         spec = GroupSpec(port=free_port(), world_size=2, timeout=600.0, backend="gloo")
         context = multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
         self.proc = context.Process(
-            target=_receiver_main, args=(spec, self.daemon.url, theirs), daemon=True
+            target=_receiver_main, args=(spec, self.daemon.url, transport, theirs), daemon=True
         )
         self.proc.start()
         theirs.close()
         self.group = Group(spec, 0, "bench trainer rank 0")
-        self.publisher = BroadcastPublisher(self.store, self.group, BUCKET)
+        self.publisher = (
+            IpcPublisher(self.store, self.group)
+            if transport == "ipc"
+            else BroadcastPublisher(self.store, self.group, BUCKET)
+        )
         self.version = 0
 
     def _ask(self, command: str, argument: Any) -> Any:
@@ -285,6 +348,9 @@ def run(report: Report, quick: bool = False) -> None:
         "parameters (not until it generates)"
     )
     bench = BroadcastBench()
+    ipc = BroadcastBench("ipc") if torch.cuda.is_available() else None
+    if ipc is not None:
+        report.note(f"GPU cases on {torch.cuda.get_device_name()}")
     try:
         for gb in sizes:
             layers = layers_for(gb)
@@ -313,6 +379,31 @@ def run(report: Report, quick: bool = False) -> None:
             _baseline(report, f"broadcast-raw/{label}", raw)
             ours = bench.transport_times(weights, layers, repeats)
             _add(report, f"broadcast/{label}", nbytes, ours, "broadcast-raw", raw)
+            if ipc is not None:
+                _gpu_cases(report, ipc, weights, layers, label, nbytes, repeats)
             del weights
     finally:
         bench.close()
+        if ipc is not None:
+            ipc.close()
+
+
+def _gpu_cases(
+    report: Report,
+    ipc: BroadcastBench,
+    weights: list[tuple[str, torch.Tensor]],
+    layers: int,
+    label: str,
+    nbytes: int,
+    repeats: int,
+) -> None:
+    on_gpu = [(name, t.cuda()) for name, t in weights]
+    d2d = d2d_times(on_gpu, repeats)
+    _baseline(report, f"d2d/{label}", d2d)
+    _add(report, f"ipc/{label}", nbytes, ipc.transport_times(on_gpu, layers, repeats), "d2d", d2d)
+    roundtrip = roundtrip_times(on_gpu, repeats)
+    _baseline(report, f"roundtrip/{label}", roundtrip)
+    ours = store_times(on_gpu, layers, repeats, "cuda")
+    _add(report, f"store-cuda/{label}", nbytes, ours, "roundtrip", roundtrip)
+    del on_gpu
+    torch.cuda.empty_cache()

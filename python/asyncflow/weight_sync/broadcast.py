@@ -33,9 +33,12 @@ KEEP_LAYOUTS = 2
 HEADER = 3
 
 
-def announce(store: Store, layout: Layout) -> None:
-    """Puts ``layout`` in the store and deletes layouts older than the last few."""
-    store.put({LAYOUT: [layout.to_json().encode()]}, partition=PARTITION, version=layout.version)
+def announce(store: Store, layout: Layout, extra: dict[str, bytes] | None = None) -> None:
+    """Puts ``layout`` (and the transport's ``extra`` fields) in the store and deletes layouts
+    older than the last few."""
+    fields = {name: [value] for name, value in (extra or {}).items()}
+    fields[LAYOUT] = [layout.to_json().encode()]
+    store.put(fields, partition=PARTITION, version=layout.version)
     rows = store.rows(partition=PARTITION)
     keep = sorted(int(v) for v in rows.versions)[-KEEP_LAYOUTS:]
     stale = [int(i) for i, v in zip(rows.indexes, rows.versions, strict=True) if int(v) not in keep]
@@ -62,11 +65,16 @@ def announced(store: Store) -> dict[int, int]:
 class BroadcastPublisher(Publisher):
     """Rank 0 of the group."""
 
+    #: What the error messages call a transfer.
+    what = "broadcasting"
+
     def __init__(self, store: Store, group: Group, bucket_size: int) -> None:
         if group.rank != 0:
             raise ValueError("the publisher is rank 0 of the weight-sync group")
         self.store, self.group, self.bucket_size = store, group, bucket_size
         self._buffers: list[torch.Tensor] = []
+        #: Where the transfer in progress is, for error messages.
+        self._progress = ""
 
     def _bucket_buffers(self) -> list[torch.Tensor]:
         """Two buckets: one on the wire, one being packed."""
@@ -81,31 +89,39 @@ class BroadcastPublisher(Publisher):
         named = list(weights)
         layout = Layout.of(version, named, self.bucket_size)
         tensors = [t for _, t in named]
-        announce(self.store, layout)
-        started, bucket = time.monotonic(), 0
-        buckets = layout.buckets()
+        announce(self.store, layout, self._prepare(layout, tensors))
+        started, self._progress = time.monotonic(), ""
         try:
             header = torch.tensor([version, layout.total, layout.bucket_size], dtype=torch.int64)
             self.group.broadcast(header.to(self.group.device)).wait()
-            buffers = self._bucket_buffers()
-            sending: list[Any] = [None, None]
-            for bucket, (start, end) in enumerate(buckets):
-                slot = bucket % 2
-                if sending[slot] is not None:
-                    sending[slot].wait()
-                filled = pack(buffers[slot], start, end, layout, tensors)
-                sending[slot] = self.group.broadcast(filled)
-            for work in sending:
-                if work is not None:
-                    work.wait()
+            self._send(layout, tensors)
             self.group.barrier()  # every receiver has swapped the version in
         except RuntimeError as e:
             receivers = ", ".join(self.group.labels[1:])
             raise WeightSyncError(
-                f"weights v{version}: broadcasting to {receivers} failed at bucket "
-                f"{bucket + 1}/{len(buckets)} after {time.monotonic() - started:.1f}s "
-                f"(a receiver died or stalled): {e}"
+                f"weights v{version}: {self.what} to {receivers} failed{self._progress} after "
+                f"{time.monotonic() - started:.1f}s (a receiver died or stalled): {e}"
             ) from e
+
+    def _prepare(self, layout: Layout, tensors: list[torch.Tensor]) -> dict[str, bytes]:
+        """Runs before the layout is announced; returns fields to announce with it."""
+        return {}
+
+    def _send(self, layout: Layout, tensors: list[torch.Tensor]) -> None:
+        """The buckets, packing the next while the one before is on the wire."""
+        buckets = layout.buckets()
+        buffers = self._bucket_buffers()
+        sending: list[Any] = [None, None]
+        for bucket, (start, end) in enumerate(buckets):
+            self._progress = f" at bucket {bucket + 1}/{len(buckets)}"
+            slot = bucket % 2
+            if sending[slot] is not None:
+                sending[slot].wait()
+            filled = pack(buffers[slot], start, end, layout, tensors)
+            sending[slot] = self.group.broadcast(filled)
+        for work in sending:
+            if work is not None:
+                work.wait()
 
     def close(self) -> None:
         self.group.close()
@@ -115,10 +131,23 @@ class BroadcastReceiver(Receiver):
     """A member of rank >= 1: a thread receives each announced version into a staging buffer
     and swaps it in once complete; engines load from the swapped-in copy."""
 
-    def __init__(self, store: Store, group: Group, poll_interval: float = 0.05) -> None:
+    #: What the error messages call a transfer.
+    what = "broadcast"
+
+    def __init__(
+        self,
+        store: Store,
+        group: Group,
+        poll_interval: float = 0.05,
+        device: torch.device | str | None = None,
+    ) -> None:
         if group.rank == 0:
             raise ValueError("rank 0 of the weight-sync group is the publisher")
         self.store, self.group, self.poll_interval = store, group, poll_interval
+        #: Where the staging buffers live (default: the group's device).
+        self.device = group.device if device is None else torch.device(device)
+        #: Where the transfer in progress is, for error messages.
+        self._progress = ""
         self._lock = threading.Lock()
         self._received = threading.Condition(self._lock)
         #: The newest complete version, its layout and its bytes.
@@ -135,10 +164,11 @@ class BroadcastReceiver(Receiver):
         while not self._closed.is_set():
             have = self.latest_received()
             try:
-                if not any(v > (-1 if have is None else have) for v in announced(self.store)):
+                newer = [v for v in announced(self.store) if v > (-1 if have is None else have)]
+                if not newer:
                     self._closed.wait(self.poll_interval)
                     continue
-                self._receive_one(have)
+                self._receive_one(have, max(newer))
             except (RuntimeError, ValueError, LookupError, StoreError) as e:
                 with self._received:
                     self.error = (
@@ -151,25 +181,25 @@ class BroadcastReceiver(Receiver):
                     self._received.notify_all()
                 return
 
-    def _receive_one(self, have: int | None) -> None:
+    def _receive_one(self, have: int | None, announced_version: int) -> None:
+        """Receives the version being sent (``announced_version``, the newest announced, names
+        it in errors until the header says which it is)."""
         header = torch.zeros(HEADER, dtype=torch.int64, device=self.group.device)
-        started, version, bucket, buckets = time.monotonic(), None, 0, []
+        started, version, self._progress = time.monotonic(), announced_version, ""
         try:
             self.group.broadcast(header).wait()
             version = int(header[0])
             layout = self._layout(version)
             buffer = self._staging(layout.total)
-            buckets = layout.buckets()
-            works = [self.group.broadcast(buffer[start:end]) for start, end in buckets]
-            for bucket in range(len(works)):
-                works[bucket].wait()
+            self._fill(layout, buffer)
+        except WeightSyncError:
+            raise
         except RuntimeError as e:
             root = self.group.labels[0]
-            where = f" at bucket {bucket + 1}/{len(buckets)}" if buckets else ""
             raise WeightSyncError(
-                f"weights v{version if version is not None else '?'}: the broadcast from "
-                f"{root} failed{where} after {time.monotonic() - started:.1f}s (it died or "
-                f"stalled); engines keep v{have}: {e}"
+                f"weights v{version}: the {self.what} from "
+                f"{root} failed{self._progress} after {time.monotonic() - started:.1f}s (it "
+                f"died or stalled); engines keep v{have}: {e}"
             ) from e
         with self._received:
             old = self._ready
@@ -178,19 +208,30 @@ class BroadcastReceiver(Receiver):
             self._received.notify_all()
         self.group.barrier()
 
+    def _fill(self, layout: Layout, buffer: torch.Tensor) -> None:
+        """Receives the version's bytes into ``buffer``, bucket by bucket."""
+        buckets = layout.buckets()
+        works = [self.group.broadcast(buffer[start:end]) for start, end in buckets]
+        for bucket, work in enumerate(works):
+            self._progress = f" at bucket {bucket + 1}/{len(buckets)}"
+            work.wait()
+
     def _layout(self, version: int) -> Layout:
-        rows = announced(self.store)
-        if version not in rows:
-            raise LookupError(f"weights v{version} is being broadcast but its layout is gone")
-        layout = Layout.from_json(self.store.read([rows[version]], LAYOUT)[LAYOUT][0])
+        layout = Layout.from_json(self._announced_field(version, LAYOUT))
         if layout.version != version:
             raise ValueError(f"the layout of weights v{version} says v{layout.version}")
         return layout
 
+    def _announced_field(self, version: int, field: str) -> bytes:
+        rows = announced(self.store)
+        if version not in rows:
+            raise LookupError(f"weights v{version} is being sent but its layout is gone")
+        return bytes(self.store.read([rows[version]], field)[field][0])
+
     def _staging(self, total: int) -> torch.Tensor:
         spare = self._spare
         if spare is None or spare.numel() != total:
-            spare = torch.empty(total, dtype=torch.uint8, device=self.group.device)
+            spare = torch.empty(total, dtype=torch.uint8, device=self.device)
         return spare
 
     # -- the engines' side --------------------------------------------------------------------

@@ -32,8 +32,15 @@ class GroupSpec:
     timeout: float = 120.0
     #: Seconds the members wait for each other to join (engines start at their own pace).
     join_timeout: float = 600.0
-    #: ``gloo`` or ``nccl``; None picks NCCL when CUDA is available.
+    #: ``gloo`` or ``nccl``; None picks NCCL when this machine has a GPU for every member (NCCL
+    #: refuses two members on one GPU), else gloo.
     backend: str | None = None
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when there is a GPU for each of ``world_size`` members, else gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if gpus >= world_size else "gloo"
 
 
 class Group:
@@ -43,8 +50,12 @@ class Group:
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside a group of {spec.world_size}")
         self.spec, self.rank, self.label = spec, rank, label
-        self.backend = spec.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device("cuda" if self.backend == "nccl" else "cpu")
+        self.backend = spec.backend or default_backend(spec.world_size)
+        self.device = (
+            torch.device("cuda", rank % torch.cuda.device_count())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
         rendezvous = Rendezvous(rank, spec.world_size, spec.port, spec.address)
         self._kv = _store(rendezvous, timedelta(seconds=spec.join_timeout))
         self._kv.set(f"{PREFIX}/label/{rank}", label)
