@@ -31,7 +31,7 @@ from asyncflow.weight_sync import broadcast as bc
 from asyncflow.weight_sync.broadcast import BroadcastPublisher, BroadcastReceiver
 from asyncflow.weight_sync.group import Group, GroupSpec
 from asyncflow.weight_sync.ipc import IpcPublisher, IpcReceiver, check_owner, process_identity
-from asyncflow.weight_sync.layout import Layout, as_bytes, pack
+from asyncflow.weight_sync.layout import DIRECT_BYTES, Layout, as_bytes, pack
 from asyncflow.weight_sync.store_transport import StorePublisher, StoreReceiver
 
 pytestmark = [pytest.mark.slow]
@@ -108,16 +108,40 @@ def test_layout_packs_mixed_dtypes_into_buckets_and_views_them_back_bit_exact() 
     ]
     layout = Layout.from_json(Layout.of(4, tensors, bucket_size=100).to_json())
     assert layout.version == 4
-    buckets = layout.buckets()
-    assert buckets[0][0] == 0 and buckets[-1][1] == layout.total
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(buckets))
+    segments = layout.segments()
+    # All small tensors: one run, packed, cut into buckets, from the first byte to the last
+    # tensor's end.
+    assert {index for _, _, index in segments} == {None}
+    assert segments[0][0] == 0 and segments[-1][1] == layout.tensors[-1].offset + 3
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(segments))
+    assert all(end - start <= 100 for start, end, _ in segments)
     flat = torch.zeros(layout.total, dtype=torch.uint8)
     scratch = torch.empty(layout.bucket_size, dtype=torch.uint8)
-    for start, end in buckets:
+    for start, end, _ in segments:
         flat[start:end] = pack(scratch, start, end, layout, [t for _, t in tensors])
     for (name, want), (got_name, got) in zip(tensors, layout.views(flat), strict=True):
         assert got_name == name and got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(as_bytes(got), as_bytes(want))
+
+
+def test_large_tensors_get_segments_of_their_own_and_small_runs_are_packed() -> None:
+    big = DIRECT_BYTES // 4  # float32 elements
+    tensors = [
+        ("small-a", torch.zeros(10)),
+        ("small-b", torch.zeros(20)),
+        ("big", torch.zeros(big + 3)),  # just over the threshold: cut into buckets
+        ("small-c", torch.zeros(5)),
+    ]
+    layout = Layout.of(1, tensors, bucket_size=DIRECT_BYTES // 2)
+    a, _, large, c = layout.tensors
+    end_of = {spec.name: spec.offset + spec.nbytes for spec in layout.tensors}
+    assert layout.segments() == [
+        (a.offset, end_of["small-b"], None),
+        (large.offset, large.offset + DIRECT_BYTES // 2, 2),
+        (large.offset + DIRECT_BYTES // 2, large.offset + DIRECT_BYTES, 2),
+        (large.offset + DIRECT_BYTES, end_of["big"], 2),
+        (c.offset, end_of["small-c"], None),
+    ]
 
 
 def test_layout_refuses_a_buffer_of_another_size() -> None:
@@ -194,6 +218,34 @@ def test_broadcast_packs_the_next_bucket_while_the_one_before_is_on_the_wire(
         "wait 3", "wait 4", "barrier",
     ]  # fmt: skip
     assert bc.announced(publisher.store).keys() == {1}
+
+
+def test_broadcast_sends_large_tensors_from_their_own_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[str] = []
+    sent: list[int] = []
+    real_pack = bc.pack
+
+    def recording_pack(*args: Any) -> torch.Tensor:
+        events.append("pack")
+        return real_pack(*args)
+
+    monkeypatch.setattr(bc, "pack", recording_pack)
+    group = RecordingGroup(events)
+    real_broadcast = group.broadcast
+
+    def recording_broadcast(tensor: torch.Tensor) -> Any:
+        sent.append(tensor.data_ptr())
+        return real_broadcast(tensor)
+
+    monkeypatch.setattr(group, "broadcast", recording_broadcast)
+    big = torch.randn(DIRECT_BYTES // 4)
+    publisher = BroadcastPublisher(af.Store(), group, bucket_size=DIRECT_BYTES)
+    publisher.publish(1, [("small", torch.randn(8)), ("big", big)])
+    # The header, the small tensor packed, then the big one unpacked, straight from its memory.
+    assert events[:5] == ["send 0", "wait 0", "pack", "send 1", "send 2"]
+    assert sent[2] == big.data_ptr()
 
 
 def _receiving_process(

@@ -22,7 +22,7 @@ from asyncflow.errors import StoreError
 from asyncflow.store import Store
 from asyncflow.weight_sync import Publisher, Receiver, WeightSyncError
 from asyncflow.weight_sync.group import Group
-from asyncflow.weight_sync.layout import Layout, pack
+from asyncflow.weight_sync.layout import Layout, as_bytes, pack
 
 #: The store partition and field of the announced versions' layouts.
 PARTITION = "__weight_layouts__"
@@ -108,20 +108,31 @@ class BroadcastPublisher(Publisher):
         return {}
 
     def _send(self, layout: Layout, tensors: list[torch.Tensor]) -> None:
-        """The buckets, packing the next while the one before is on the wire."""
-        buckets = layout.buckets()
+        """The segments: large tensors straight from their memory, the others packed into the
+        two bucket buffers, the next while the one before is on the wire."""
+        segments = layout.segments()
         buffers = self._bucket_buffers()
         sending: list[Any] = [None, None]
-        for bucket, (start, end) in enumerate(buckets):
-            self._progress = f" at bucket {bucket + 1}/{len(buckets)}"
-            slot = bucket % 2
+        direct: list[Any] = []
+        packed = 0
+        for k, (start, end, index) in enumerate(segments):
+            self._progress = f" at bucket {k + 1}/{len(segments)}"
+            if index is not None and self._sendable(tensors[index]):
+                offset = layout.tensors[index].offset
+                source = as_bytes(tensors[index])[start - offset : end - offset]
+                direct.append(self.group.broadcast(source))
+                continue
+            slot, packed = packed % 2, packed + 1
             if sending[slot] is not None:
                 sending[slot].wait()
-            filled = pack(buffers[slot], start, end, layout, tensors)
-            sending[slot] = self.group.broadcast(filled)
-        for work in sending:
+            sending[slot] = self.group.broadcast(pack(buffers[slot], start, end, layout, tensors))
+        for work in [*direct, *sending]:
             if work is not None:
                 work.wait()
+
+    def _sendable(self, tensor: torch.Tensor) -> bool:
+        """Whether the group can send ``tensor``'s bytes from where they are."""
+        return tensor.device == self.group.device and tensor.is_contiguous()
 
     def close(self) -> None:
         self.group.close()
@@ -209,11 +220,11 @@ class BroadcastReceiver(Receiver):
         self.group.barrier()
 
     def _fill(self, layout: Layout, buffer: torch.Tensor) -> None:
-        """Receives the version's bytes into ``buffer``, bucket by bucket."""
-        buckets = layout.buckets()
-        works = [self.group.broadcast(buffer[start:end]) for start, end in buckets]
-        for bucket, work in enumerate(works):
-            self._progress = f" at bucket {bucket + 1}/{len(buckets)}"
+        """Receives the version's bytes into ``buffer``, segment by segment."""
+        segments = layout.segments()
+        works = [self.group.broadcast(buffer[start:end]) for start, end, _ in segments]
+        for k, work in enumerate(works):
+            self._progress = f" at bucket {k + 1}/{len(segments)}"
             work.wait()
 
     def _layout(self, version: int) -> Layout:

@@ -14,6 +14,9 @@ import torch
 #: Each tensor starts at a multiple of this many bytes, so a view of the flat buffer can be
 #: reinterpreted as any dtype.
 ALIGN = 64
+#: Tensors of at least this many bytes are sent straight from their own memory, alone; smaller
+#: ones are packed together (one collective per tensor would cost more than the copy).
+DIRECT_BYTES = 1 << 20
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -63,12 +66,32 @@ class Layout:
             raise ValueError(f"bucket size must be positive, not {bucket_size}")
         return Layout(version, tuple(specs), offset, bucket_size)
 
-    def buckets(self) -> list[tuple[int, int]]:
-        """``(start, end)`` byte ranges of the buckets, in order, covering the buffer."""
-        return [
-            (start, min(start + self.bucket_size, self.total))
-            for start in range(0, self.total, self.bucket_size)
-        ]
+    def segments(self) -> list[tuple[int, int, int | None]]:
+        """The byte ranges sent one collective each, in order: ``(start, end, tensor)``, none
+        longer than a bucket. A tensor of at least ``DIRECT_BYTES`` has segments of its own
+        (``tensor`` is its index: they can be sent from its memory); each run of smaller
+        tensors between them is cut into packed segments (``tensor`` None), which tensors may
+        straddle. The gaps between runs (alignment padding) are not sent."""
+        out: list[tuple[int, int, int | None]] = []
+
+        def cut(lo: int, hi: int, tensor: int | None) -> None:
+            out.extend(
+                (start, min(start + self.bucket_size, hi), tensor)
+                for start in range(lo, hi, self.bucket_size)
+            )
+
+        run: tuple[int, int] | None = None
+        for i, spec in enumerate(self.tensors):
+            if spec.nbytes >= DIRECT_BYTES:
+                if run is not None:
+                    cut(*run, None)
+                    run = None
+                cut(spec.offset, spec.offset + spec.nbytes, i)
+            else:
+                run = (spec.offset if run is None else run[0], spec.offset + spec.nbytes)
+        if run is not None:
+            cut(*run, None)
+        return out
 
     def views(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The tensors as views of ``buffer`` (flat ``uint8`` of ``total`` bytes); no copy."""
