@@ -122,6 +122,21 @@ class RolloutConfig:
     max_model_len: int | None = None
     #: vLLM: fraction of device memory (on CPU: of host memory) it checks is free at start-up.
     gpu_memory_utilization: float = 0.1
+    #: vLLM: devices each engine shards its model over (tensor parallelism). Its shards then run
+    #: in worker processes of vLLM's own, which receive each new version through vLLM's message
+    #: queue (a copy per shard). vLLM's CPU build runs them too, but by default binds each
+    #: shard's threads to a NUMA node of its own: on a machine with fewer nodes, set
+    #: ``VLLM_CPU_OMP_THREADS_BIND`` (``nobind``, or one core list per shard: ``0-7|8-15``).
+    tensor_parallel_size: int = 1
+    #: vLLM: run the model eagerly (true) or through captured CUDA graphs (false); None: eager on
+    #: CPU, CUDA graphs on a GPU (decided where each engine starts).
+    enforce_eager: bool | None = None
+    #: vLLM on the GPU the trainer uses (colocated): each engine sleeps while the trainer steps
+    #: (vLLM's sleep level 1: its KV cache freed, its weights moved to host memory) and wakes
+    #: before the next generation, then loads the version just published. Needs the synchronous
+    #: mode (``trainer.max_staleness: 0``, ``staleness_policy: wait``, ``streaming: false``),
+    #: ``rollout.engine: vllm``, ``rollout.partial: off``, the local launcher, and CUDA.
+    sleep_while_training: bool = False
     #: Weights published while responses are being generated: ``off`` loads them between
     #: generation calls only; ``continue`` loads them between two decode steps and goes on with
     #: the in-flight sequences (their KV cache from the old weights kept); ``abort`` cuts the
@@ -592,6 +607,7 @@ def validate(c: Config) -> None:
         ("rollout.groups_per_call", c.rollout.groups_per_call),
         ("rollout.engines", c.rollout.engines),
         ("rollout.max_num_seqs", c.rollout.max_num_seqs),
+        ("rollout.tensor_parallel_size", c.rollout.tensor_parallel_size),
         ("trainer.max_steps", c.trainer.max_steps),
         ("trainer.groups_per_step", c.trainer.groups_per_step),
         ("trainer.micro_batch_tokens", c.trainer.micro_batch_tokens),
@@ -666,6 +682,8 @@ def validate(c: Config) -> None:
     if c.agent.enabled:
         _validate_agent(c)
     _validate_weights(c.weights)
+    if c.rollout.sleep_while_training:
+        _validate_sleep(c)
     for key, device in [("rollout.device", c.rollout.device), ("trainer.device", c.trainer.device)]:
         # Under Ray the engines run on other nodes, which check their own devices as they start.
         check_device(key, device, here=c.launcher == "local")
@@ -752,6 +770,57 @@ def check_device(key: str, device: str, here: bool = True) -> None:
         index < count,
         f"{key} is {device!r} but this machine has {count} CUDA device(s) (cuda:0 to "
         f"cuda:{count - 1})",
+    )
+
+
+def _validate_sleep(c: Config) -> None:
+    """``rollout.sleep_while_training``: the engines sleep only while nothing can generate."""
+    key = "rollout.sleep_while_training"
+    _require(
+        c.rollout.engine == "vllm",
+        f"{key} needs rollout.engine: vllm (the engine that can free its GPU memory and take it "
+        f"back), not {c.rollout.engine!r}",
+    )
+    _require(
+        c.trainer.max_staleness == 0,
+        f"{key} needs the synchronous mode, trainer.max_staleness: 0: with max_staleness "
+        f"{c.trainer.max_staleness} the engines generate later steps' samples while the trainer "
+        "steps, so there is no time for them to sleep",
+    )
+    _require(
+        c.trainer.staleness_policy == "wait",
+        f"{key} needs trainer.staleness_policy: wait: under drop the engines never wait for the "
+        "new weights, so they generate while the trainer steps",
+    )
+    _require(
+        not c.trainer.streaming,
+        f"{key} needs trainer.streaming: false: a streaming trainer trains on a step's first "
+        "samples while the engines are still generating the rest",
+    )
+    _require(
+        c.rollout.partial == "off",
+        f"{key} cannot be combined with rollout.partial: {c.rollout.partial} (its sequences stay "
+        "in flight across weight updates, and sleeping discards their KV cache)",
+    )
+    _require(
+        c.launcher == "local",
+        f"{key} needs launcher: local: the trainer puts the engines of its own process to "
+        "sleep; under Ray they run in actors of their own",
+    )
+    # Only this setting pays for importing torch here; the engine checks again where it starts.
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        raise ConfigError(no_sleep_mode_here(f"torch {torch.__version__} sees no CUDA device"))
+
+
+def no_sleep_mode_here(why: str) -> str:
+    """The refusal of ``rollout.sleep_while_training`` where vLLM cannot run on CUDA."""
+    return (
+        f"rollout.sleep_while_training needs vLLM on a CUDA GPU, and here {why}: vLLM's CPU "
+        "build has no sleep mode (it refuses enable_sleep_mode, 'Sleep mode is not supported "
+        "on current platform', and its CPU worker's sleep only logs a warning); turn the "
+        "option off, or run on a GPU machine with vLLM's CUDA build"
     )
 
 

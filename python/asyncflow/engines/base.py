@@ -129,6 +129,15 @@ class RolloutEngine(ABC):
         pick up). The default always has room."""
         return True
 
+    def sleep(self) -> None:  # noqa: B027 - optional hook
+        """Frees the engine's device memory while a trainer on the same device steps
+        (``rollout.sleep_while_training``); no other call comes until :meth:`wake_up`. The
+        default keeps everything: an engine that cannot sleep simply stays."""
+
+    def wake_up(self) -> None:  # noqa: B027 - optional hook
+        """Takes the memory back after :meth:`sleep`, with the weights of ``version`` (newer
+        ones are loaded after this, never into a sleeping engine)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Frees the engine's resources."""
 

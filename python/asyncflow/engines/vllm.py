@@ -4,7 +4,13 @@ its CUDA build on GPU machines).
 In-process, with no engine-core subprocess, so that new weights pass from the store's zero-copy
 views straight into the engine through the worker's ``reload_weights`` (the multiprocess engine
 would have to pickle them or write them to a file). vLLM copies them once, into its own
-parameters, which it must own; nothing else is copied.
+parameters, which it must own; nothing else is copied. With ``rollout.tensor_parallel_size``
+above 1 the shards run in vLLM's worker processes, which get each version through its message
+queue.
+
+Colocated with the trainer on one GPU (``rollout.sleep_while_training``), the engine sleeps at
+vLLM's level 1 while the trainer steps: its KV cache is discarded and its weights go to host
+memory, to come back as they were on waking. The engine takes no call while asleep.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from asyncflow.config import Config
+from asyncflow.config import Config, no_sleep_mode_here
 from asyncflow.engines.base import Completion, Request, RolloutEngine, Sampling
 from asyncflow.engines.errors import EngineError, EngineStartError, WeightLoadError
+from asyncflow.errors import ConfigError
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.units import parse_size
 
@@ -43,6 +50,62 @@ MODEL_LOCK = threading.Lock()
 #: A tied output embedding: trainers export only the input embedding, but vLLM's reload
 #: rebuilds its output head from a tensor of this name, and keeps the old one without it.
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+#: vLLM's sleep level while the trainer steps: 1 moves the weights to host memory and back on
+#: waking, and discards the KV cache, so a version loaded before sleeping is still there after.
+#: (Level 2 discards the weights too, for less host memory, but an engine woken from it must
+#: load a version before it generates again.)
+SLEEP_LEVEL = 1
+
+
+def llm_class() -> type:
+    """vLLM's ``LLM``, imported only when an engine starts (vLLM takes seconds to import)."""
+    from vllm import LLM
+
+    llm: type = LLM
+    return llm
+
+
+def on_cuda() -> bool:
+    """Whether vLLM runs on a CUDA (or ROCm) GPU here: its CUDA build, with a device it sees.
+    Its CPU build reports the CPU even on a GPU machine."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda_alike())
+
+
+def llm_arguments(model_dir: Path, config: Config, cuda: bool) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``LLM`` for this run, on CUDA (``cuda``) or the CPU."""
+    r = config.rollout
+    partial: dict[str, Any] = {}
+    if r.partial != "off":
+        # Cached prompt blocks would carry keys and values of whichever weights computed
+        # them into sequences admitted later; the loop bounds what is in flight.
+        partial = {"enable_prefix_caching": False, "max_num_seqs": r.max_num_seqs}
+    # Sleep mode puts vLLM's GPU memory in an allocator of its own: only when it is asked for.
+    sleep = {"enable_sleep_mode": True} if r.sleep_while_training else {}
+    return {
+        "model": str(model_dir),
+        "tokenizer": str(model_dir),
+        "dtype": config.model.dtype,
+        "max_model_len": r.max_model_len,
+        "kv_cache_memory_bytes": parse_size(r.kv_cache_memory),
+        "gpu_memory_utilization": r.gpu_memory_utilization,
+        "tensor_parallel_size": r.tensor_parallel_size,
+        # CUDA graphs replay each decode step's kernels at once; on CPU there are none.
+        "enforce_eager": (not cuda) if r.enforce_eager is None else r.enforce_eager,
+        "seed": config.run.seed,
+        # Log-probs of the distribution the tokens were drawn from (temperature applied),
+        # which is what the trainer computes.
+        "logprobs_mode": "processed_logprobs",
+        "disable_log_stats": True,
+        # vLLM's CPU runner cannot rewind a seeded request's generator when a long prompt's
+        # prefill is split over steps: there, prompts are prefilled whole.
+        "enable_chunked_prefill": cuda,
+        **sleep,
+        **partial,
+    }
 
 
 def _quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
@@ -90,8 +153,11 @@ class VLLMRolloutEngine(RolloutEngine):
         super().__init__()
         prepare_environment()
         self.label = label
+        #: Sleeping (``rollout.sleep_while_training``): no call but :meth:`wake_up` is taken.
+        self.asleep = False
         try:
-            from vllm import LLM
+            LLM = llm_class()  # noqa: N806 - vLLM's class
+            cuda = on_cuda()
         except ImportError as e:
             raise EngineStartError(
                 f"vllm rollout engine {label!r}: vLLM is not installed ({e}); install the "
@@ -100,10 +166,9 @@ class VLLMRolloutEngine(RolloutEngine):
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             _quiet_rotary_reload_warning
         )
-        r = config.rollout
+        if config.rollout.sleep_while_training and not cuda:
+            raise ConfigError(no_sleep_mode_here("vLLM runs on the CPU"))
         try:
-            from vllm.platforms import current_platform
-
             self.tokenizer = load_tokenizer(model_dir)
             self.expected_names = checkpoint_names(model_dir)
             self.expected_shapes = checkpoint_shapes(model_dir)
@@ -111,29 +176,7 @@ class VLLMRolloutEngine(RolloutEngine):
             #: The request-level loop, in flight by vLLM request id.
             self._requests: dict[str, Request] = {}
             self._next_id = 0
-            partial: dict[str, Any] = {}
-            if r.partial != "off":
-                # Cached prompt blocks would carry keys and values of whichever weights computed
-                # them into sequences admitted later; the loop bounds what is in flight.
-                partial = {"enable_prefix_caching": False, "max_num_seqs": r.max_num_seqs}
-            self.llm = LLM(
-                model=str(model_dir),
-                tokenizer=str(model_dir),
-                dtype=config.model.dtype,
-                max_model_len=r.max_model_len,
-                kv_cache_memory_bytes=parse_size(r.kv_cache_memory),
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                enforce_eager=True,
-                seed=config.run.seed,
-                # Log-probs of the distribution the tokens were drawn from (temperature applied),
-                # which is what the trainer computes.
-                logprobs_mode="processed_logprobs",
-                disable_log_stats=True,
-                # vLLM's CPU runner cannot rewind a seeded request's generator when a long
-                # prompt's prefill is split over steps: there, prompts are prefilled whole.
-                enable_chunked_prefill=not current_platform.is_cpu(),
-                **partial,
-            )
+            self.llm = LLM(**llm_arguments(model_dir, config, cuda))
         except Exception as e:
             raise EngineStartError(
                 f"vllm rollout engine {label!r} failed to start on {model_dir}: "
@@ -156,6 +199,51 @@ class VLLMRolloutEngine(RolloutEngine):
         }
         return SamplingParams(**(settings | overrides))
 
+    def _check_awake(self, doing: str) -> None:
+        if self.asleep:
+            raise EngineError(
+                f"vllm rollout engine {self.label!r} is asleep (the trainer is stepping) and "
+                f"cannot {doing}; wake_up() first"
+            )
+
+    def sleep(self) -> None:
+        """Frees the GPU for the trainer: vLLM's sleep level 1 discards the KV cache and moves
+        the weights to host memory. Nothing may be in flight."""
+        if self.asleep:
+            return
+        if self._requests:
+            raise EngineError(
+                f"vllm rollout engine {self.label!r} cannot sleep with {len(self._requests)} "
+                "requests in flight: sleeping discards their KV cache"
+            )
+        try:
+            with MODEL_LOCK:
+                self.llm.sleep(level=SLEEP_LEVEL)
+        except Exception as e:
+            raise EngineError(
+                f"vllm rollout engine {self.label!r} failed to go to sleep: {type(e).__name__}: {e}"
+            ) from e
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Takes the GPU back: the weights it slept with (``version``) return from host memory
+        and a new KV cache is allocated. A version published meanwhile is loaded after this."""
+        if not self.asleep:
+            return
+        try:
+            with MODEL_LOCK:
+                awake = self.llm.wake_up()
+        except Exception as e:
+            raise EngineError(
+                f"vllm rollout engine {self.label!r} failed to wake up: {type(e).__name__}: {e}"
+            ) from e
+        if awake is False:  # (a vLLM whose wake_up returns nothing is taken at its word)
+            raise EngineError(
+                f"vllm rollout engine {self.label!r} woke up only partly: some of its GPU "
+                "memory is still released"
+            )
+        self.asleep = False
+
     def add_request(self, request: Request) -> None:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -164,6 +252,7 @@ class VLLMRolloutEngine(RolloutEngine):
         params = self._params(
             request.sampling, n=1, max_tokens=request.remaining, output_kind=RequestOutputKind.DELTA
         )
+        self._check_awake("take a request")
         rid = f"partial-{self._next_id}"  # apart from the ids of whole calls
         self._next_id += 1
         prompt = TokensPrompt(prompt_token_ids=[*request.prompt, *request.token_ids])
@@ -177,6 +266,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._requests[rid] = request
 
     def step(self) -> list[Request]:
+        self._check_awake("run a decode step")
         try:
             with MODEL_LOCK:
                 outputs = self.llm.llm_engine.step()
@@ -223,6 +313,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return completion
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        self._check_awake("generate")
         from vllm.inputs import TokensPrompt
 
         # A whole call steps the engine until nothing is unfinished and returns every request
@@ -256,6 +347,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads the full set of weights in place. A partial set is refused: vLLM would leave
         the missing tensors (and some it rebuilds from them) silently stale."""
+        # Its parameters live in host memory while it sleeps, and waking would restore the old.
+        self._check_awake(f"load weights v{version}")
         tensors = list(weights)  # names and views only; no tensor data is copied
         names = {name for name, _ in tensors}
         missing = self.expected_names - names
