@@ -43,6 +43,7 @@ from asyncflow.telemetry.trace import Tracer
 from asyncflow.warm_start import warm_start
 from asyncflow.workers.base import PROMPTS, Context, RunState
 from asyncflow.workers.batches import to_train_batch
+from asyncflow.workers.colocation import EngineSleep
 from asyncflow.workers.critic import CriticWorker
 from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.reward import (
@@ -244,7 +245,11 @@ class Run:
         since = time.monotonic()
         tracer = Tracer()
         state = RunState()
-        ctx = Context(store, c, tokenizer, tracer, state, prompt_encoder=prompts)
+        # Colocated: the rollout engines sleep while the trainer steps.
+        engine_sleep = EngineSleep(resources.rollouts) if c.rollout.sleep_while_training else None
+        ctx = Context(
+            store, c, tokenizer, tracer, state, prompt_encoder=prompts, engine_sleep=engine_sleep
+        )
         ledger = Ledger(self.run_dir / "ledger.jsonl")
         start_group = 0
         if ckpt is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +44,9 @@ class Resources:
     middle: Callable[[Context], list[Worker]]
     #: Where the run's parts ran, for the summary (the Ray launcher's nodes, daemons, restarts).
     placement: dict[str, Any] = field(default_factory=dict)
+    #: The rollout engines of this process (``rollout.sleep_while_training`` puts them to sleep
+    #: for each training step); none where they run elsewhere.
+    rollouts: Sequence[RolloutEngine] = ()
 
 
 class Start(Protocol):

@@ -124,6 +124,7 @@ def start(
         rollout_name=rollout_name,
         train_name=train_name,
         middle=lambda ctx: workers(ctx, rollouts, model_dir),
+        rollouts=rollouts,
     )
 
 

@@ -24,6 +24,7 @@ from asyncflow.store import Store
 from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.weights import Watcher
+from asyncflow.workers.colocation import EngineSleep
 
 #: Partition of prompts waiting for rollout; samples of training step s go to ``step-<s>``.
 PROMPTS = "prompts"
@@ -106,6 +107,8 @@ class Context:
     #: Prompts -> token ids (chat template, system prompt, length limit); by default from
     #: ``config.data`` with no limit but ``data.max_prompt_length``.
     prompt_encoder: InitVar[PromptEncoder | None] = None
+    #: ``rollout.sleep_while_training``: the rollout engines sleep through each training step.
+    engine_sleep: EngineSleep | None = None
     prompts: PromptEncoder = field(init=False)
     #: The newest published policy version, shared by the process's workers.
     weights: Watcher = field(init=False)

@@ -154,8 +154,19 @@ class Rollout(Worker):
         for a in work.assignments:
             (a.batch.ack if done else a.batch.release)([a.index])
 
+    def _engine_awake(self) -> contextlib.AbstractContextManager[bool]:
+        """Colocated (``rollout.sleep_while_training``): holds the engine awake for one call,
+        waiting while it sleeps through a training step; False if the run stopped meanwhile."""
+        if self.ctx.engine_sleep is None:
+            return contextlib.nullcontext(True)
+        return self.ctx.engine_sleep.awake(self.ctx.stop, self._idle_wait)
+
     def step(self) -> bool:
-        self.sync_weights()
+        # A version published while the engine slept is loaded once it is awake again.
+        with self._engine_awake() as awake:
+            if not awake:
+                return True
+            self.sync_weights()
         with self.waiting("engine room"):
             if not self.engine.wait_for_room(self._idle_wait):
                 return True
@@ -168,10 +179,16 @@ class Rollout(Worker):
                 self._settle(work, done=False)
                 self._wait_for_weights(oldest_allowed)
                 return True
-        # Read before generating: an engine shared by several workers may load newer weights while
-        # this call is in flight, and a sample is as old as the oldest policy that wrote it.
-        version = self.engine.version
-        self._deliver(work, version, self._generate(work, version))
+        with self._engine_awake() as awake:
+            if not awake:
+                self._settle(work, done=False)
+                return True
+            # Read before generating: an engine shared by several workers may load newer weights
+            # while this call is in flight, and a sample is as old as the oldest policy that
+            # wrote it.
+            version = self.engine.version
+            outputs = self._generate(work, version)
+        self._deliver(work, version, outputs)
         return True
 
     def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]]:

@@ -8,10 +8,15 @@ With ``trainer.streaming: false`` it first waits for the whole step, as synchron
 
 With a :class:`~asyncflow.engines.base.StepTrainEngine` (data-parallel ranks in processes of
 their own) the ranks claim and train the step themselves; the trainer then only records it.
+
+Colocated (``rollout.sleep_while_training``), the rollout engines sleep through each step: once
+the step's samples are all in, until its version is published (see
+:mod:`asyncflow.workers.colocation`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -93,11 +98,15 @@ class Trainer(Worker):
         s = self.engine.version
         if s >= self.config.trainer.max_steps:
             return False
-        if isinstance(self.engine, StepTrainEngine):
-            with self.busy(f"ranks train step {s}"):
-                result = self.engine.train_step(s, self.ctx.stop)
-        else:
-            result = self._train_here(s)
+        sleep = self.ctx.engine_sleep
+        if sleep is not None and not self._whole_step_ready(s):
+            return True  # the engines generate on; asked again unless the run stops
+        with contextlib.nullcontext() if sleep is None else sleep.training():
+            if isinstance(self.engine, StepTrainEngine):
+                with self.busy(f"ranks train step {s}"):
+                    result = self.engine.train_step(s, self.ctx.stop)
+            else:
+                result = self._train_here(s)
         if result is None:
             return False  # stopped mid-step
         self.engine.version = s + 1
