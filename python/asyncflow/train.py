@@ -144,6 +144,8 @@ class Run:
         self.too_long: dict[str, int] = {}
         #: The critic's worker (``algorithm.advantage: gae``), for its figures in the summary.
         self.critic: CriticWorker | None = None
+        #: ``rollout.sleep_while_training``: the engines' sleeps, for their cost in the summary.
+        self.engine_sleep: EngineSleep | None = None
 
     # -- preparation --------------------------------------------------------------------------
 
@@ -246,9 +248,16 @@ class Run:
         tracer = Tracer()
         state = RunState()
         # Colocated: the rollout engines sleep while the trainer steps.
-        engine_sleep = EngineSleep(resources.rollouts) if c.rollout.sleep_while_training else None
+        if c.rollout.sleep_while_training:
+            self.engine_sleep = EngineSleep(resources.rollouts)
         ctx = Context(
-            store, c, tokenizer, tracer, state, prompt_encoder=prompts, engine_sleep=engine_sleep
+            store,
+            c,
+            tokenizer,
+            tracer,
+            state,
+            prompt_encoder=prompts,
+            engine_sleep=self.engine_sleep,
         )
         ledger = Ledger(self.run_dir / "ledger.jsonl")
         start_group = 0
@@ -396,6 +405,12 @@ class Run:
             "model_parameters": parameter_count(model_dir),
             "launcher": c.launcher,
             **({"critic": self.critic.summary()} if self.critic is not None else {}),
+            # Steps the rollout engines slept through, and the seconds sleeping and waking took.
+            **(
+                {"rollout_sleep_while_training": self.engine_sleep.summary()}
+                if self.engine_sleep is not None
+                else {}
+            ),
             **({"placement": self.placement} if self.placement else {}),
             "run_dir": str(self.run_dir),
         }

@@ -262,6 +262,7 @@ def test_the_main_job_puts_its_rollout_engines_to_sleep_for_every_step(
     # Each of the two engines slept through every step and woke after it.
     assert events.count("sleep") == events.count("wake_up") == 2 * STEPS
     assert events.count(f"load v{STEPS}") >= 1  # the final accuracy is measured on it
+    assert summary["rollout_sleep_while_training"]["steps"] == STEPS
 
 
 def test_a_version_published_while_the_engine_sleeps_is_loaded_after_it_wakes(

@@ -93,7 +93,9 @@ def llm_arguments(model_dir: Path, config: Config, cuda: bool) -> dict[str, Any]
         "kv_cache_memory_bytes": parse_size(r.kv_cache_memory),
         "gpu_memory_utilization": r.gpu_memory_utilization,
         "tensor_parallel_size": r.tensor_parallel_size,
-        # CUDA graphs replay each decode step's kernels at once; on CPU there are none.
+        # CUDA graphs replay each decode step's kernels at once (on CPU there are none). They
+        # outlive weight updates: vLLM's reload copies into the parameters' own storage, and
+        # sleep mode gives them back at the addresses they had, which the graphs point at.
         "enforce_eager": (not cuda) if r.enforce_eager is None else r.enforce_eager,
         "seed": config.run.seed,
         # Log-probs of the distribution the tokens were drawn from (temperature applied),

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 from asyncflow.engines.base import RolloutEngine
+
+#: A trace span by name (a worker's ``busy``).
+Span = Callable[[str], AbstractContextManager[Any]]
 
 
 class EngineSleep:
@@ -24,6 +30,11 @@ class EngineSleep:
         self._asleep = False
         #: Engine calls under way (:meth:`awake` blocks), which a step waits for.
         self._in_use = 0
+        #: Steps the engines slept through, and the seconds putting them to sleep and waking
+        #: them took (the price of sharing the GPU), for the run's summary.
+        self.steps = 0
+        self.sleep_seconds = 0.0
+        self.wake_seconds = 0.0
 
     @contextlib.contextmanager
     def awake(self, stop: threading.Event, poll: float) -> Iterator[bool]:
@@ -45,24 +56,40 @@ class EngineSleep:
                 self._changed.notify_all()
 
     @contextlib.contextmanager
-    def training(self) -> Iterator[None]:
+    def training(self, span: Span = lambda name: contextlib.nullcontext()) -> Iterator[None]:
         """The engines asleep for one training step (once the calls under way have ended), then
-        awake again, also when the step fails."""
+        awake again, also when the step fails. ``span`` names each phase for the trace."""
         with self._changed:
             self._asleep = True  # no new call starts
             while self._in_use:
                 self._changed.wait()
         slept: list[RolloutEngine] = []
         try:
-            for engine in self.engines:
-                engine.sleep()
-                slept.append(engine)
+            since = time.monotonic()
+            with span("engines to sleep"):
+                for engine in self.engines:
+                    engine.sleep()
+                    slept.append(engine)
+            self.sleep_seconds += time.monotonic() - since
+            self.steps += 1
             yield
         finally:
             try:
-                for engine in slept:
-                    engine.wake_up()
+                since = time.monotonic()
+                with span("engines wake up"):
+                    for engine in slept:
+                        engine.wake_up()
+                self.wake_seconds += time.monotonic() - since
             finally:
                 with self._changed:
                     self._asleep = False
                     self._changed.notify_all()
+
+    def summary(self) -> dict[str, Any]:
+        """What sharing the GPU cost: steps slept through, seconds spent going to sleep and
+        waking (vLLM moves the weights to host memory and back)."""
+        return {
+            "steps": self.steps,
+            "sleep_seconds": round(self.sleep_seconds, 3),
+            "wake_seconds": round(self.wake_seconds, 3),
+        }

@@ -101,7 +101,7 @@ class Trainer(Worker):
         sleep = self.ctx.engine_sleep
         if sleep is not None and not self._whole_step_ready(s):
             return True  # the engines generate on; asked again unless the run stops
-        with contextlib.nullcontext() if sleep is None else sleep.training():
+        with contextlib.nullcontext() if sleep is None else sleep.training(self.busy):
             if isinstance(self.engine, StepTrainEngine):
                 with self.busy(f"ranks train step {s}"):
                     result = self.engine.train_step(s, self.ctx.stop)
