@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,8 @@ from asyncflow.engines.base import (
     LossFn,
     RolloutEngine,
     Sampling,
+    StepResult,
+    StepTrainEngine,
     TrainBatch,
     TrainEngine,
 )
@@ -36,7 +39,7 @@ from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks, train
 from asyncflow.workers.advantage import AdvantageWorker
-from asyncflow.workers.base import Context, RunState
+from asyncflow.workers.base import Context, RunState, step_partition
 from asyncflow.workers.colocation import EngineSleep
 from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.reward import RewardWorker, resolve_reward
@@ -200,6 +203,59 @@ def test_the_engine_sleeps_through_every_step_and_generates_awake_with_the_new_v
     # (the last one too, if the engine got to it before the run stopped).
     loads = [version for name, version in seen if name == "load"]
     assert loads in (list(range(1, STEPS)), list(range(1, STEPS + 1)))
+
+
+class NotingRanks(NotingTrainEngine, StepTrainEngine):
+    """Data-parallel ranks that claim and train each step themselves: only the call is noted."""
+
+    def train_step(self, step: int, stop: threading.Event) -> StepResult | None:
+        self.events.note("train_step", step)
+        return StepResult()
+
+
+def put_step_samples(store: af.Store, groups: list[int]) -> None:
+    """Samples of step 0 (two per group), every field the trainer reads ready."""
+    ids = [np.array([3, 4], np.int64)] * 2
+    for group in groups:
+        store.put(
+            {
+                "prompt_ids": ids,
+                "response_ids": ids,
+                "behaviour_logprobs": [np.zeros(2, np.float32)] * 2,
+                "token_versions": [np.zeros(2, np.int64)] * 2,
+                "advantage": np.zeros(2, np.float32),
+                "reward": np.zeros(2, np.float32),
+            },
+            partition=step_partition(0),
+            groups=[group, group],
+        )
+
+
+def test_ranks_step_only_once_the_step_is_generated_with_the_engines_asleep(
+    tmp_path: Path, cuda: None
+) -> None:
+    config = cfg.load(
+        None, [*SLEEP, "rollout.n=2", "trainer.groups_per_step=2", "run.poll_interval=0.02"]
+    )
+    store = af.Store()
+    register_tasks(store, reference=False)
+    events = Events()
+    sleep = EngineSleep([SleepyEngine(events)])
+    ctx = Context(store, config, chatml_tokenizer(), Tracer(), RunState(), engine_sleep=sleep)
+    metrics = MetricsLog(tmp_path)
+    trainer = Trainer(ctx, NotingRanks(events), metrics, Ledger(tmp_path / "ledger.jsonl"))
+    try:
+        put_step_samples(store, [0])
+        assert trainer.step()  # half the step: the engines generate on
+        assert events.seen == []
+        put_step_samples(store, [1])
+        assert trainer.step()
+    finally:
+        metrics.close()
+        metrics.finish()
+    assert [name for name, _ in events.seen] == ["sleep", "train_step", "wake_up"]
+    # The trainer's look at the whole step handed it back for the ranks to claim.
+    assert len(store.claim("train", ["advantage"], 4, timeout=1, partition="step-0")) == 4
 
 
 class SleepingHF(HFRolloutEngine):
