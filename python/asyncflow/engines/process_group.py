@@ -82,6 +82,11 @@ def on_gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def gpu_count() -> int:
+    """The GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if on_gpu() else 0
+
+
 def prepare_environment() -> None:
     """Settings DeepSpeed reads when it is imported."""
     if "DS_ACCELERATOR" not in os.environ and not on_gpu():

@@ -27,8 +27,9 @@ from asyncflow import weights
 from asyncflow.config import Config
 from asyncflow.engines.base import LossFn, StepResult, StepTrainEngine, TrainBatch
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
-from asyncflow.engines.process_group import free_port
+from asyncflow.engines.process_group import free_port, gpu_count
 from asyncflow.engines.registry import resolve_engine_name
+from asyncflow.errors import ConfigError
 from asyncflow.launch.rank_process import RankSpec, main
 from asyncflow.store import Store
 
@@ -135,6 +136,15 @@ class RankGroup(Ranks):
     ) -> None:
         """``store_token``: the token of the daemon at ``store_address`` (default: the configured
         ``store.token``), handed to each rank in its spec."""
+        gpus = gpu_count()
+        if 0 < gpus < config.trainer.dp_size:
+            # Each rank would take a GPU of its own (NCCL refuses two ranks on one): the ranks
+            # beyond the last GPU would fail to start with "invalid device ordinal".
+            raise ConfigError(
+                f"trainer.dp_size {config.trainer.dp_size} needs a GPU per rank on this machine "
+                f"(the ranks' NCCL group puts one rank on each), and it has {gpus}; set "
+                f"trainer.dp_size to at most {gpus}"
+            )
         super().__init__(store, config)
         self.logs = [log_dir / f"trainer-rank-{r}.log" for r in range(config.trainer.dp_size)]
         port = free_port()
