@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 import asyncflow as af
+from asyncflow import weights
 from asyncflow.bench.records import Report
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
@@ -62,9 +63,11 @@ SIZES_GB = (0.1, 0.5, 1.0, 2.0)
 QUICK_SIZES_GB = (0.01, 0.05)
 REPEATS = 3
 #: Untimed rounds before each case's timings (every case, baselines alike), so that each has
-#: touched every buffer it cycles through (the store keeps two versions, a broadcast receiver
-#: two staging buffers): first touches are page faults, not data movement.
-WARM_UP = 2
+#: touched every buffer it cycles through: first touches are page faults, not data movement.
+#: The store keeps ``KEEP_VERSIONS`` versions and deletes the oldest only once a new one is in,
+#: so a put first reuses memory at version ``KEEP_VERSIONS + 2``: that many rounds less one
+#: (a broadcast receiver cycles through two staging buffers, fewer).
+WARM_UP = weights.KEEP_VERSIONS + 1
 BUCKET = 64 << 20
 #: Copies of a weight set alive at once at the suite's peak (the broadcast case: the trainer's,
 #: the baseline's flat buffer on both sides, the receiver's two staging buffers and its engine).
