@@ -84,7 +84,7 @@ def trainer_worker(
     place = placement(mode, costs)
     publish_s = 0.0 if place.colocated else costs.network.publish_s(place.rollout_devices)
     engine = EmulatedTrainer(pool, costs, costs.trainer.tokens_per_s, publish_s)
-    metrics = MetricsLog(run_dir)
+    metrics = MetricsLog(run_dir, loggers=())  # metrics.jsonl only: no tracker to finish
     weights.publish(ctx.store, 0, engine.export_weights())
     return Trainer(ctx, engine, metrics, Ledger(run_dir / "ledger.jsonl")), metrics
 
