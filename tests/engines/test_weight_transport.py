@@ -6,6 +6,7 @@ processes of this machine."""
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing
 import os
 import signal
@@ -26,7 +27,7 @@ from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.engines.process_group import free_port
 from asyncflow.models.tiny import create_tiny_model
-from asyncflow.weight_sync import WeightSyncError
+from asyncflow.weight_sync import WeightSyncError, ipc
 from asyncflow.weight_sync import broadcast as bc
 from asyncflow.weight_sync.broadcast import BroadcastPublisher, BroadcastReceiver
 from asyncflow.weight_sync.group import Group, GroupSpec
@@ -429,6 +430,23 @@ def test_an_ipc_handle_is_refused_once_its_owner_is_gone() -> None:
     assert process_identity(proc.pid) is None
     with pytest.raises(WeightSyncError, match=r"v3: refused .* which is gone"):
         check_owner(gone, 3)
+
+
+def test_an_ipc_handle_goes_through_the_store_as_json_and_opens_with_the_same_fields(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What torch's CUDA reduction gives after the class, size, stride, offset, storage class
+    # and dtype: device, handle, sizes, requires_grad, ref counter, event (bytes where it has).
+    shared = (0, b"\x00\xffhandle", 4096, 0, False, b"/counter\x00", 7, b"\x01event", True)
+    monkeypatch.setattr(ipc, "reduce_tensor", lambda t: (None, (None,) * 6 + shared))
+    handle = ipc.share(torch.zeros(4096, dtype=torch.uint8))
+    assert json.loads(handle)["numel"] == 4096  # JSON: nothing is unpickled on the way in
+    opened: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(ipc, "rebuild_cuda_tensor", lambda *args: opened.append(args))
+    ipc.open_shared(handle)
+    assert opened == [
+        (torch.Tensor, (4096,), (1,), 0, torch.storage.TypedStorage, torch.uint8, *shared)
+    ]
 
 
 @needs_cuda

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from asyncflow.store import Store
 from asyncflow.weight_sync import WeightSyncError
@@ -30,10 +29,47 @@ from asyncflow.weight_sync.broadcast import BroadcastPublisher, BroadcastReceive
 from asyncflow.weight_sync.group import Group
 from asyncflow.weight_sync.layout import Layout, pack
 
-#: Announced fields: the pickled rebuild recipe of the buffer (torch's CUDA IPC reduction) and
-#: the owner's identity.
+#: Announced fields: the buffer's CUDA IPC handle with what opening it takes (torch's CUDA IPC
+#: reduction, as JSON: nothing read from the store is unpickled), and the owner's identity.
 HANDLE = "ipc_handle"
 OWNER = "ipc_owner"
+#: The fields of torch's CUDA reduction that say where the buffer is and how to open it (after
+#: the tensor's class, size, stride, offset, storage class and dtype, which are fixed here: the
+#: buffer is always a flat uint8 tensor).
+_SHARED = (
+    "device",
+    "handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+
+
+def share(buffer: torch.Tensor) -> bytes:
+    """The IPC handle of a flat uint8 CUDA ``buffer``, as JSON (bytes as hex)."""
+    _, args = reduce_tensor(buffer)
+    shared = dict(zip(_SHARED, args[6:], strict=True))
+    encoded = {k: v.hex() if isinstance(v, bytes) else v for k, v in shared.items()}
+    return json.dumps({"numel": buffer.numel(), **encoded}).encode()
+
+
+def open_shared(handle: bytes) -> torch.Tensor:
+    """Maps the buffer ``handle`` (from :func:`share`) into this process."""
+    raw = json.loads(handle)
+    fields = [
+        bytes.fromhex(raw[k]) if k.endswith("handle") and raw[k] is not None else raw[k]
+        for k in _SHARED
+    ]
+    numel = int(raw["numel"])
+    return rebuild_cuda_tensor(  # type: ignore[no-any-return]
+        torch.Tensor, (numel,), (1,), 0, torch.storage.TypedStorage, torch.uint8, *fields
+    )
+
+
 #: One "bucket": the whole version is copied at once.
 WHOLE = 1 << 62
 
@@ -81,9 +117,8 @@ class IpcPublisher(BroadcastPublisher):
     def _prepare(self, layout: Layout, tensors: list[torch.Tensor]) -> dict[str, bytes]:
         if self._buffer is None or self._buffer.numel() != layout.total:
             self._buffer = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
-            rebuild, args = reduce_tensor(self._buffer)
             self._announced = {
-                HANDLE: pickle.dumps((rebuild, args)),
+                HANDLE: share(self._buffer),
                 OWNER: json.dumps(self.owner).encode(),
             }
         pack(self._buffer, 0, layout.total, layout, tensors)
@@ -115,8 +150,7 @@ class IpcReceiver(BroadcastReceiver):
         handle = self._announced_field(version, HANDLE)
         if self._mapped is None or self._mapped[0] != handle:
             self._mapped = None  # unmap the old buffer before mapping the new one
-            rebuild, args = pickle.loads(handle)  # written by our own publisher
-            self._mapped = (handle, rebuild(*args))
+            self._mapped = (handle, open_shared(handle))
         source = self._mapped[1]
         if source.numel() != layout.total:
             raise WeightSyncError(
