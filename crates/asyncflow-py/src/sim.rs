@@ -34,6 +34,7 @@ pub fn simulate<'py>(
     out.set_item("busy", outcome.busy.into_iter().collect::<HashMap<_, _>>())?;
     out.set_item("decode_fill", outcome.decode_fill)?;
     out.set_item("staleness", outcome.staleness)?;
+    out.set_item("staleness_max", outcome.max_staleness)?;
     out.set_item("rollout_devices", outcome.rollout_devices)?;
     out.set_item("train_devices", outcome.train_devices)?;
     out.set_item("trained_samples", outcome.trained_samples)?;

@@ -7,6 +7,14 @@
 //! reference and trainer claim, fill their field and ack. Reference and trainer share the
 //! training pool and split each batch over its data-parallel ranks with the real scheduler.
 //! Only the payload-free control plane runs: no bytes move.
+//!
+//! Under partial rollout (`async-<k>+continue`, `async-<k>+abort`) each rollout device is driven
+//! request by request, as `asyncflow.workers.partial.PartialRollout` drives its engine: it keeps
+//! up to `calls_per_device x groups_per_call x group_size` sequences in flight (decoding or
+//! queued for a slot), admits a prompt group whenever its sequences fit, puts each group as soon
+//! as its sequences are done, and loads every newly published version at its next decode-step
+//! boundary. A row's version is that of its oldest token, and admission waits for weights new
+//! enough that this version is within the staleness bound of the group's step.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -19,7 +27,7 @@ use crate::error::{Result, SimError};
 use crate::index::{TimedIndex, spec};
 use crate::lengths::group_lengths;
 use crate::ranks::RankLoads;
-use crate::scenario::{Mode, Outcome, Scenario};
+use crate::scenario::{Mode, Outcome, Partial, Scenario};
 
 const PROMPTS: &str = "prompts";
 const SAMPLES: &str = "step-";
@@ -86,6 +94,8 @@ struct Call {
     version: u64,
     /// Response lengths of each group.
     groups: Vec<(u64, Vec<u64>)>,
+    /// Version of each response's oldest token, in the order of `groups` (partial rollout).
+    versions: Vec<u64>,
     left: usize,
 }
 
@@ -165,6 +175,7 @@ pub struct Cluster {
     reference_ranks: RankLoads,
     /// Sum and count of the trained samples' policy ages.
     ages: (f64, f64),
+    max_age: u64,
     spans: Spans,
     window_start: f64,
 }
@@ -173,6 +184,9 @@ impl Cluster {
     pub fn new(scenario: &Scenario) -> Result<Self> {
         let costs = scenario.costs.clone();
         let mode = scenario.mode;
+        if mode.partial != Partial::Off && (mode.colocated || !mode.streaming) {
+            return Err(SimError::Invalid("partial rollout needs an async-<k> mode".into()));
+        }
         if scenario.steps == 0 || scenario.warmup_steps == 0 {
             return Err(SimError::Invalid("warm-up and measured steps must be at least 1".into()));
         }
@@ -221,6 +235,7 @@ impl Cluster {
             train_ranks: RankLoads::new(train_devices),
             reference_ranks: RankLoads::new(train_devices),
             ages: (0.0, 0.0),
+            max_age: 0,
             spans: Spans::default(),
             window_start: f64::INFINITY,
             costs,
@@ -286,7 +301,7 @@ impl Cluster {
         while self.issued_steps < self.total_steps && self.issued_steps <= ahead {
             let g = self.costs.workload.prompts_per_step;
             let groups: Vec<u64> = (self.issued_steps * g..(self.issued_steps + 1) * g).collect();
-            self.index.put_new("prompt", PROMPTS.to_owned(), groups, 1, 0)?;
+            self.index.put_new("prompt", PROMPTS.to_owned(), groups, 1, vec![0])?;
             self.issued_steps += 1;
             self.dirty.rollout = true;
             fed = true;
@@ -300,12 +315,15 @@ impl Cluster {
         if self.rollout_blocked || (self.mode.colocated && self.pool_job.is_some()) {
             return Ok(false);
         }
+        if self.mode.partial != Partial::Off {
+            return self.admit_groups();
+        }
         let mut started = false;
         for d in 0..self.rollout_devices {
             // A worker claims prompts only while its device has no sequence waiting for a slot,
             // as the real rollout worker asks its engine for room first.
             while self.calls_on[d] < self.calls_per_device && self.devices[d].queued() == 0 {
-                match self.start_call(d)? {
+                match self.start_call(d, self.groups_per_call)? {
                     Ok(()) => started = true,
                     Err(why) => {
                         self.rollout_blocked = matches!(why, NoCall::NeedsWeights);
@@ -319,10 +337,45 @@ impl Cluster {
         Ok(started)
     }
 
-    /// A rollout worker of device `d` claims prompt groups of one target step, loads the newest
-    /// weights if it lacks them, and submits the groups' responses to the device.
-    fn start_call(&mut self, d: usize) -> Result<std::result::Result<(), NoCall>> {
-        let claim = spec("rollout", &["prompt"], self.groups_per_call, Some(PROMPTS.into()), false);
+    /// Partial rollout: each device's worker admits prompt groups while their sequences fit
+    /// under its limit (one group at least when the device is idle). The devices take turns, a
+    /// claim each, as their workers claim between decode steps side by side.
+    fn admit_groups(&mut self) -> Result<bool> {
+        let n = self.costs.workload.group_size as usize;
+        let limit = self.calls_per_device * self.groups_per_call * n;
+        let mut started = false;
+        loop {
+            let mut any = false;
+            for d in 0..self.rollout_devices {
+                let in_flight = self.devices[d].in_flight();
+                let room = limit.saturating_sub(in_flight);
+                if in_flight > 0 && room < n {
+                    continue;
+                }
+                let groups = (room / n).clamp(1, self.groups_per_call);
+                match self.start_call(d, groups)? {
+                    Ok(()) => any = true,
+                    Err(why) => {
+                        self.rollout_blocked = matches!(why, NoCall::NeedsWeights);
+                        self.dirty.rollout = false;
+                        return Ok(started || any);
+                    }
+                }
+            }
+            started |= any;
+            if !any {
+                self.dirty.rollout = false;
+                return Ok(started);
+            }
+        }
+    }
+
+    /// A rollout worker of device `d` claims up to `groups` prompt groups of one target step,
+    /// loads the newest weights if it lacks them (under partial rollout the device loads each
+    /// version as it is published instead), and submits the groups' responses to the device: as
+    /// one call, or under partial rollout as one call per group.
+    fn start_call(&mut self, d: usize, groups: usize) -> Result<std::result::Result<(), NoCall>> {
+        let claim = spec("rollout", &["prompt"], groups, Some(PROMPTS.into()), false);
         let Some(prompts) = self.index.claim(self.now, &claim, true)? else {
             return Ok(Err(NoCall::NoPrompts));
         };
@@ -341,11 +394,14 @@ impl Cluster {
         }
         let published = self.trained_steps;
         self.settle_device(d)?;
-        if self.devices[d].version < published {
+        let partial = self.mode.partial != Partial::Off;
+        if !partial && self.devices[d].version < published {
             let load = if self.mode.colocated { 0.0 } else { self.costs.rollout.weight_load_s };
             self.devices[d].load(published, load);
         }
-        if self.devices[d].version + self.mode.staleness < target {
+        // The version that samples the first token of what is submitted now: under partial
+        // rollout, that of a load waiting for the decode step in progress to end.
+        if self.devices[d].next_version() + self.mode.staleness < target {
             let kept: Vec<u64> =
                 prompts.rows.iter().copied().filter(|r| !later.contains(r)).collect();
             self.index.release(self.now, &prompts, Some(&kept))?;
@@ -364,22 +420,47 @@ impl Cluster {
                 (g, group_lengths(w.seed, g, w.group_size, median, sigma, cap))
             })
             .collect();
+        let prompt_tokens = w.prompt_tokens;
+        if partial {
+            // One call per group, each put and acked on its own, as the partial worker splits
+            // its claims; the claim's lease is shared, so each group acks its own row.
+            let rows =
+                prompts.rows.iter().zip(&prompts.groups).filter(|(_, g)| target_of(g) == target);
+            let rows: Vec<u64> = rows.map(|(&r, _)| r).collect();
+            for (group, row) in groups.into_iter().zip(rows) {
+                let one = Claimed { rows: vec![row], ..prompts.clone() };
+                self.submit_call(d, one, target, vec![group], prompt_tokens);
+            }
+        } else {
+            self.submit_call(d, prompts, target, groups, prompt_tokens);
+        }
+        self.reschedule(d);
+        Ok(Ok(()))
+    }
+
+    fn submit_call(
+        &mut self,
+        d: usize,
+        prompts: Claimed,
+        target: u64,
+        groups: Vec<(u64, Vec<u64>)>,
+        prompt_tokens: u64,
+    ) {
         let lengths: Vec<u64> = groups.iter().flat_map(|(_, l)| l.iter().copied()).collect();
         let id = self.calls.len();
-        self.devices[d].submit(self.now, &lengths, w.prompt_tokens, id);
-        let version = self.devices[d].version;
+        self.devices[d].submit(self.now, &lengths, prompt_tokens, id);
+        let version = self.devices[d].next_version();
         self.calls.push(Some(Call {
             device: d,
             prompts,
             target,
             version,
+            versions: vec![version; lengths.len()],
             groups,
             left: lengths.len(),
         }));
         self.calls_on[d] += 1;
         self.calls_in_flight += 1;
-        self.reschedule(d);
-        Ok(Ok(()))
     }
 
     fn reschedule(&mut self, d: usize) {
@@ -392,11 +473,12 @@ impl Cluster {
 
     /// Runs device `d` up to now and finishes the calls whose last sequence is done.
     fn settle_device(&mut self, d: usize) -> Result<()> {
-        for id in self.devices[d].advance(self.now) {
-            let call = self.calls[id].as_mut().expect("a call in flight");
+        for done in self.devices[d].advance(self.now) {
+            let call = self.calls[done.call].as_mut().expect("a call in flight");
+            call.versions[done.slot] = done.version;
             call.left -= 1;
             if call.left == 0 {
-                let call = self.calls[id].take().expect("a call in flight");
+                let call = self.calls[done.call].take().expect("a call in flight");
                 self.finish_call(&call)?;
             }
         }
@@ -405,7 +487,11 @@ impl Cluster {
 
     fn device_event(&mut self, d: usize) -> Result<()> {
         self.device_due[d] = None;
+        let version = self.devices[d].version;
         self.settle_device(d)?;
+        if self.devices[d].version != version {
+            self.dirty.rollout = true; // a load at a step boundary: queued groups may start
+        }
         self.reschedule(d);
         Ok(())
     }
@@ -416,7 +502,14 @@ impl Cluster {
         let rows_of = |(g, l): &(u64, Vec<u64>)| std::iter::repeat_n(*g, l.len());
         let groups: Vec<u64> = call.groups.iter().flat_map(rows_of).collect();
         let partition = step_partition(call.target);
-        let rows = self.index.put_new("response", partition, groups, n as u32, call.version)?;
+        // Off: every token was sampled by the call's version (the version it began with).
+        // Partial: each row carries its oldest token's version, as the real rows do.
+        let versions = if self.mode.partial == Partial::Off {
+            vec![call.version]
+        } else {
+            call.versions.clone()
+        };
+        let rows = self.index.put_new("response", partition, groups, n as u32, versions)?;
         let prompt = self.costs.workload.prompt_tokens;
         let responses = call.groups.iter().flat_map(|(_, l)| l.iter());
         for (&row, &response) in rows.iter().zip(responses) {
@@ -426,7 +519,11 @@ impl Cluster {
             }
             self.tokens[slot] = prompt + response;
         }
-        self.index.ack(self.now, &call.prompts)?;
+        if self.mode.partial == Partial::Off {
+            self.index.ack(self.now, &call.prompts)?;
+        } else {
+            self.index.ack_rows(self.now, &call.prompts)?; // its group's row of a shared claim
+        }
         self.calls_on[call.device] -= 1;
         self.calls_in_flight -= 1;
         self.dirty = Dirty { advantage: self.dirty.advantage, ..Dirty::ALL };
@@ -564,25 +661,38 @@ impl Cluster {
                 let step = self.trained_steps as f64;
                 self.ages.0 += batch.versions.iter().map(|&v| step - v as f64).sum::<f64>();
                 self.ages.1 += batch.versions.len() as f64;
+                let oldest = batch.versions.iter().min().copied().unwrap_or(self.trained_steps);
+                self.max_age = self.max_age.max(self.trained_steps.saturating_sub(oldest));
                 self.step_rows += batch.rows.len();
                 self.index.ack(self.now, &batch)?;
             }
             PoolJob::Optimizer => {
                 self.train_ranks.reset();
                 if self.mode.colocated {
-                    self.step_done(); // the move back to generation reshards the weights
+                    self.step_done()?; // the move back to generation reshards the weights
                 } else {
                     self.run_pool_job(PoolJob::Publish);
                 }
             }
-            PoolJob::Publish => self.step_done(),
+            PoolJob::Publish => self.step_done()?,
         }
         Ok(())
     }
 
-    /// The step's weights are out: the next step may begin.
-    fn step_done(&mut self) {
+    /// The step's weights are out: the next step may begin. Under partial rollout every rollout
+    /// device loads them at its next decode-step boundary (`weight_load_s`; under abort also the
+    /// prefill of each cut sequence's prompt and prefix).
+    fn step_done(&mut self) -> Result<()> {
         self.trained_steps += 1;
+        if self.mode.partial != Partial::Off {
+            let abort = self.mode.partial == Partial::Abort;
+            for d in 0..self.rollout_devices {
+                self.settle_device(d)?;
+                let load = self.costs.rollout.weight_load_s;
+                self.devices[d].load_between_steps(self.trained_steps, load, abort);
+                self.reschedule(d);
+            }
+        }
         self.step_rows = 0;
         self.whole_step_ready = false;
         self.rollout_blocked = false;
@@ -602,6 +712,7 @@ impl Cluster {
                 d.hold(until);
             }
         }
+        Ok(())
     }
 
     // ---- results ------------------------------------------------------------------------------
@@ -643,6 +754,7 @@ impl Cluster {
             ],
             decode_fill: if busy > 0.0 { filled / busy } else { 0.0 },
             staleness: if self.ages.1 > 0.0 { self.ages.0 / self.ages.1 } else { 0.0 },
+            max_staleness: self.max_age,
             rollout_devices: self.rollout_devices,
             train_devices: self.train_devices,
             trained_samples: self.total_steps * self.rows_per_step as u64,

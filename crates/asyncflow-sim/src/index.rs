@@ -60,14 +60,15 @@ impl TimedIndex {
         out
     }
 
-    /// Puts new rows with one field (no payload: only the control plane runs).
+    /// Puts new rows with one field (no payload: only the control plane runs); `versions` has one
+    /// version for every row, or one per row.
     pub fn put_new(
         &mut self,
         field: &str,
         partition: String,
         groups: Vec<u64>,
         group_size: u32,
-        version: u64,
+        versions: Vec<u64>,
     ) -> Result<Vec<u64>> {
         let schema = FieldSchema::ragged(DType::I64, vec![]);
         let rows = groups.len();
@@ -75,7 +76,7 @@ impl TimedIndex {
             partition,
             groups: Some(groups),
             group_size: Some(group_size),
-            versions: vec![version],
+            versions,
             tags: Vec::new(),
         });
         self.call(|ix| {
@@ -109,6 +110,13 @@ impl TimedIndex {
     pub fn ack(&mut self, now: f64, claimed: &Claimed) -> Result<()> {
         let (at, id) = (self.at(now), claimed.lease.expect("non-empty claims hold a lease"));
         self.call(|ix| ix.ack(id, None, at))?;
+        Ok(())
+    }
+
+    /// Acks only the claim's `rows` of its lease (the lease may hold more).
+    pub fn ack_rows(&mut self, now: f64, claimed: &Claimed) -> Result<()> {
+        let (at, id) = (self.at(now), claimed.lease.expect("non-empty claims hold a lease"));
+        self.call(|ix| ix.ack(id, Some(&claimed.rows), at))?;
         Ok(())
     }
 

@@ -17,7 +17,7 @@ mod scenario;
 pub use costs::CostModel;
 pub use error::{Result, SimError};
 pub use lengths::group_lengths;
-pub use scenario::{Mode, Outcome, Scenario};
+pub use scenario::{Mode, Outcome, Partial, Scenario};
 
 /// Runs a scenario to its last training step.
 pub fn simulate(scenario: &Scenario) -> Result<Outcome> {

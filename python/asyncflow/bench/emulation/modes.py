@@ -35,8 +35,9 @@ class Mode:
 
     @property
     def simulated_as(self) -> str:
-        """The simulator's mode for this one: it has no partial rollout, so the mode without."""
-        return self.name.split("+")[0]
+        """The simulator's mode for this one: the same name (``asyncflow-sim`` runs the partial
+        modes too)."""
+        return self.name
 
 
 MODES = {
