@@ -10,6 +10,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -49,7 +51,9 @@ REPORT_WAIT = 300.0
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=0)
+    # MLP matrices of 128 x 2048 float32, 1 MiB each: broadcast sends them unpacked.
+    config = ModelConfig(intermediate_size=DIRECT_BYTES // (128 * 4))
+    return create_tiny_model(config, tmp_path_factory.mktemp("model"), seed=0)
 
 
 def version_weights(model_dir: Path, version: int) -> list[tuple[str, torch.Tensor]]:
@@ -60,7 +64,10 @@ def version_weights(model_dir: Path, version: int) -> list[tuple[str, torch.Tens
     out = []
     for name, param in engine.model.named_parameters():
         step = torch.randn(param.shape, generator=generator) * 1e-2 * version
-        out.append((name, (param.detach() + step).contiguous()))
+        tensor = (param.detach() + step).contiguous()
+        if "up_proj" in name:  # the same values in a non-contiguous tensor: sent packed
+            tensor = tensor.t().contiguous().t()
+        out.append((name, tensor))
     return out
 
 
@@ -407,10 +414,6 @@ def test_broadcast_receiver_dying_fails_the_publisher_naming_the_receivers(
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 
 
-def _exits_at_once() -> None:
-    pass
-
-
 def test_an_ipc_handle_is_refused_once_its_owner_is_gone() -> None:
     me = process_identity(os.getpid())
     assert me is not None
@@ -420,16 +423,28 @@ def test_an_ipc_handle_is_refused_once_its_owner_is_gone() -> None:
         WeightSyncError, match=rf"v1: refused the CUDA IPC handle of process {me['pid']}"
     ):
         check_owner({**me, "start": me["start"] + 1}, 1)
-    context = multiprocessing.get_context("spawn")
-    proc = context.Process(target=_exits_at_once)
-    proc.start()
-    assert proc.pid is not None
-    gone = process_identity(proc.pid)
-    proc.join(timeout=REPORT_WAIT)
-    assert gone is not None and proc.exitcode == 0
-    assert process_identity(proc.pid) is None
-    with pytest.raises(WeightSyncError, match=r"v3: refused .* which is gone"):
-        check_owner(gone, 3)
+    # A child that runs until its stdin closes: alive, then exited but not reaped, then reaped.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        alive = process_identity(child.pid)
+        assert alive is not None
+        check_owner(alive, 2)
+        assert child.stdin is not None
+        child.stdin.close()
+        deadline = time.monotonic() + REPORT_WAIT  # expires only on failure
+        while b") Z " not in Path(f"/proc/{child.pid}/stat").read_bytes():
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+        with pytest.raises(WeightSyncError, match=r"v3: refused .* which is gone"):
+            check_owner(alive, 3)  # a zombie
+    finally:
+        child.kill()
+        child.wait()
+    assert process_identity(child.pid) is None
+    with pytest.raises(WeightSyncError, match=r"v4: refused .* which is gone"):
+        check_owner(alive, 4)
 
 
 def test_an_ipc_handle_goes_through_the_store_as_json_and_opens_with_the_same_fields(

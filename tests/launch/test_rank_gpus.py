@@ -1,6 +1,6 @@
 """Trainer ranks on a GPU machine: each rank takes a GPU of its own, so more ranks than GPUs is
 refused before any rank process starts (on one GPU, the second rank once failed at start-up
-with CUDA's "invalid device ordinal")."""
+with CUDA's "invalid device ordinal"); on a CPU machine, or with a GPU per rank, ranks start."""
 
 from __future__ import annotations
 
@@ -15,13 +15,31 @@ from asyncflow.errors import ConfigError
 from asyncflow.launch import ranks
 
 
+class StartedError(Exception):
+    """Raised where the rank processes would be spawned: the check let them start."""
+
+
+def start_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int, dp_size: int) -> None:
+    monkeypatch.setattr(ranks, "gpu_count", lambda: gpus)
+
+    def spawning(*_: object) -> None:
+        raise StartedError
+
+    monkeypatch.setattr(multiprocessing, "get_context", spawning)
+    config = cfg.load(None, ["trainer.engine=deepspeed", f"trainer.dp_size={dp_size}"])
+    ranks.RankGroup(tmp_path, config, af.Store(), "tcp://127.0.0.1:1", tmp_path)
+
+
 def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ranks, "gpu_count", lambda: 1)
-    started: list[object] = []
-    monkeypatch.setattr(multiprocessing, "get_context", lambda *_: started.append(1))
-    config = cfg.load(None, ["trainer.engine=deepspeed", "trainer.dp_size=2"])
     with pytest.raises(ConfigError, match=r"trainer.dp_size 2 needs a GPU per rank .* it has 1"):
-        ranks.RankGroup(tmp_path, config, af.Store(), "tcp://127.0.0.1:1", tmp_path)
-    assert not started
+        start_ranks(tmp_path, monkeypatch, gpus=1, dp_size=2)
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_ranks_start_on_a_cpu_machine_or_with_a_gpu_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int
+) -> None:
+    with pytest.raises(StartedError):
+        start_ranks(tmp_path, monkeypatch, gpus=gpus, dp_size=2)

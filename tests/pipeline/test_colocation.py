@@ -396,6 +396,22 @@ def test_engines_shared_by_workers_sleep_and_wake_once() -> None:
     assert [name for name, _ in events.seen] == ["sleep", "wake_up"]
 
 
+class FailingToWake(SleepyEngine):
+    def wake_up(self) -> None:
+        self.events.note("wake_up failed", self.version)
+        raise RuntimeError("out of memory")
+
+
+def test_every_engine_is_woken_even_when_one_fails_and_the_failure_is_raised() -> None:
+    events = Events()
+    sleep = EngineSleep([FailingToWake(events), SleepyEngine(events)])
+    with pytest.raises(RuntimeError, match="out of memory"), sleep.training():
+        pass
+    assert [name for name, _ in events.seen] == ["sleep", "sleep", "wake_up failed", "wake_up"]
+    with sleep.awake(threading.Event(), poll=0.01) as awake:  # the gate is open again
+        assert awake
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

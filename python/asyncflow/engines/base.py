@@ -135,8 +135,8 @@ class RolloutEngine(ABC):
         default keeps everything: an engine that cannot sleep simply stays."""
 
     def wake_up(self) -> None:  # noqa: B027 - optional hook
-        """Takes the memory back after :meth:`sleep`, with the weights of ``version`` (newer
-        ones are loaded after this, never into a sleeping engine)."""
+        """Takes the memory back after :meth:`sleep`, with the weights it had (newer ones are
+        loaded after this, never into a sleeping engine)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Frees the engine's resources."""

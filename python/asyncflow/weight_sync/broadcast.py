@@ -75,6 +75,9 @@ class BroadcastPublisher(Publisher):
         self._buffers: list[torch.Tensor] = []
         #: Where the transfer in progress is, for error messages.
         self._progress = ""
+        #: The failure that ended the group: a receiver may still be mid-version, so nothing
+        #: more is sent (an ipc buffer rewritten under a late copy would mix two versions).
+        self._failed: WeightSyncError | None = None
 
     def _bucket_buffers(self) -> list[torch.Tensor]:
         """Two buckets: one on the wire, one being packed."""
@@ -86,6 +89,8 @@ class BroadcastPublisher(Publisher):
         return self._buffers
 
     def publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._failed is not None:
+            raise WeightSyncError(f"weights v{version} not sent: {self._failed}")
         named = list(weights)
         layout = Layout.of(version, named, self.bucket_size)
         tensors = [t for _, t in named]
@@ -95,13 +100,15 @@ class BroadcastPublisher(Publisher):
             header = torch.tensor([version, layout.total, layout.bucket_size], dtype=torch.int64)
             self.group.broadcast(header.to(self.group.device)).wait()
             self._send(layout, tensors)
+            self._progress = " at the closing barrier"
             self.group.barrier()  # every receiver has swapped the version in
         except RuntimeError as e:
             receivers = ", ".join(self.group.labels[1:])
-            raise WeightSyncError(
+            self._failed = WeightSyncError(
                 f"weights v{version}: {self.what} to {receivers} failed{self._progress} after "
                 f"{time.monotonic() - started:.1f}s (a receiver died or stalled): {e}"
-            ) from e
+            )
+            raise self._failed from e
 
     def _prepare(self, layout: Layout, tensors: list[torch.Tensor]) -> dict[str, bytes]:
         """Runs before the layout is announced; returns fields to announce with it."""
@@ -180,7 +187,7 @@ class BroadcastReceiver(Receiver):
                     self._closed.wait(self.poll_interval)
                     continue
                 self._receive_one(have, max(newer))
-            except (RuntimeError, ValueError, LookupError, StoreError) as e:
+            except Exception as e:
                 with self._received:
                     self.error = (
                         e
@@ -206,18 +213,26 @@ class BroadcastReceiver(Receiver):
         except WeightSyncError:
             raise
         except RuntimeError as e:
-            root = self.group.labels[0]
-            raise WeightSyncError(
-                f"weights v{version}: the {self.what} from "
-                f"{root} failed{self._progress} after {time.monotonic() - started:.1f}s (it "
-                f"died or stalled); engines keep v{have}: {e}"
-            ) from e
+            raise self._failure(version, have, started, e) from e
         with self._received:
             old = self._ready
             self._ready = (layout, buffer)
             self._spare = None if old is None else old[1]
             self._received.notify_all()
-        self.group.barrier()
+        self._progress = " at the closing barrier (the version is in)"
+        try:
+            self.group.barrier()
+        except RuntimeError as e:
+            raise self._failure(version, version, started, e) from e
+
+    def _failure(
+        self, version: int, have: int | None, started: float, error: Exception
+    ) -> WeightSyncError:
+        return WeightSyncError(
+            f"weights v{version}: the {self.what} from {self.group.labels[0]} "
+            f"failed{self._progress} after {time.monotonic() - started:.1f}s (it died or "
+            f"stalled); engines keep v{have}: {error}"
+        )
 
     def _fill(self, layout: Layout, buffer: torch.Tensor) -> None:
         """Receives the version's bytes into ``buffer``, segment by segment."""

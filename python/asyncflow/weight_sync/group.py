@@ -51,6 +51,10 @@ class Group:
             raise ValueError(f"rank {rank} is outside a group of {spec.world_size}")
         self.spec, self.rank, self.label = spec, rank, label
         self.backend = spec.backend or default_backend(spec.world_size)
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError(
+                f"{label}: the weight-sync group's backend is nccl, and CUDA is absent"
+            )
         self.device = (
             torch.device("cuda", rank % torch.cuda.device_count())
             if self.backend == "nccl"

@@ -78,12 +78,13 @@ def process_identity(pid: int) -> dict[str, Any] | None:
     """What tells process ``pid`` apart from a later one given the same pid: its start time
     (clock ticks since boot) and the boot id. None if there is no such process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    # The command name (field 2) may hold spaces and parentheses: count from its closing one.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):  # exited, not yet reaped
+    # The command name (field 2) may hold spaces, parentheses and any bytes: count from its
+    # closing parenthesis.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):  # exited, not yet reaped
         return None
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     return {"pid": pid, "start": int(fields[19]), "boot": boot}
@@ -91,7 +92,13 @@ def process_identity(pid: int) -> dict[str, Any] | None:
 
 def check_owner(owner: dict[str, Any], version: int) -> None:
     """Raises :class:`WeightSyncError` unless the process that announced ``owner`` still runs."""
-    now = process_identity(int(owner["pid"]))
+    try:
+        now = process_identity(int(owner["pid"]))
+    except OSError as e:
+        raise WeightSyncError(
+            f"weights v{version}: refused the CUDA IPC handle of process {owner['pid']}: "
+            f"cannot tell whether it still runs ({e})"
+        ) from e
     if now != owner:
         raise WeightSyncError(
             f"weights v{version}: refused the CUDA IPC handle of process {owner['pid']}, which "

@@ -25,6 +25,7 @@ from asyncflow.engines.base import StepResult, TrainBatch, TrainEngine
 from asyncflow.errors import StoreTimeoutError
 from asyncflow.store import Store
 from asyncflow.workers.base import StallError, step_partition
+from asyncflow.workers.colocation import release_cached_gpu_memory
 from asyncflow.workers.steps import StepLoss, sample_fields, sample_lengths, update
 
 
@@ -108,6 +109,8 @@ class RankStep:
         batch.ack()
         self.engine.version = s + 1
         self.publish()
+        if self.config.rollout.sleep_while_training:
+            release_cached_gpu_memory()  # the engines sharing this GPU wake up next
         return result
 
     def _micro_batches(self, data: dict[str, list[Any]], result: StepResult) -> list[TrainBatch]:
