@@ -300,33 +300,47 @@ def daemon() -> Iterator[DaemonProcess]:
     d.stop()
 
 
-def test_broadcast_delivers_each_version_to_every_engine_bit_exact(
-    model_dir: Path, daemon: DaemonProcess
+def check_delivery(
+    model_dir: Path, daemon: DaemonProcess, transport: str, versions: list[int]
 ) -> None:
-    spec = GroupSpec(port=free_port(), world_size=3, timeout=TIMEOUT)
-    versions = [1, 2]
+    """Publishes ``versions`` to two receiving processes and checks each engine, bit for bit;
+    the store carries layouts (and ipc handles) only, no tensor."""
+    backend = "gloo" if transport == "ipc" else None  # ipc: the group carries control only
+    spec = GroupSpec(port=free_port(), world_size=3, timeout=TIMEOUT, backend=backend)
     children = [
-        _spawn(_receiving_process, spec, r, daemon.url, model_dir, versions, "broadcast")
+        _spawn(_receiving_process, spec, r, daemon.url, model_dir, versions, transport)
         for r in (1, 2)
     ]
     store = daemon.connect()
-    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0"), BUCKET)
+    group = Group(spec, 0, "trainer rank 0")
+    publisher = (
+        IpcPublisher(store, group)
+        if transport == "ipc"
+        else BroadcastPublisher(store, group, BUCKET)
+    )
     try:
         for version in versions:
             weights = version_weights(model_dir, version)
-            publisher.publish(version, weights)
+            # ipc: the trainer's tensors are on the GPU, as after an optimiser step there.
+            sent = [(n, t.cuda()) for n, t in weights] if transport == "ipc" else weights
+            publisher.publish(version, sent)
             for _, conn in children:
                 assert conn.poll(REPORT_WAIT), f"no engine report of v{version}"
                 kind, got_version, got = conn.recv()
                 assert (kind, got_version) == ("loaded", version)
                 assert_bit_exact(got, weights)
-        # The store carried the layouts only: no tensor was put.
         assert not len(store.rows(partition="__weights__"))
     finally:
         for proc, conn in children:
             conn.send("done")
             proc.join(timeout=TIMEOUT)
         publisher.close()
+
+
+def test_broadcast_delivers_each_version_to_every_engine_bit_exact(
+    model_dir: Path, daemon: DaemonProcess
+) -> None:
+    check_delivery(model_dir, daemon, "broadcast", [1, 2])
 
 
 def _publishing_process(
@@ -468,30 +482,7 @@ def test_an_ipc_handle_goes_through_the_store_as_json_and_opens_with_the_same_fi
 def test_ipc_delivers_each_version_to_every_engine_bit_exact(
     model_dir: Path, daemon: DaemonProcess
 ) -> None:
-    spec = GroupSpec(port=free_port(), world_size=3, timeout=TIMEOUT, backend="gloo")
-    versions = [1, 2, 3]
-    children = [
-        _spawn(_receiving_process, spec, r, daemon.url, model_dir, versions, "ipc") for r in (1, 2)
-    ]
-    store = daemon.connect()
-    publisher = IpcPublisher(store, Group(spec, 0, "trainer rank 0"))
-    try:
-        for version in versions:
-            weights = version_weights(model_dir, version)
-            # The trainer's tensors are on the GPU, as after an optimiser step there.
-            publisher.publish(version, [(n, t.cuda()) for n, t in weights])
-            for _, conn in children:
-                assert conn.poll(REPORT_WAIT), f"no engine report of v{version}"
-                kind, got_version, got = conn.recv()
-                assert (kind, got_version) == ("loaded", version)
-                assert_bit_exact(got, weights)
-        # The store carried the layouts and handles only: no tensor was put.
-        assert not len(store.rows(partition="__weights__"))
-    finally:
-        for proc, conn in children:
-            conn.send("done")
-            proc.join(timeout=TIMEOUT)
-        publisher.close()
+    check_delivery(model_dir, daemon, "ipc", [1, 2, 3])
 
 
 def _ipc_publisher_dying_after_announcing(
