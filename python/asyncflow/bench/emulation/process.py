@@ -71,8 +71,6 @@ def rollout_workers(
             continue
         engine = EmulatedRollout(device, costs, load_s)
         workers += [Rollout(ctx, engine, f"rollout-{d}.{k}") for k in range(per_device)]
-    if mode.partial != "off":
-        ctx.config.rollout.groups_per_call = ctx.config.rollout.max_num_seqs // ctx.config.rollout.n
     return workers, devices
 
 
