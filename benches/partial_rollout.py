@@ -7,7 +7,8 @@ pipeline emulation: the real workers, store daemon and weight publication on emu
 Per workload seed, the three modes run on async-1's best split (found by the simulator, as the
 ``pipeline`` suite does), one after the other; the figures are emulated. The partial modes run
 one request-level worker per generating device, keeping as many sequences in flight as
-async-1's calls do (``calls_per_device x groups_per_call x group_size``). Prints a markdown table:
+async-1's calls do (``calls_per_device x groups_per_call x group_size``) and claiming
+``groups_per_call`` prompt groups at a time, as one call does. Prints a markdown table:
 per mode, the mean over the seeds with the smallest and largest beside it.
 
 ``sim samples/s`` is the simulator's (``asyncflow-sim``) figure for the same mode, split and cost
