@@ -180,15 +180,19 @@ def test_store_transport_loads_each_version_in_place_bit_exact(model_dir: Path) 
 
 
 class RecordingGroup:
-    """Rank 0 of a group of one: records the order of packs, sends and waits."""
+    """Rank 0 of a group of one: records the order of packs, sends and waits, and where each
+    sent tensor's memory is."""
 
     rank, label, labels, device = 0, "trainer rank 0", ["trainer rank 0"], torch.device("cpu")
 
     def __init__(self, events: list[str]) -> None:
-        self.events, self.sent = events, 0
+        self.events = events
+        #: ``data_ptr()`` of each tensor sent, in order.
+        self.sent: list[int] = []
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
-        n, self.sent = self.sent, self.sent + 1
+        n = len(self.sent)
+        self.sent.append(tensor.data_ptr())
         self.events.append(f"send {n}")
         group = self
 
@@ -202,17 +206,23 @@ class RecordingGroup:
         self.events.append("barrier")
 
 
-def test_broadcast_packs_the_next_bucket_while_the_one_before_is_on_the_wire(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    events: list[str] = []
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The publisher's packs, as a :class:`RecordingGroup` on it records its sends and waits."""
+    recorded: list[str] = []
     real_pack = bc.pack
 
     def recording_pack(*args: Any) -> torch.Tensor:
-        events.append("pack")
+        recorded.append("pack")
         return real_pack(*args)
 
     monkeypatch.setattr(bc, "pack", recording_pack)
+    return recorded
+
+
+def test_broadcast_packs_the_next_bucket_while_the_one_before_is_on_the_wire(
+    events: list[str],
+) -> None:
     publisher = BroadcastPublisher(af.Store(), RecordingGroup(events), bucket_size=1024)
     publisher.publish(1, [("w", torch.randn(1024))])  # 4 buckets
     # The header (send 0), then bucket k is send k + 1; bucket k + 1 is packed and sent before
@@ -228,32 +238,14 @@ def test_broadcast_packs_the_next_bucket_while_the_one_before_is_on_the_wire(
     assert bc.announced(publisher.store).keys() == {1}
 
 
-def test_broadcast_sends_large_tensors_from_their_own_memory(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    events: list[str] = []
-    sent: list[int] = []
-    real_pack = bc.pack
-
-    def recording_pack(*args: Any) -> torch.Tensor:
-        events.append("pack")
-        return real_pack(*args)
-
-    monkeypatch.setattr(bc, "pack", recording_pack)
+def test_broadcast_sends_large_tensors_from_their_own_memory(events: list[str]) -> None:
     group = RecordingGroup(events)
-    real_broadcast = group.broadcast
-
-    def recording_broadcast(tensor: torch.Tensor) -> Any:
-        sent.append(tensor.data_ptr())
-        return real_broadcast(tensor)
-
-    monkeypatch.setattr(group, "broadcast", recording_broadcast)
     big = torch.randn(DIRECT_BYTES // 4)
     publisher = BroadcastPublisher(af.Store(), group, bucket_size=DIRECT_BYTES)
     publisher.publish(1, [("small", torch.randn(8)), ("big", big)])
     # The header, the small tensor packed, then the big one unpacked, straight from its memory.
     assert events[:5] == ["send 0", "wait 0", "pack", "send 1", "send 2"]
-    assert sent[2] == big.data_ptr()
+    assert group.sent[2] == big.data_ptr()
 
 
 def _receiving_process(
