@@ -181,6 +181,10 @@ class TrainBatch:
         # Without a cache and a mask, transformers reads sequence boundaries from the positions.
         return {**common, "position_ids": self.position_ids}
 
+    def on(self, device: torch.device) -> TrainBatch:
+        """This batch if it is on ``device`` already, else a copy there (:meth:`to`)."""
+        return self if self.input_ids.device == device else self.to(device)
+
     def to(self, device: torch.device | str) -> TrainBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)

@@ -100,12 +100,6 @@ class DeepSpeedTrainEngine(TrainEngine):
             ) from e
         self.zero_stage = config.trainer.zero_stage
 
-    def _on_device(self, batch: TrainBatch) -> TrainBatch:
-        device = self.engine.device
-        if batch.input_ids.device == device:
-            return batch
-        return batch.to(device)
-
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         out = self.engine(**batch.model_inputs())
         return token_logprobs(out.logits, batch.input_ids, self.temperature)
@@ -114,12 +108,12 @@ class DeepSpeedTrainEngine(TrainEngine):
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         self.engine.eval()  # no adapter dropout: the policy's own log-probs
         try:
-            return self._logprobs(self._on_device(batch)).float().cpu()
+            return self._logprobs(batch.on(self.engine.device)).float().cpu()
         finally:
             self.engine.train()
 
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        batch = self._on_device(batch)
+        batch = batch.on(self.engine.device)
         loss, stats = loss_fn(self._logprobs(batch), batch)
         # ``loss`` is this rank's share of the step's loss; DeepSpeed averages gradients over
         # the ranks, so the shares are scaled back up to make the average their sum.

@@ -250,9 +250,6 @@ class HFTrainEngine(TrainEngine):
         )
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.trainer))
 
-    def _on_device(self, batch: TrainBatch) -> TrainBatch:
-        return batch if batch.input_ids.device == self.device else batch.to(self.device)
-
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         logits = self.model(**batch.model_inputs()).logits
         return token_logprobs(logits, batch.input_ids, self.temperature)
@@ -262,12 +259,12 @@ class HFTrainEngine(TrainEngine):
         """Per-token log-probs ``[batch, length]``, on the CPU wherever the model is."""
         self.model.eval()  # no adapter dropout: the policy's own log-probs
         try:
-            return self._logprobs(self._on_device(batch)).cpu()
+            return self._logprobs(batch.on(self.device)).cpu()
         finally:
             self.model.train()
 
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        batch = self._on_device(batch)
+        batch = batch.on(self.device)
         loss, stats = loss_fn(self._logprobs(batch), batch)
         loss.backward()
         return stats
