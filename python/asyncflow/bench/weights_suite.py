@@ -35,6 +35,7 @@ it.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import statistics
 import time
@@ -215,46 +216,53 @@ def _receiver_main(spec: GroupSpec, store_url: str, transport: str, conn: Any) -
 # -- the cases ---------------------------------------------------------------------------------
 
 
+def _timings(round_: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` rounds, after ``WARM_UP`` untimed ones."""
+    times = []
+    for _ in range(WARM_UP + repeats):
+        t0 = time.monotonic()
+        round_()
+        times.append(time.monotonic() - t0)
+    return times[WARM_UP:]
+
+
 def memcpy_times(weights: list[tuple[str, torch.Tensor]], repeats: int) -> list[float]:
     """``numpy.copyto`` of each tensor's bytes into a buffer of its own (one thread)."""
     sources = [as_bytes(t).numpy() for _, t in weights]
     targets = [np.empty_like(s) for s in sources]
-    times = []
-    for _ in range(WARM_UP + repeats):
-        t0 = time.monotonic()
+
+    def round_() -> None:
         for source, target in zip(sources, targets, strict=True):
             np.copyto(target, source)
-        times.append(time.monotonic() - t0)
-    return times[WARM_UP:]
+
+    return _timings(round_, repeats)
 
 
 def d2d_times(weights: list[tuple[str, torch.Tensor]], repeats: int) -> list[float]:
     """A device-to-device ``copy_`` of each (GPU) tensor into a buffer of its own."""
-    targets = [torch.empty_like(t) for _, t in weights]
-    return _copy_times(weights, targets, repeats, lambda target, t: target.copy_(t))
+    return _copy_times(weights, repeats, lambda t: t)
 
 
 def roundtrip_times(weights: list[tuple[str, torch.Tensor]], repeats: int) -> list[float]:
     """Each (GPU) tensor copied to host memory and back into a GPU buffer of its own."""
-    targets = [torch.empty_like(t) for _, t in weights]
-    return _copy_times(weights, targets, repeats, lambda target, t: target.copy_(t.cpu()))
+    return _copy_times(weights, repeats, lambda t: t.cpu())
 
 
 def _copy_times(
     weights: list[tuple[str, torch.Tensor]],
-    targets: list[torch.Tensor],
     repeats: int,
-    copy: Callable[[torch.Tensor, torch.Tensor], Any],
+    source: Callable[[torch.Tensor], torch.Tensor],
 ) -> list[float]:
-    device = targets[0].device
-    times = []
-    for _ in range(WARM_UP + repeats):
-        t0 = time.monotonic()
+    """Each tensor ``copy_``-ed from ``source(tensor)`` into a buffer of its own on its device,
+    until the device is done."""
+    targets = [torch.empty_like(t) for _, t in weights]
+
+    def round_() -> None:
         for (_, tensor), target in zip(weights, targets, strict=True):
-            copy(target, tensor)
-        _synchronize(device)
-        times.append(time.monotonic() - t0)
-    return times[WARM_UP:]
+            target.copy_(source(tensor))
+        _synchronize(targets[0].device)
+
+    return _timings(round_, repeats)
 
 
 def store_times(
@@ -263,13 +271,14 @@ def store_times(
     store = af.Store(shards=8)
     publisher, receiver = StorePublisher(store), StoreReceiver(store)
     engine = HeldWeights(layers, device)
-    times = []
-    for version in range(1, WARM_UP + repeats + 1):
-        t0 = time.monotonic()
+    versions = itertools.count(1)
+
+    def round_() -> None:
+        version = next(versions)
         publisher.publish(version, weights)
         receiver.load(engine, version)
-        times.append(time.monotonic() - t0)
-    return times[WARM_UP:]
+
+    return _timings(round_, repeats)
 
 
 class BroadcastBench:
