@@ -10,12 +10,17 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from asyncflow.errors import StoreError, UnknownIndexError
 from asyncflow.store import Store
+from asyncflow.weight_sync.source import WeightSource
+
+if TYPE_CHECKING:
+    from asyncflow.engines.base import RolloutEngine
 
 PARTITION = "__weights__"
 PREFIX = "weights/"
@@ -64,10 +69,11 @@ def latest_version(store: Store) -> int | None:
     return max(published(store), default=None)
 
 
-class Watcher:
-    """The newest published version, as every worker of a process sees it. Workers waiting for
-    new weights share one poller thread, which reads the store every ``interval`` seconds while
-    anyone waits and wakes them only when the version changes."""
+class Watcher(WeightSource):
+    """The newest published version, as every worker of a process sees it (the weight source of
+    ``weights.transport: store``). Workers waiting for new weights share one poller thread, which
+    reads the store every ``interval`` seconds while anyone waits and wakes them only when the
+    version changes."""
 
     def __init__(self, store: Store, interval: float, stop: threading.Event | None = None) -> None:
         """``stop``: once it is set, waiters return (within about ``interval``) as if their
@@ -160,6 +166,16 @@ class Watcher:
                 with self._changed:
                     self._changed.notify_all()
             time.sleep(self.interval)
+
+    def load(self, engine: RolloutEngine, version: int) -> int:
+        """Loads exactly ``version`` (the store keeps the last few) into ``engine``."""
+        got, tensors = fetch(self.store, version)
+        engine.load_weights(got, tensors)
+        return got
+
+    def fetch(self, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """:func:`fetch` from this watcher's store."""
+        return fetch(self.store, version)
 
 
 def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:

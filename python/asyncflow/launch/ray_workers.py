@@ -23,7 +23,6 @@ import ray
 from ray._private import state as ray_state
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from asyncflow import weights
 from asyncflow.config import Config
 from asyncflow.daemon import connect
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
@@ -114,7 +113,7 @@ class WorkerActor:
 
     def load_weights(self, version: int) -> None:
         assert self.engine is not None, "only rollout actors load weights"
-        self.engine.load_weights(*weights.fetch(self.ctx.store, version))
+        self.ctx.weights.load(self.engine, version)
 
 
 class RemoteRollout(RolloutEngine):

@@ -296,6 +296,18 @@ class BroadcastReceiver(Receiver):
             engine.load_weights(layout.version, layout.views(buffer))
             return layout.version
 
+    def fetch(self, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """``(version, [(name, tensor)])`` of the version held (``version``, if given, must be
+        it), as views of one copy of its bytes: the receiving thread reuses the buffer two
+        versions later, and the caller may keep these past that."""
+        with self._lock:
+            if self._ready is None:
+                raise LookupError("no policy weights have been received yet")
+            layout, buffer = self._ready
+            if version is not None and version != layout.version:
+                raise LookupError(f"weights v{version} is not here (have v{layout.version})")
+            return layout.version, layout.views(buffer.clone())
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=self.poll_interval * 4)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncflow.batch import Batch
 from asyncflow.config import Config
@@ -23,8 +23,12 @@ from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.store import Store
 from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.trace import Tracer
+from asyncflow.weight_sync.source import ReceivedWeights, WeightSource
 from asyncflow.weights import Watcher
 from asyncflow.workers.colocation import EngineSleep
+
+if TYPE_CHECKING:
+    from asyncflow.weight_sync.broadcast import BroadcastReceiver
 
 #: Partition of prompts waiting for rollout; samples of training step s go to ``step-<s>``.
 PROMPTS = "prompts"
@@ -109,17 +113,27 @@ class Context:
     prompt_encoder: InitVar[PromptEncoder | None] = None
     #: ``rollout.sleep_while_training``: the rollout engines sleep through each training step.
     engine_sleep: EngineSleep | None = None
+    #: This process's end of the weight-sync group (``weights.transport: broadcast``); None: the
+    #: store carries the weights.
+    weight_receiver: InitVar[BroadcastReceiver | None] = None
     prompts: PromptEncoder = field(init=False)
-    #: The newest published policy version, shared by the process's workers.
-    weights: Watcher = field(init=False)
+    #: The policy versions this process can load, shared by its workers.
+    weights: WeightSource = field(init=False)
 
-    def __post_init__(self, prompt_encoder: PromptEncoder | None) -> None:
+    def __post_init__(
+        self, prompt_encoder: PromptEncoder | None, weight_receiver: BroadcastReceiver | None
+    ) -> None:
         data = self.config.data
         self.prompts = prompt_encoder or PromptEncoder.for_data(
             self.tokenizer, data, data.max_prompt_length
         )
         # A tenth of the claim wait: new weights are seen promptly, for one store read.
-        self.weights = Watcher(self.store, self.config.run.poll_interval / 10, self.stop)
+        interval = self.config.run.poll_interval / 10
+        self.weights = (
+            Watcher(self.store, interval, self.stop)
+            if weight_receiver is None
+            else ReceivedWeights(weight_receiver, interval, self.stop)
+        )
 
 
 class Worker(ABC):

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncflow import weights
 from asyncflow.batch import Batch
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.errors import WeightLoadError
 from asyncflow.errors import StoreError
-from asyncflow.store import Store
+from asyncflow.weight_sync.source import WeightSource
 from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 
@@ -69,9 +68,10 @@ class Rollout(Worker):
         self._idle_wait = max(self.config.run.poll_interval, IDLE_WAIT)
 
     def sync_weights(self) -> bool:
-        """Loads the newest published weights if they are newer than the engine's; returns
-        whether it did. A version that fails to load (see :func:`load_version`) is reported and
-        skipped; the engine goes on with the version it had."""
+        """Loads the newest weights of the run's weight source if they are newer than the
+        engine's; returns whether it did. A version that fails to load (see
+        :func:`load_version`) is reported and skipped; the engine goes on with the version it
+        had."""
         newest = self.ctx.weights.latest()
         if newest is None or newest <= self.engine.version or newest in self._unloadable:
             return False
@@ -79,7 +79,7 @@ class Rollout(Worker):
             if newest <= self.engine.version:
                 return False  # another worker sharing the engine loaded it meanwhile
             with self.busy(f"load weights v{newest}"):
-                failure = load_version(self.store, self.engine, newest)
+                failure = load_version(self.ctx.weights, self.engine, newest)
         if failure is not None:
             self._unloadable.add(newest)
             self.ctx.state.note_weight_failure(failure)
@@ -309,13 +309,13 @@ def oldest(token_versions: np.ndarray, default: int) -> int:
     return int(token_versions.min()) if len(token_versions) else default
 
 
-def load_version(store: Store, engine: RolloutEngine, version: int) -> str | None:
-    """Fetches weights ``version`` and loads them into ``engine``; returns None, or why they could
+def load_version(source: WeightSource, engine: RolloutEngine, version: int) -> str | None:
+    """Loads weights ``version`` from ``source`` into ``engine``; returns None, or why they could
     not be loaded (naming the version) while the engine kept the version it had. A publication
-    that cannot be read whole (a missing tensor, a truncated one) never reaches the engine."""
+    that cannot be read whole (a missing tensor, a truncated one) never reaches the engine. A
+    broken weight-sync group is no such failure: its error propagates and ends the run."""
     try:
-        got, tensors = weights.fetch(store, version)
-        engine.load_weights(got, tensors)
+        source.load(engine, version)
     except (StoreError, LookupError, WeightLoadError) as e:
         return (
             f"{engine.label}: weights v{version} failed to load ({type(e).__name__}: {e}); "
