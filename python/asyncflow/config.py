@@ -379,11 +379,13 @@ class WeightsConfig:
     """How each new policy version reaches the rollout engines (see docs/weights.md)."""
 
     #: ``store``: the store carries whole versions (the portable default). ``broadcast``: the
-    #: trainer's rank 0 sends each version in buckets over a torch.distributed group (gloo on
-    #: CPUs, NCCL on GPUs) that includes the rollout processes; the store carries only its
-    #: layout. ``ipc``: trainer and engines share a GPU, and engines copy each version from the
-    #: trainer's GPU memory through CUDA IPC handles. The job wires neither yet (both are
-    #: asyncflow.weight_sync transports, tested and measured by asyncflow bench weights).
+    #: trainer's rank 0 sends each version in buckets over a gloo group of its own whose one
+    #: receiver is the job's process, which holds the rollout engines; the store carries only
+    #: each version's layout. It needs trainer ranks in processes of their own
+    #: (``trainer.dp_size`` >= 2, deepspeed or fsdp) and ``launcher: local``. ``ipc``: trainer
+    #: and engines share a GPU, and engines copy each version from the trainer's GPU memory
+    #: through CUDA IPC handles; the job does not wire it yet (it is an asyncflow.weight_sync
+    #: transport, tested and measured by asyncflow bench weights).
     transport: Literal["store", "broadcast", "ipc"] = "store"
     #: Bytes per broadcast bucket: one is packed while the one before it is on the wire.
     bucket_size: str = "64MiB"
@@ -681,7 +683,7 @@ def validate(c: Config) -> None:
     _validate_reward_and_algorithm(c)
     if c.agent.enabled:
         _validate_agent(c)
-    _validate_weights(c.weights)
+    _validate_weights(c)
     if c.rollout.sleep_while_training:
         _validate_sleep(c)
     for key, device in [("rollout.device", c.rollout.device), ("trainer.device", c.trainer.device)]:
@@ -824,14 +826,36 @@ def no_sleep_mode_here(why: str) -> str:
     )
 
 
-def _validate_weights(w: WeightsConfig) -> None:
-    # Refused rather than silently run as store: see docs/weights.md for what is missing.
+def _validate_weights(c: Config) -> None:
+    w = c.weights
+    # Refused rather than silently run as store: see docs/weights.md for what each needs.
     _require(
-        w.transport == "store",
-        f"weights.transport {w.transport} is not wired into asyncflow train yet (the transport "
-        "itself is in asyncflow.weight_sync, measured by asyncflow bench weights; ipc needs "
-        "CUDA, trainer and engines sharing one GPU); use store",
+        w.transport != "ipc",
+        "weights.transport ipc is not wired into asyncflow train yet (the transport itself is in "
+        "asyncflow.weight_sync, measured by asyncflow bench weights; it needs CUDA, trainer and "
+        "engines sharing one GPU); use store, or broadcast with trainer ranks in processes of "
+        "their own",
     )
+    if w.transport == "broadcast":
+        _require(
+            c.launcher == "local",
+            "weights.transport broadcast needs launcher: local: under Ray the rollout engines "
+            "run in actors of their own, which do not join the weight-sync group; use store",
+        )
+        _require(
+            c.trainer.engine != "hf",
+            "weights.transport broadcast needs trainer.engine deepspeed or fsdp with "
+            "trainer.dp_size >= 2: the hf train engine runs in the job's process beside the "
+            "rollout engines, with nobody to broadcast to; use store",
+        )
+        _require(
+            c.trainer.dp_size >= 2,
+            "weights.transport broadcast needs the trainer's ranks in processes of their own "
+            "(trainer.dp_size >= 2, trainer.engine deepspeed or fsdp): with trainer.dp_size 1 "
+            "the trainer runs in the job's process beside the rollout engines, with nobody to "
+            "broadcast to, and the store's zero-copy views already are the in-process path; "
+            "use store",
+        )
     try:
         bucket = parse_size(w.bucket_size) or 0
     except ValueError as e:

@@ -258,6 +258,7 @@ class Run:
             state,
             prompt_encoder=prompts,
             engine_sleep=self.engine_sleep,
+            weight_receiver=resources.weight_receiver(),
         )
         ledger = Ledger(self.run_dir / "ledger.jsonl")
         start_group = 0
@@ -323,7 +324,7 @@ class Run:
         busy = tracer.busy_fraction()
 
         since = time.monotonic()
-        version, final = weights.fetch(store, trainer_engine.version)
+        version, final = ctx.weights.fetch(trainer_engine.version)
         resources.scorer.load_weights(version, final)
         after = accuracy(scored, eval_set, prompts, max_tokens, verify=verify)
         pass_after = pass_at_k(

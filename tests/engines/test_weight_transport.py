@@ -84,19 +84,42 @@ def assert_bit_exact(got: dict[str, bytes], weights: list[tuple[str, torch.Tenso
 # -- the configuration ---------------------------------------------------------------------------
 
 
+#: Trainer ranks in processes of their own: what ``broadcast`` needs.
+RANKS = ["trainer.engine=fsdp", "trainer.dp_size=2"]
+
+
 @pytest.mark.parametrize(
-    ("override", "message"),
+    ("overrides", "message"),
     [
-        ("weights.transport=ipc", r"ipc is not wired into asyncflow train"),
-        ("weights.transport=broadcast", r"broadcast is not wired into asyncflow train"),
-        ("weights.transport=nccl", r"weights\.transport must be one of"),
-        ("weights.bucket_size=0", r"weights\.bucket_size must be a positive size"),
-        ("weights.timeout=0", r"weights\.timeout must be positive"),
+        (["weights.transport=ipc", *RANKS], r"ipc is not wired into asyncflow train .* CUDA"),
+        # The trainer in the job's process: nobody to broadcast to.
+        (["weights.transport=broadcast"], r"dp_size >= 2.* job's process.*; use store"),
+        (
+            ["weights.transport=broadcast", "trainer.engine=hf", "trainer.dp_size=2"],
+            r"hf train engine runs in the job's process.*; use store",
+        ),
+        (
+            ["weights.transport=broadcast", *RANKS, "launcher=ray"],
+            r"broadcast needs launcher: local: under Ray .*; use store",
+        ),
+        (["weights.transport=nccl"], r"weights\.transport must be one of"),
+        (["weights.bucket_size=0"], r"weights\.bucket_size must be a positive size"),
+        (["weights.timeout=0"], r"weights\.timeout must be positive"),
     ],
 )
-def test_weights_settings_the_job_cannot_run_are_refused(override: str, message: str) -> None:
+def test_weights_settings_the_job_cannot_run_are_refused(
+    overrides: list[str], message: str
+) -> None:
     with pytest.raises(cfg.ConfigError, match=message):
-        cfg.load(None, [override])
+        cfg.load(None, overrides)
+
+
+def test_broadcast_is_accepted_with_trainer_ranks_in_processes_of_their_own() -> None:
+    for engine in ("fsdp", "deepspeed"):
+        config = cfg.load(
+            None, ["weights.transport=broadcast", f"trainer.engine={engine}", "trainer.dp_size=2"]
+        )
+        assert config.weights.transport == "broadcast"
 
 
 def test_the_store_transport_is_the_default() -> None:

@@ -9,12 +9,15 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncflow.config import Config
 from asyncflow.engines.base import RolloutEngine, TrainEngine
 from asyncflow.store import Store
 from asyncflow.workers.base import Context, Worker
+
+if TYPE_CHECKING:
+    from asyncflow.weight_sync.broadcast import BroadcastReceiver
 
 #: Where each launcher's ``start`` lives (imported when the run names it: Ray's is optional).
 LAUNCHERS = {"local": "asyncflow.launch.local", "ray": "asyncflow.launch.ray_cluster"}
@@ -47,6 +50,9 @@ class Resources:
     #: The rollout engines of this process (``rollout.sleep_while_training`` puts them to sleep
     #: for each training step); none where they run elsewhere.
     rollouts: Sequence[RolloutEngine] = ()
+    #: Waits until this process has joined the weight-sync group and returns its receiver
+    #: (``weights.transport: broadcast``), or None where the store carries the weights.
+    weight_receiver: Callable[[], BroadcastReceiver | None] = lambda: None
 
 
 class Start(Protocol):

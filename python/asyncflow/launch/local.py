@@ -2,9 +2,11 @@
 
 The store is embedded (or the configured daemon), with a daemon of the run's own when trainer
 ranks in other processes need one; the engines are made here, the data-parallel trainer ranks as
-processes of this machine. Workers run as threads (they share the embedded store, and torch
-releases the GIL in its kernels). The run ends when the trainer finishes, when any worker fails
-(the error names it), or on Ctrl-C; every other worker then stops at its next poll."""
+processes of this machine (with ``weights.transport: broadcast``, this process joins their rank
+0's weight-sync group as the one receiver, for all of its rollout engines). Workers run as
+threads (they share the embedded store, and torch releases the GIL in its kernels). The run ends
+when the trainer finishes, when any worker fails (the error names it), or on Ctrl-C; every other
+worker then stops at its next poll."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from asyncflow.launch.rank_process import RANK_ENGINES
 from asyncflow.launch.ranks import RankGroup
 from asyncflow.store import Store
 from asyncflow.units import parse_size
+from asyncflow.weight_sync.broadcast import BroadcastReceiver
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import Context, Worker
 from asyncflow.workers.critic import CriticWorker
@@ -105,6 +108,9 @@ def start(
         trainer = RankGroup(model_dir, c, store, address, run_dir / "logs", token)
     cleanup.callback(trainer.close)
     rollouts: list[RolloutEngine] = []
+    receiver: Callable[[], BroadcastReceiver | None] = (
+        trainer.weight_receiver if isinstance(trainer, RankGroup) else lambda: None
+    )
 
     def close_rollouts() -> None:
         for engine in rollouts:
@@ -125,6 +131,7 @@ def start(
         train_name=train_name,
         middle=lambda ctx: workers(ctx, rollouts, model_dir),
         rollouts=rollouts,
+        weight_receiver=receiver,
     )
 
 

@@ -1,9 +1,10 @@
 """The process of one data-parallel trainer rank.
 
 Start-up order: send output to the rank's log file; join the process group (before anything else
-can create one); build the train engine (DeepSpeed or FSDP2); connect to the store daemon;
-publish the initial weights (rank 0); report ready. Then it serves the job's commands, one at a
-time, until told to close or until the job's end of the pipe closes.
+can create one); build the train engine (DeepSpeed or FSDP2); connect to the store daemon; rank 0
+joins the weight-sync group as its publisher (``weights.transport: broadcast``: the job's process
+joins as the receiver) and publishes the initial weights; report ready. Then it serves the job's
+commands, one at a time, until told to close or until the job's end of the pipe closes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from asyncflow.engines.base import TrainEngine
 from asyncflow.engines.process_group import Rendezvous
 from asyncflow.engines.registry import create_train_engine, resolve_engine_name
 from asyncflow.models.tokenizer import load_tokenizer
+from asyncflow.store import Store
+from asyncflow.units import parse_size
+from asyncflow.weight_sync import Publisher
+from asyncflow.weight_sync.broadcast import BroadcastPublisher
+from asyncflow.weight_sync.group import Group, GroupSpec
+from asyncflow.weight_sync.store_transport import StorePublisher
 from asyncflow.workers.rank_step import RankStep
 
 #: The train engines that run as data-parallel ranks, one process each.
@@ -42,6 +49,9 @@ class RankSpec:
     log_path: Path
     #: Where rank 0 listens for its peers (another machine's address under Ray).
     master_addr: str = "127.0.0.1"
+    #: The weight-sync group rank 0 publishes over (``weights.transport: broadcast``); None:
+    #: rank 0 publishes through the store.
+    weight_sync: GroupSpec | None = None
 
 
 def describe(error: BaseException) -> str:
@@ -96,8 +106,9 @@ def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
         engine = create_train_engine(name, spec.model_dir, spec.config, rendezvous)
     store = connect(spec.store_address, token=spec.store_token)
     pad_id = load_tokenizer(spec.model_dir).pad_id
+    publisher = weight_publisher(spec, store)
     step = RankStep(
-        store, spec.config, engine, pad_id, spec.rank, spec.world_size, threading.Event()
+        store, spec.config, engine, pad_id, spec.rank, spec.world_size, threading.Event(), publisher
     )
     step.publish()
 
@@ -108,6 +119,7 @@ def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
 
     def close(_: Any) -> None:
         engine.close()
+        publisher.close()
 
     return {
         "version": lambda _: engine.version,
@@ -118,3 +130,14 @@ def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
         "save_pretrained": engine.save_pretrained,
         "close": close,
     }
+
+
+def weight_publisher(spec: RankSpec, store: Store) -> Publisher:
+    """How rank 0 publishes each version: over the weight-sync group, whose rendezvous it serves
+    (waiting up to its ``join_timeout`` for the job's process to join), or through the store.
+    Other ranks only take part in gathering the weights, and publish nothing."""
+    if spec.weight_sync is None or spec.rank != 0:
+        return StorePublisher(store)
+    bucket = parse_size(spec.config.weights.bucket_size)
+    assert bucket is not None  # validated with the config
+    return BroadcastPublisher(store, Group(spec.weight_sync, 0, "trainer rank 0"), bucket)

@@ -3,16 +3,18 @@ process.
 
 The job holds :class:`Ranks` (here a :class:`RankGroup` of processes; under Ray, actors: see
 :mod:`asyncflow.launch.ray_ranks`), a train engine whose every call is sent to all ranks (under
-ZeRO-3 nearly everything is collective) and answered by them. The ranks reach the samples and
-publish weights through the store daemon. Every wait has a deadline and watches the processes: a
-rank that exits or does not answer in time becomes an error naming it, what the job was waiting
-for, and the end of its log.
+ZeRO-3 nearly everything is collective) and answered by them. The ranks reach the samples through
+the store daemon, and rank 0 publishes weights through it too, or (``weights.transport:
+broadcast``) over a weight-sync group with the job's process as its one receiver. Every wait has
+a deadline and watches the processes: a rank that exits or does not answer in time becomes an
+error naming it, what the job was waiting for, and the end of its log.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import socket
 import threading
 import time
 from abc import abstractmethod
@@ -23,15 +25,18 @@ from typing import Any
 
 import torch
 
-from asyncflow import weights
 from asyncflow.config import Config
 from asyncflow.engines.base import LossFn, StepResult, StepTrainEngine, TrainBatch
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
-from asyncflow.engines.process_group import free_port, gpu_count
+from asyncflow.engines.process_group import free_port, gpu_count, reserve_port
 from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.errors import ConfigError
 from asyncflow.launch.rank_process import RankSpec, main
 from asyncflow.store import Store
+from asyncflow.weight_sync.broadcast import BroadcastReceiver
+from asyncflow.weight_sync.group import Group, GroupSpec
+from asyncflow.weight_sync.source import ReceivedWeights, WeightSource
+from asyncflow.weights import Watcher
 
 #: Lines of a rank's log quoted in an error.
 LOG_TAIL = 15
@@ -60,6 +65,8 @@ class Ranks(StepTrainEngine):
         #: A step may first wait for its samples as long as any worker may wait for its input.
         self.step_timeout = config.run.stall_timeout + config.trainer.timeout
         self._started = False
+        #: Where rank 0's versions are read back from (the store, unless a subclass says).
+        self._store_weights = Watcher(store, 0.0)
 
     @abstractmethod
     def _call(
@@ -106,9 +113,13 @@ class Ranks(StepTrainEngine):
         raise NotImplementedError("the ranks train whole steps: use train_step")
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The current version's weights, as rank 0 published them (views of the store)."""
+        """The current version's weights, as rank 0 published them (not to be written to)."""
         self._ready()
-        return iter(weights.fetch(self.store, self.version)[1])
+        return iter(self._weights().fetch(self.version)[1])
+
+    def _weights(self) -> WeightSource:
+        """Where the versions rank 0 publishes can be read in this process."""
+        return self._store_weights
 
     def save(self, directory: Path) -> None:
         self._call("save", directory, f"saving a checkpoint to {directory}")
@@ -147,6 +158,26 @@ class RankGroup(Ranks):
             )
         super().__init__(store, config)
         self.logs = [log_dir / f"trainer-rank-{r}.log" for r in range(config.trainer.dp_size)]
+        #: This process's end of the weight-sync group (``weights.transport: broadcast``), once
+        #: joined, and what kept joining from succeeding.
+        self._receiver: BroadcastReceiver | None = None
+        self._join_error: BaseException | None = None
+        self._joining: threading.Thread | None = None
+        #: Holds the group's port until rank 0 listens on it (taken first: the port picked for
+        #: the ranks' own group below cannot then be the same).
+        self._port_hold: socket.socket | None = None
+        weight_sync: GroupSpec | None = None
+        if config.weights.transport == "broadcast":
+            self._port_hold = reserve_port()
+            weight_sync = GroupSpec(
+                port=self._port_hold.getsockname()[1],
+                world_size=2,
+                timeout=config.weights.timeout,
+                # Rank 0 joins once its engine is built, which trainer.timeout bounds.
+                join_timeout=config.trainer.timeout,
+                # On GPUs too: the group's NCCL branch has never run (docs/weights.md).
+                backend="gloo",
+            )
         port = free_port()
         # Spawned, not forked: the job's process already runs threads and the store client.
         context = multiprocessing.get_context("spawn")
@@ -163,6 +194,7 @@ class RankGroup(Ranks):
                 store_address,
                 store_token if store_token is not None else config.store.token,
                 log,
+                weight_sync=weight_sync,
             )
             proc = context.Process(
                 target=main, args=(spec, theirs), name=f"trainer-rank-{rank}", daemon=True
@@ -171,6 +203,47 @@ class RankGroup(Ranks):
             theirs.close()
             self.procs.append(proc)
             self.conns.append(ours)
+        if weight_sync is not None:
+            # Joined beside the ranks' start: rank 0 publishes version 0 to this process before
+            # it reports ready.
+            self._joining = threading.Thread(
+                target=self._join, args=(weight_sync,), name="weight-sync join", daemon=True
+            )
+            self._joining.start()
+
+    # -- the weight-sync group ----------------------------------------------------------------
+
+    def _join(self, spec: GroupSpec) -> None:
+        try:
+            group = Group(spec, 1, "the job's rollout process")
+            self._receiver = BroadcastReceiver(self.store, group)
+        except BaseException as e:
+            self._join_error = e
+        finally:
+            self._release_port()
+
+    def _release_port(self) -> None:
+        hold, self._port_hold = self._port_hold, None
+        if hold is not None:
+            hold.close()
+
+    def weight_receiver(self) -> BroadcastReceiver | None:
+        """This process's receiver of rank 0's versions (``weights.transport: broadcast``; else
+        None), once every rank has started: version 0 is then in it."""
+        if self._joining is None:
+            return None
+        self._ready()  # a rank that fails to start is named here
+        self._joining.join(timeout=self.timeout)
+        if self._receiver is None:
+            raise EngineError(
+                "the job's process could not join the weight-sync group with trainer rank 0: "
+                f"{self._join_error!r}; see {self.logs[0]}"
+            )
+        return self._receiver
+
+    def _weights(self) -> WeightSource:
+        receiver = self.weight_receiver()
+        return self._store_weights if receiver is None else ReceivedWeights(receiver)
 
     # -- talking to the ranks -----------------------------------------------------------------
 
@@ -240,6 +313,10 @@ class RankGroup(Ranks):
     def close(self) -> None:
         """Asks every rank to stop, then ends those that do not within ten seconds (one mid-step
         cannot read the request until its step ends)."""
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver.group.close()
+        self._release_port()
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a rank that is gone needs no asking
                 conn.send(("close", None))

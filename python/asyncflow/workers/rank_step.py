@@ -4,7 +4,8 @@ Every rank asks the store for its part of the step with a shared claim: the firs
 the step's whole batch, split into token-balanced parts with a GRPO group on one rank. A rank cuts
 its part into token-budget micro-batches; since ZeRO-2/3 talk to the peers in every backward, the
 ranks agree on the largest count and pad with empty micro-batches. The optimiser step reduces the
-gradients across ranks; rank 0 publishes the new weights.
+gradients across ranks; rank 0 publishes the new weights (through the store, or over the
+weight-sync group to the job's process).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asyncflow import weights
 from asyncflow.batch import Batch
 from asyncflow.config import Config
 from asyncflow.engines.base import StepResult, TrainBatch, TrainEngine
 from asyncflow.errors import StoreTimeoutError
 from asyncflow.store import Store
+from asyncflow.weight_sync import Publisher
+from asyncflow.weight_sync.store_transport import StorePublisher
 from asyncflow.workers.base import StallError, step_partition
 from asyncflow.workers.colocation import release_cached_gpu_memory
 from asyncflow.workers.steps import StepLoss, sample_fields, sample_lengths, update
@@ -49,8 +51,11 @@ class RankStep:
         rank: int,
         world_size: int,
         stop: threading.Event,
+        publisher: Publisher | None = None,
     ) -> None:
+        """``publisher``: how rank 0 publishes each version (default: through ``store``)."""
         self.store = store
+        self.publisher = publisher if publisher is not None else StorePublisher(store)
         self.config = config
         self.engine = engine
         self.rank = rank
@@ -126,7 +131,7 @@ class RankStep:
         return batches
 
     def publish(self) -> None:
-        """Rank 0 puts the current weights in the store (gathering them is collective)."""
+        """Rank 0 publishes the current weights (gathering them is collective)."""
         exported = self.engine.export_weights()
         if self.rank == 0:
-            weights.publish(self.store, self.engine.version, exported)
+            self.publisher.publish(self.engine.version, exported)

@@ -1,0 +1,212 @@
+"""``weights.transport: broadcast`` in the main job: two FSDP2 trainer ranks in processes of their
+own, rank 0 publishing each version over the weight-sync group (gloo over loopback) to the job's
+process, whose rollout engine, evaluator and final-weights read take them from its receiver. The
+store carries the versions' layouts and never a tensor; a rank 0 that dies mid-broadcast ends the
+job with an error naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import asyncflow as af
+from asyncflow import config as cfg
+from asyncflow.config import Config
+from asyncflow.daemon import DaemonProcess
+from asyncflow.engines.base import RolloutEngine
+from asyncflow.engines.errors import EngineDiedError
+from asyncflow.launch import local
+from asyncflow.launch.local import WorkerError
+from asyncflow.launch.ranks import RankGroup
+from asyncflow.models.chatml import chatml_tokenizer
+from asyncflow.progress import Reporter
+from asyncflow.telemetry.trace import Tracer
+from asyncflow.train import train
+from asyncflow.weight_sync import WeightSyncError
+from asyncflow.weight_sync import broadcast as bc
+from asyncflow.weight_sync.broadcast import BroadcastReceiver
+from asyncflow.weight_sync.layout import Layout, as_bytes
+from asyncflow.weight_sync.source import ReceivedWeights
+from asyncflow.workers.base import PROMPTS, Context, RunState
+from asyncflow.workers.rollout import Rollout
+
+STEPS = 3
+#: A job small enough for two CPU cores: no warm start, a tiny model, four groups of four a step.
+JOB = [
+    "warm_start.enabled=false",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "trainer.engine=fsdp",
+    "trainer.dp_size=2",
+    "trainer.groups_per_step=4",
+    "rollout.n=4",
+    "rollout.engine=hf",
+    "data.eval_size=8",
+    "run.progress=false",
+    "weights.transport=broadcast",
+    # Several segments a version: tensors straddle their ends.
+    "weights.bucket_size=16KiB",
+    # On-policy: the rollout worker must load each new version before generating again.
+    "trainer.max_staleness=0",
+]
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    """The run's store, started here so that the test can read it after the run."""
+    with DaemonProcess() as d:
+        yield d
+
+
+def job(daemon: DaemonProcess, *overrides: str) -> Config:
+    return cfg.load(None, [*JOB, f"store.address={daemon.url}", *overrides])
+
+
+@pytest.fixture
+def rollouts(monkeypatch: pytest.MonkeyPatch) -> list[RolloutEngine]:
+    """The rollout engines the job makes, recorded."""
+    made: list[RolloutEngine] = []
+    create = local.create_rollout_engine
+
+    def recording(*args: Any) -> RolloutEngine:
+        made.append(create(*args))
+        return made[-1]
+
+    monkeypatch.setattr(local, "create_rollout_engine", recording)
+    return made
+
+
+@pytest.mark.slow
+def test_a_broadcast_job_ends_with_the_trainers_final_weights_in_its_engine_and_no_tensor_in_the_store(  # noqa: E501
+    tmp_path: Path, daemon: DaemonProcess, rollouts: list[RolloutEngine]
+) -> None:
+    summary = train(job(daemon, f"trainer.max_steps={STEPS}"), tmp_path, reporter=Reporter(False))
+
+    # Every sample of every step came from the version before it: each new version reached the
+    # rollout engine through the receiver while the run went on.
+    assert summary["staleness_histogram"] == {"0": STEPS * 4 * 4}
+    assert summary["weight_load_failures"] == []
+    (engine,) = rollouts
+    assert engine.version == STEPS
+    # Bit for bit the model the ranks saved from their own parameters.
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    mine = dict(engine.model.named_parameters())  # type: ignore[attr-defined]
+    assert set(final) <= set(mine)
+    for name, tensor in final.items():
+        assert as_bytes(mine[name]).numpy().tobytes() == as_bytes(tensor).numpy().tobytes(), name
+
+    store = daemon.connect()
+    assert "__weights__" not in set(store.rows().partitions), "a version went through the store"
+    layouts = store.rows(partition=bc.PARTITION)
+    assert sorted(int(v) for v in layouts.versions) == [STEPS - 1, STEPS]  # the last two kept
+    assert [set(f) for f in store.ready_fields(layouts.indexes)] == [{bc.LAYOUT}] * 2
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_0_killed_mid_broadcast_fails_the_job_naming_it(
+    tmp_path: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    groups: list[RankGroup] = []
+
+    class Recorded(RankGroup):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            groups.append(self)
+
+    monkeypatch.setattr(local, "RankGroup", Recorded)
+    receive = BroadcastReceiver._fill
+
+    def killing_rank_0(self: BroadcastReceiver, layout: Layout, buffer: torch.Tensor) -> None:
+        if layout.version == 1:  # its header is in, its segments not
+            os.kill(groups[0].procs[0].pid, signal.SIGKILL)
+        receive(self, layout, buffer)
+
+    monkeypatch.setattr(BroadcastReceiver, "_fill", killing_rank_0)
+    with pytest.raises(WorkerError, match="trainer rank 0") as failed:
+        train(job(daemon, "trainer.max_steps=2"), tmp_path, reporter=Reporter(False))
+    # The trainer sees its rank die, or the rollout worker sees the broadcast break: either way
+    # the run ends with the cause, not waiting.
+    assert isinstance(failed.value.__cause__, (WeightSyncError, EngineDiedError)), failed.value
+
+
+# -- the job's weight source over a receiver (no group) ------------------------------------------
+
+
+class FakeReceiver:
+    """What :class:`ReceivedWeights` asks of a receiver: the newest version and its bytes, or the
+    error that broke the group."""
+
+    def __init__(self, version: int | None, error: WeightSyncError | None = None) -> None:
+        self.version, self.error = version, error
+        self.loaded: list[int] = []
+
+    def latest(self) -> int | None:
+        if self.error is not None:
+            raise self.error
+        return self.version
+
+    def wait_for(self, version: int, timeout: float) -> bool:
+        newest = self.latest()
+        return newest is not None and newest >= version
+
+    def load(self, engine: Any, version: int | None = None) -> int:
+        assert self.version is not None
+        self.loaded.append(self.version)
+        return self.version
+
+
+def test_the_received_source_loads_the_newest_version_and_refuses_one_not_yet_here() -> None:
+    receiver = FakeReceiver(5)
+    source = ReceivedWeights(receiver)  # type: ignore[arg-type]
+    assert source.load(object(), 3) == 5, "an older version gives way to the newest held"
+    with pytest.raises(LookupError, match="v6 has not been received"):
+        source.load(object(), 6)
+    assert receiver.loaded == [5]
+
+
+def test_waiting_on_the_received_source_ends_when_the_run_stops() -> None:
+    stop = threading.Event()
+    stop.set()
+    source = ReceivedWeights(FakeReceiver(None), interval=0.01, stop=stop)  # type: ignore[arg-type]
+    assert source.wait_for(1, timeout=3600.0) is False  # returns at once, not in an hour
+
+
+def test_a_broken_weight_sync_group_fails_the_rollout_worker_instead_of_being_skipped() -> None:
+    broken = WeightSyncError("weights v2: the broadcast from trainer rank 0 failed at bucket 3/9")
+    config = cfg.load(None, ["trainer.max_staleness=0"])
+    store = af.Store()
+    store.register_task("rollout", partitions=[PROMPTS])
+    ctx = Context(
+        store,
+        config,
+        chatml_tokenizer(),
+        Tracer(),
+        RunState(),
+        weight_receiver=FakeReceiver(None, broken),  # type: ignore[arg-type]
+    )
+    assert isinstance(ctx.weights, ReceivedWeights)
+
+    worker = Rollout(ctx, Idle())
+    with pytest.raises(WeightSyncError, match="trainer rank 0"):
+        worker.step()
+    assert ctx.state.weight_failures == [], "not reported as one version failing to load"
+    with pytest.raises(WeightSyncError, match="trainer rank 0"):  # waiting for one, the same
+        worker._wait_for_weights(1)
+
+
+class Idle(RolloutEngine):
+    """An engine that is never asked for anything here."""
+
+    def generate(self, prompts: Any, sampling: Any) -> Any:
+        raise AssertionError("nothing is generated without weights")
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        raise AssertionError("no weights to load")
