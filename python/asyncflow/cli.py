@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--costs", metavar="FILE", help="cost model YAML of the pipeline and sim suites"
     )
+    bench.add_argument(
+        "--cases",
+        metavar="NAMES",
+        help="e2e only: comma-separated parts to run, staleness and/or peers (default: both)",
+    )
     rel = sub.add_parser(
         "reliability",
         help="inject faults many times, soak, and write the report (docs/reliability.md)",
@@ -124,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # here: on loopback without one, any local user could read and clear their rows.
         os.environ.setdefault(TOKEN_ENV, new_token())
 
-        return run_suite(args.suite, json_path=args.json, quick=args.quick, costs=args.costs)
+        cases = tuple(args.cases.split(",")) if args.cases else None
+        return run_suite(
+            args.suite, json_path=args.json, quick=args.quick, costs=args.costs, cases=cases
+        )
     if args.command == "data":
         from asyncflow.tasks import gsm_synthetic
 

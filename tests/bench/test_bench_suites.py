@@ -16,9 +16,11 @@ from asyncflow.bench.emulation.modes import MODES
 KEYS = {"suite", "case", "metric", "value", "unit", "baseline", "baseline_value", "ratio"}
 
 
-def records(tmp_path: Path, suite: str) -> list[dict[str, Any]]:
+def records(
+    tmp_path: Path, suite: str, cases: tuple[str, ...] | None = None
+) -> list[dict[str, Any]]:
     out = tmp_path / f"{suite}.json"
-    assert run_suite(suite, json_path=str(out), quick=True) == 0
+    assert run_suite(suite, json_path=str(out), quick=True, cases=cases) == 0
     table = [line for line in out.with_suffix(".md").read_text().splitlines() if line[:2] == "| "]
     assert len(table) == len(json.loads(out.read_text())) + 1  # a header, then one row each
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
@@ -85,7 +87,8 @@ def test_the_e2e_suite_times_the_main_job_at_each_staleness(
         return read_result(run_dir, seed, staleness, target)
 
     monkeypatch.setattr(e2e_suite, "result", keep_run)
-    rows = records(tmp_path, "e2e")
+    rows = records(tmp_path, "e2e", cases=("staleness",))
+    assert {r["case"] for r in rows} == {f"staleness-{k}" for k in e2e_suite.STALENESS}
     assert sorted(runs) == [0, 1, 2]
     quick = e2e_suite.QUICK
     for k, (summary, history) in runs.items():
@@ -119,3 +122,49 @@ def test_the_e2e_suite_times_the_main_job_at_each_staleness(
     first, *later = runs  # in the order they ran
     assert "warm_start" in runs[first][0]["phase_seconds"]
     assert not any("warm_start" in runs[k][0]["phase_seconds"] for k in later)
+
+
+@pytest.mark.slow
+def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What each run wrote, read as the suite reads it (the runs live in a directory it removes).
+    runs: dict[str, dict[str, Any]] = {}
+    histories: dict[str, list[dict[str, Any]]] = {}
+    read_result = e2e_suite._peer_result
+
+    def keep_run(run_dir: Path, seed: int, case: str, command_seconds: float) -> Any:
+        runs[case] = json.loads((run_dir / "summary.json").read_text())
+        if case != "trl":
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            histories[case] = [json.loads(line) for line in lines]
+        return read_result(run_dir, seed, case, command_seconds)
+
+    monkeypatch.setattr(e2e_suite, "_peer_result", keep_run)
+    rows = records(tmp_path, "e2e", cases=("peers",))
+    assert {r["case"] for r in rows} == set(e2e_suite.PEERS)
+    steps = e2e_suite.QUICK.steps
+    job, hf, trl = runs["asyncflow"], runs["asyncflow-hf"], runs["trl"]
+    assert hf["engines"] == {"rollout": "hf", "trainer": "hf"}
+    assert job["steps"] == hf["steps"] == trl["steps"] == steps
+    # TRL took one optimizer step per job step, each on a step's worth of completions.
+    assert len(trl["train_loss"]) == len(trl["reward"]) == steps
+    assert trl["tokens_generated"] >= steps * 4 * 16  # quick: 4 groups of 16, >= 1 token each
+    for case, summary in (("asyncflow", job), ("asyncflow-hf", hf), ("trl", trl)):
+        assert metric(rows, case, "final_accuracy", "trl")["value"] == summary["accuracy_after"]
+        assert (
+            metric(rows, case, "final_accuracy", "trl")["baseline_value"] == (trl["accuracy_after"])
+        )
+    # The job's RL seconds leave out its one evaluation, of the final model.
+    evaluations = [r for r in histories["asyncflow"] if "eval_accuracy" in r]
+    assert [r["step"] for r in evaluations] == [steps]
+    phases = job["phase_seconds"]
+    assert metric(rows, "asyncflow", "rl_seconds", "trl")["value"] == pytest.approx(
+        phases["rl"] - evaluations[0]["eval_seconds"]
+    )
+    assert metric(rows, "asyncflow", "start_seconds", "trl")["value"] == pytest.approx(
+        phases["engine_start"] + phases["eval_before"]
+    )
+    assert metric(rows, "trl", "rl_seconds", "trl")["value"] == trl["phase_seconds"]["rl"]
+    # Both start from one warm-started model.
+    assert metric(rows, "trl", "initial_accuracy")["value"] == job["accuracy_before"]

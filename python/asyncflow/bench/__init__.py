@@ -28,16 +28,25 @@ COSTED = ("pipeline", "sim")
 
 
 def run_suite(
-    name: str, json_path: str | None = None, quick: bool = False, costs: str | None = None
+    name: str,
+    json_path: str | None = None,
+    quick: bool = False,
+    costs: str | None = None,
+    cases: tuple[str, ...] | None = None,
 ) -> int:
     """Runs one suite, prints its table, and writes its records to ``json_path`` (with the
-    table and figure beside it)."""
+    table and figure beside it). ``cases``: the parts of the ``e2e`` suite to run."""
     if costs is not None and name not in COSTED:
         raise ValueError(f"suite {name!r} reads no cost model; --costs is for {COSTED}")
+    if cases is not None and name != "e2e":
+        raise ValueError(f"suite {name!r} has no parts to choose; --cases is for e2e")
     module = importlib.import_module(SUITES[name])
     report = Report(name)
     report.note(f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}")
-    module.run(report, quick=quick, **({"costs_path": costs} if costs else {}))
+    options: dict[str, object] = {"costs_path": costs} if costs else {}
+    if cases is not None:
+        options["cases"] = cases
+    module.run(report, quick=quick, **options)
     report.note(f"finished after {time.monotonic() - report.started:.0f}s; {machine()}")
     print(report.markdown())
     if json_path:

@@ -1,5 +1,6 @@
 """The ``e2e`` suite: the real main job, ``asyncflow train``, on this machine, with whatever
-engines its defaults resolve to, at staleness 0, 1 and 2 over three seeds.
+engines its defaults resolve to, at staleness 0, 1 and 2 over three seeds (cases ``staleness``);
+and the same job against a peer, TRL's ``GRPOTrainer``, given the same work (cases ``peers``).
 
 Each seed warms its model up once; the three staleness runs of that seed start from the same
 warm-started model (copied into their run directories), so they differ only in staleness. Runs
@@ -14,10 +15,23 @@ staleness alike. Per staleness (case ``staleness-<k>``), averaged over seeds:
   (generated tokens per RL second, evaluation excluded), ``rl_seconds``.
 
 Ratios are against staleness 0 measured in the same run.
+
+The ``peers`` cases start, per seed, from the same warm-started model too: the job with its
+default engines (``asyncflow``), the job with the hf engines (``asyncflow-hf``), and TRL
+(``trl``, see :mod:`asyncflow.bench.trl_peer`), each for the same steps of the same prompts, in
+an order that rotates from seed to seed. Only the final model is evaluated (no evaluation
+during RL, so none overlaps it). Per case: ``rl_seconds`` (the job: its RL phase less that final
+evaluation; TRL: ``train()``), ``start_seconds`` (the job: engine start and the first held-out
+evaluation; TRL: building its trainer, model load included), ``final_accuracy`` (with
+``_min``/``_max``: greedy on the held-out problems, judged by the job's reward; the job's runs
+with their own rollout engine, TRL's model with the default job's), ``tokens_per_s``
+(generated tokens per RL second) and ``command_seconds`` (the whole command). Ratios are
+against TRL in the same run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -32,6 +46,13 @@ from asyncflow.bench.records import Report
 
 STALENESS = (0, 1, 2)
 SEEDS = (0, 1, 2)
+CASES = ("staleness", "peers")
+#: The peers' cases, and the job's overrides for its own two.
+PEERS: dict[str, list[str]] = {
+    "asyncflow": [],
+    "asyncflow-hf": ["rollout.engine=hf", "trainer.engine=hf"],
+    "trl": [],
+}
 #: What a run keeps from its seed's first run: the built model and its warm start.
 SHARED = ("model-init", "warm_start")
 
@@ -110,47 +131,164 @@ def result(run_dir: Path, seed: int, staleness: int, target: float) -> RunResult
     )
 
 
-def run_all(workdir: Path, settings: Settings, report: Report, quick: bool) -> list[RunResult]:
+def _copy_warm_start(first: Path | None, run_dir: Path) -> None:
+    if first is not None:
+        for name in SHARED:
+            shutil.copytree(first / name, run_dir / name)
+
+
+def _staleness_runs(
+    workdir: Path, seed: int, i: int, settings: Settings, report: Report, quick: bool
+) -> tuple[list[RunResult], Path | None]:
     results = []
-    seeds = SEEDS[:1] if quick else SEEDS
-    for i, seed in enumerate(seeds):
-        order = STALENESS[i % 3 :] + STALENESS[: i % 3]
-        first: Path | None = None
-        for k in order:
-            run_dir = workdir / f"seed-{seed}" / f"staleness-{k}"
-            if first is not None:
-                for name in SHARED:
-                    shutil.copytree(first / name, run_dir / name)
-            started = time.monotonic()
-            train(run_dir, settings.overrides(seed, k), quick)
+    order = STALENESS[i % 3 :] + STALENESS[: i % 3]
+    first: Path | None = None
+    for k in order:
+        run_dir = workdir / f"seed-{seed}" / f"staleness-{k}"
+        _copy_warm_start(first, run_dir)
+        started = time.monotonic()
+        train(run_dir, settings.overrides(seed, k), quick)
+        first = first or run_dir
+        r = result(run_dir, seed, k, settings.target)
+        report.progress(
+            f"seed {seed} staleness {k}: {time.monotonic() - started:.0f}s, RL "
+            f"{r.rl_seconds:.0f}s, target {'at ' if r.reached else 'not reached, '}"
+            f"{r.time_to_target:.0f}s, accuracy {r.initial_accuracy:.3f} -> "
+            f"{r.final_accuracy:.3f}, "
+            f"{r.tokens_per_s:.0f} tokens/s, engines {r.engines}"
+        )
+        results.append(r)
+    return results, first
+
+
+@dataclass(frozen=True)
+class PeerResult:
+    seed: int
+    case: str
+    rl_seconds: float
+    start_seconds: float
+    initial_accuracy: float
+    final_accuracy: float
+    tokens_per_s: float
+    command_seconds: float
+
+
+def _peer_runs(
+    workdir: Path, seed: int, i: int, first: Path | None, settings: Settings, quick: bool
+) -> list[PeerResult]:
+    """The peers of one seed; the job's two runs alternate their order, TRL runs between them
+    (on the warm start the first made, unless ``first`` already has one)."""
+    jobs = ["asyncflow", "asyncflow-hf"][:: 1 if i % 2 == 0 else -1]
+    overrides = [
+        *settings.overrides(seed, 1),
+        f"run.eval_every={settings.steps + 1}",  # the final model only
+    ]
+    results: dict[str, PeerResult] = {}
+    for case in (jobs[0], "trl", jobs[1]):
+        run_dir = workdir / f"seed-{seed}" / case
+        _copy_warm_start(first, run_dir)
+        started = time.monotonic()
+        if case == "trl":
+            assert first is not None
+            trl(first / "warm_start", run_dir, overrides, quick)
+        else:
+            train(run_dir, [*overrides, *PEERS[case]], quick)
             first = first or run_dir
-            r = result(run_dir, seed, k, settings.target)
-            report.progress(
-                f"seed {seed} staleness {k}: {time.monotonic() - started:.0f}s, RL "
-                f"{r.rl_seconds:.0f}s, target {'at ' if r.reached else 'not reached, '}"
-                f"{r.time_to_target:.0f}s, accuracy {r.initial_accuracy:.3f} -> "
-                f"{r.final_accuracy:.3f}, "
-                f"{r.tokens_per_s:.0f} tokens/s, engines {r.engines}"
-            )
-            results.append(r)
-    return results
+        results[case] = _peer_result(run_dir, seed, case, time.monotonic() - started)
+    # One warm start: TRL's model before RL is the job's.
+    before = results["asyncflow"].initial_accuracy
+    results["trl"] = dataclasses.replace(results["trl"], initial_accuracy=before)
+    return [results[case] for case in PEERS]
 
 
-def run(report: Report, quick: bool = False, costs_path: str | None = None) -> None:
+def trl(model_dir: Path, out: Path, overrides: list[str], quick: bool) -> None:
+    if quick:
+        overrides = [*overrides, "trainer.groups_per_step=4"]
+    command = [sys.executable, "-m", "asyncflow.bench.trl_peer", "--model", str(model_dir)]
+    subprocess.run([*command, "--out", str(out), *overrides], check=True, stdout=subprocess.DEVNULL)
+
+
+def _peer_result(run_dir: Path, seed: int, case: str, command_seconds: float) -> PeerResult:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    phases = summary["phase_seconds"]
+    if case == "trl":
+        rl, start, before = float(phases["rl"]), float(phases["start"]), float("nan")
+    else:
+        history = (run_dir / "metrics.jsonl").read_text().splitlines()
+        evaluating = sum(json.loads(line).get("eval_seconds", 0.0) for line in history)
+        rl = float(phases["rl"]) - evaluating
+        start = float(phases["engine_start"]) + float(phases["eval_before"])
+        before = float(summary["accuracy_before"])
+    return PeerResult(
+        seed=seed,
+        case=case,
+        rl_seconds=rl,
+        start_seconds=start,
+        initial_accuracy=before,
+        final_accuracy=float(summary["accuracy_after"]),
+        tokens_per_s=summary["tokens_generated"] / rl,
+        command_seconds=command_seconds,
+    )
+
+
+def run(
+    report: Report,
+    quick: bool = False,
+    costs_path: str | None = None,
+    cases: tuple[str, ...] = CASES,
+) -> None:
     settings = QUICK if quick else FULL
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        raise ValueError(f"e2e cases are {CASES}, not {sorted(unknown)}")
     report.note(
         f"asyncflow train with its defaults except: {settings.steps} steps, evaluation every "
-        f"{settings.eval_every} steps on {settings.eval_size} held-out problems; target "
-        f"accuracy {settings.target}"
+        f"{settings.eval_every} steps on {settings.eval_size} held-out problems (peers: the "
+        f"final model only); target accuracy {settings.target}"
     )
+    staleness: list[RunResult] = []
+    peers: list[PeerResult] = []
     with tempfile.TemporaryDirectory(prefix="asyncflow-e2e-") as tmp:
-        results = run_all(Path(tmp), settings, report, quick)
-    by_k: dict[int, list[RunResult]] = {
-        k: [r for r in results if r.staleness == k] for k in STALENESS
-    }
-    base = by_k[0]
-    for k, runs in by_k.items():
-        _add(report, f"staleness-{k}", runs, base)
+        for i, seed in enumerate(SEEDS[:1] if quick else SEEDS):
+            first = None
+            if "staleness" in cases:
+                runs, first = _staleness_runs(Path(tmp), seed, i, settings, report, quick)
+                staleness += runs
+            if "peers" in cases:
+                runs_p = _peer_runs(Path(tmp), seed, i, first, settings, quick)
+                for r in runs_p:
+                    report.progress(
+                        f"seed {seed} {r.case}: {r.command_seconds:.0f}s, start "
+                        f"{r.start_seconds:.1f}s, RL {r.rl_seconds:.1f}s, accuracy -> "
+                        f"{r.final_accuracy:.3f}, {r.tokens_per_s:.0f} tokens/s"
+                    )
+                peers += runs_p
+    if staleness:
+        by_k = {k: [r for r in staleness if r.staleness == k] for k in STALENESS}
+        for k, runs in by_k.items():
+            _add(report, f"staleness-{k}", runs, by_k[0])
+    if peers:
+        by_case = {c: [r for r in peers if r.case == c] for c in PEERS}
+        for case, runs_c in by_case.items():
+            _add_peer(report, case, runs_c, by_case["trl"])
+
+
+def _add_peer(report: Report, case: str, runs: list[PeerResult], base: list[PeerResult]) -> None:
+    def avg(rs: list[PeerResult], field: str) -> float:
+        return mean(float(getattr(r, field)) for r in rs)
+
+    for metric, unit in [
+        ("rl_seconds", "s"),
+        ("start_seconds", "s"),
+        ("command_seconds", "s"),
+        ("tokens_per_s", "tokens/s"),
+        ("final_accuracy", "fraction"),
+    ]:
+        report.add(case, metric, avg(runs, metric), unit, "trl", avg(base, metric))
+    values = [r.final_accuracy for r in runs]
+    report.add(case, "final_accuracy_min", min(values), "fraction")
+    report.add(case, "final_accuracy_max", max(values), "fraction")
+    report.add(case, "initial_accuracy", avg(runs, "initial_accuracy"), "fraction")
 
 
 def _add(report: Report, case: str, runs: list[RunResult], base: list[RunResult]) -> None:
