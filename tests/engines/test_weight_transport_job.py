@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,6 @@ from asyncflow.config import Config
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.base import RolloutEngine
 from asyncflow.engines.errors import EngineDiedError
-from asyncflow.engines.process_group import reserve_port
 from asyncflow.launch import local
 from asyncflow.launch.local import WorkerError
 from asyncflow.launch.ranks import RankGroup
@@ -137,16 +135,6 @@ def test_a_trainer_rank_0_killed_mid_broadcast_fails_the_job_naming_it(
     # The trainer sees its rank die, or the rollout worker sees the broadcast break: either way
     # the run ends with the cause, not waiting.
     assert isinstance(failed.value.__cause__, (WeightSyncError, EngineDiedError)), failed.value
-
-
-def test_the_groups_port_is_held_from_other_binds_but_open_to_rank_0s_server() -> None:
-    with reserve_port() as hold:
-        port = hold.getsockname()[1]
-        with socket.socket() as other, pytest.raises(OSError, match="in use"):
-            other.bind(("127.0.0.1", port))
-        # As rank 0 serves the rendezvous: create_server sets SO_REUSEADDR.
-        with socket.create_server(("127.0.0.1", port)) as server:
-            assert server.getsockname() == ("127.0.0.1", port)
 
 
 # -- the job's weight source over a receiver (no group) ------------------------------------------

@@ -52,23 +52,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def reserve_port(host: str = "127.0.0.1") -> socket.socket:
-    """A socket holding a free port of ``host`` (``getsockname()[1]``) for a server another
-    process will start on it: bound with SO_REUSEADDR but not listening, it keeps every other
-    bind from taking the port (ports handed out for port 0 included), while a server that also
-    sets SO_REUSEADDR (as :func:`socket.create_server` and :func:`_store` do) can listen on it.
-    Close it once that server is up."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    holder = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind((host, 0))
-    except OSError:
-        holder.close()
-        raise
-    return holder
-
-
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback

@@ -28,7 +28,7 @@ import torch
 from asyncflow.config import Config
 from asyncflow.engines.base import LossFn, StepResult, StepTrainEngine, TrainBatch
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
-from asyncflow.engines.process_group import free_port, gpu_count, reserve_port
+from asyncflow.engines.process_group import free_port, gpu_count
 from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.errors import ConfigError
 from asyncflow.launch.rank_process import RankSpec, main
@@ -163,20 +163,22 @@ class RankGroup(Ranks):
         self._receiver: BroadcastReceiver | None = None
         self._join_error: BaseException | None = None
         self._joining: threading.Thread | None = None
-        #: Holds the group's port until rank 0 listens on it (taken first: the port picked for
-        #: the ranks' own group below cannot then be the same).
-        self._port_hold: socket.socket | None = None
         weight_sync: GroupSpec | None = None
+        listener: socket.socket | None = None
         if config.weights.transport == "broadcast":
-            self._port_hold = reserve_port()
+            # This process serves the group's rendezvous on a port the system picks, listening
+            # from now on: no other process can take it, and rank 0, joining once its engine
+            # is built, connects at once.
+            listener = socket.create_server(("127.0.0.1", 0))
             weight_sync = GroupSpec(
-                port=self._port_hold.getsockname()[1],
+                port=listener.getsockname()[1],
                 world_size=2,
                 timeout=config.weights.timeout,
                 # Rank 0 joins once its engine is built, which trainer.timeout bounds.
                 join_timeout=config.trainer.timeout,
                 # On GPUs too: the group's NCCL branch has never run (docs/weights.md).
                 backend="gloo",
+                server=1,
             )
         port = free_port()
         # Spawned, not forked: the job's process already runs threads and the store client.
@@ -203,29 +205,26 @@ class RankGroup(Ranks):
             theirs.close()
             self.procs.append(proc)
             self.conns.append(ours)
-        if weight_sync is not None:
+        if weight_sync is not None and listener is not None:
             # Joined beside the ranks' start: rank 0 publishes version 0 to this process before
             # it reports ready.
             self._joining = threading.Thread(
-                target=self._join, args=(weight_sync,), name="weight-sync join", daemon=True
+                target=self._join,
+                args=(weight_sync, listener),
+                name="weight-sync join",
+                daemon=True,
             )
             self._joining.start()
 
     # -- the weight-sync group ----------------------------------------------------------------
 
-    def _join(self, spec: GroupSpec) -> None:
+    def _join(self, spec: GroupSpec, listener: socket.socket) -> None:
         try:
-            group = Group(spec, 1, "the job's rollout process")
+            group = Group(spec, 1, "the job's rollout process", listener)
             self._receiver = BroadcastReceiver(self.store, group)
         except BaseException as e:
             self._join_error = e
-        finally:
-            self._release_port()
-
-    def _release_port(self) -> None:
-        hold, self._port_hold = self._port_hold, None
-        if hold is not None:
-            hold.close()
+            listener.close()  # unless the group took it over
 
     def weight_receiver(self) -> BroadcastReceiver | None:
         """This process's receiver of rank 0's versions (``weights.transport: broadcast``; else
@@ -316,7 +315,6 @@ class RankGroup(Ranks):
         if self._receiver is not None:
             self._receiver.close()
             self._receiver.group.close()
-        self._release_port()
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a rank that is gone needs no asking
                 conn.send(("close", None))

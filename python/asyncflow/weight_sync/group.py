@@ -1,18 +1,23 @@
 """The weight-sync process group: the trainer's rank 0 (rank 0 here too) and one member per
 process holding rollout engines. It is a torch.distributed group of its own, apart from the
 trainer's data-parallel group, so that it can span processes the trainer's group does not know:
-gloo on CPUs, NCCL on GPUs. Rank 0 serves the rendezvous on ``address`` only, and members meeting
-on loopback keep their sockets there."""
+gloo on CPUs, NCCL on GPUs. One member (rank 0 unless the spec says) serves the rendezvous on
+``address`` only, and members meeting on loopback keep their sockets there."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import BroadcastOptions, PrefixStore  # type: ignore[attr-defined]
+from torch.distributed import (  # type: ignore[attr-defined]
+    BroadcastOptions,
+    PrefixStore,
+    TCPStore,
+)
 
 from asyncflow.engines.process_group import Rendezvous, _store, is_loopback
 
@@ -35,6 +40,9 @@ class GroupSpec:
     #: ``gloo`` or ``nccl``; None picks NCCL when this machine has a GPU for every member (NCCL
     #: refuses two members on one GPU), else gloo.
     backend: str | None = None
+    #: The member that serves the rendezvous (the others connect to it): best the one that
+    #: joins first, as a member that connects before the server listens retries with back-off.
+    server: int = 0
 
 
 def default_backend(world_size: int) -> str:
@@ -46,7 +54,11 @@ def default_backend(world_size: int) -> str:
 class Group:
     """One member's end of the group."""
 
-    def __init__(self, spec: GroupSpec, rank: int, label: str) -> None:
+    def __init__(
+        self, spec: GroupSpec, rank: int, label: str, listener: socket.socket | None = None
+    ) -> None:
+        """``listener``: for the member serving the rendezvous, a socket already listening on
+        ``spec.port``, which the group takes over (else it opens one there)."""
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside a group of {spec.world_size}")
         self.spec, self.rank, self.label = spec, rank, label
@@ -60,15 +72,31 @@ class Group:
             if self.backend == "nccl"
             else torch.device("cpu")
         )
-        rendezvous = Rendezvous(rank, spec.world_size, spec.port, spec.address)
-        self._kv = _store(rendezvous, timedelta(seconds=spec.join_timeout))
+        self._kv = self._rendezvous(listener)
         self._kv.set(f"{PREFIX}/label/{rank}", label)
         self.pg = self._process_group(
             PrefixStore(PREFIX, self._kv), timedelta(seconds=spec.timeout)
         )
-        # Read now, while every member is alive (rank 0 serves the keys): errors name them later.
+        # Read now, while every member is alive (the server keeps the keys): errors name them
+        # later.
         #: Every member's label, by rank.
         self.labels = [self._kv.get(f"{PREFIX}/label/{r}").decode() for r in range(spec.world_size)]
+
+    def _rendezvous(self, listener: socket.socket | None) -> Any:
+        spec, timeout = self.spec, timedelta(seconds=self.spec.join_timeout)
+        if self.rank != spec.server:
+            return TCPStore(spec.address, spec.port, spec.world_size, False, timeout)
+        if listener is None:  # (``_store`` serves for its rank 0)
+            return _store(Rendezvous(0, spec.world_size, spec.port, spec.address), timeout)
+        # The store owns the socket from here on, and closes it.
+        return TCPStore(
+            spec.address,
+            spec.port,
+            spec.world_size,
+            True,
+            timeout,
+            master_listen_fd=listener.detach(),
+        )
 
     def _process_group(self, store: Any, timeout: timedelta) -> Any:
         size = self.spec.world_size
