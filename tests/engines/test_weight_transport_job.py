@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +86,32 @@ def rollouts(monkeypatch: pytest.MonkeyPatch) -> list[RolloutEngine]:
 
 @pytest.mark.slow
 def test_a_broadcast_job_ends_with_the_trainers_final_weights_in_its_engine_and_no_tensor_in_the_store(  # noqa: E501
-    tmp_path: Path, daemon: DaemonProcess, rollouts: list[RolloutEngine]
+    tmp_path: Path,
+    daemon: DaemonProcess,
+    rollouts: list[RolloutEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    listeners_off_loopback: Callable[[], list[str]],
 ) -> None:
-    summary = train(job(daemon, f"trainer.max_steps={STEPS}"), tmp_path, reporter=Reporter(False))
+    # Looked at while the group is up (the job, its ranks and its daemon), at each load.
+    off_loopback: list[str] = []
+    loads: list[int] = []
+    load = ReceivedWeights.load
 
-    # Every sample of every step came from the version before it: each new version reached the
-    # rollout engine through the receiver while the run went on.
+    def looking_load(self: ReceivedWeights, engine: RolloutEngine, version: int) -> int:
+        off_loopback.extend(listeners_off_loopback())
+        loads.append(load(self, engine, version))
+        return loads[-1]
+
+    monkeypatch.setattr(ReceivedWeights, "load", looking_load)
+    summary = train(job(daemon, f"trainer.max_steps={STEPS}"), tmp_path, reporter=Reporter(False))
+    # The rollout worker loaded each version it generated with from the receiver, in order (it
+    # starts on v0, the model's own weights); the last one it may load or not before the run
+    # stops, and the final evaluation loads it anyway.
+    assert loads in (list(range(1, STEPS)), list(range(1, STEPS + 1))), loads
+    assert off_loopback == []
+
+    # Every sample of step s came from version s: each new version reached the rollout engine
+    # through the receiver while the run went on.
     assert summary["staleness_histogram"] == {"0": STEPS * 4 * 4}
     assert summary["weight_load_failures"] == []
     (engine,) = rollouts
