@@ -1,4 +1,5 @@
-"""Packed micro-batches: samples end to end in one row train exactly as padded rows do."""
+"""Packed micro-batches: samples end to end in rows as wide as the longest train exactly as
+padded rows do, and stay within the token budget."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import torch
 from asyncflow import config as cfg
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.models.tiny import create_tiny_model
-from asyncflow.workers.batches import split_micro_batches, to_train_batch
+from asyncflow.workers.batches import (
+    pack_rows,
+    pack_width,
+    split_micro_batches,
+    to_train_batch,
+)
 from asyncflow.workers.steps import StepLoss
 
 TINY = [
@@ -52,6 +58,8 @@ def test_a_packed_micro_batch_has_the_gradient_of_the_padded_one(
     padded.packed = False
     packed = StepLoss(config, pad_id=0)
     assert packed.packed, "packing is the default"
+    # Some rows hold several samples (each must attend only within itself).
+    assert packed.batch(data).input_ids.shape[0] < len(data["prompt_ids"])
     want, got = gradients(engine, padded, data), gradients(engine, packed, data)
     assert want.keys() == got.keys()
     for name in want:
@@ -59,16 +67,57 @@ def test_a_packed_micro_batch_has_the_gradient_of_the_padded_one(
 
 
 def test_packed_positions_restart_at_each_sample() -> None:
-    prompts = [np.array([5, 6, 7]), np.array([8])]
-    responses = [np.array([9]), np.array([10, 11])]
+    prompts = [np.array([5, 6, 7]), np.array([8]), np.array([12])]
+    responses = [np.array([9]), np.array([10, 11]), np.array([13])]
     batch = to_train_batch(
-        prompts, responses, 0, per_row={"advantage": np.array([1.0, -1.0])}, packed=True
+        prompts, responses, 0, per_row={"advantage": np.array([1.0, -1.0, 2.0])}, packed=True
     )
-    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 8, 10, 11]]
-    assert batch.position_ids is not None and batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
-    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 0, 1, 1]]
-    assert batch.extras["advantage"].tolist() == [[1, 1, 1, 1, -1, -1, -1]]
-    assert batch.sequences == 2 and batch.tokens == 7
+    # Rows as wide as the longest sample; the third fits beside none, so a row of its own.
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9], [8, 10, 11, 0], [12, 13, 0, 0]]
+    # A row's unfilled end is a sequence of its own, outside every mask.
+    assert batch.position_ids is not None
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]
+    assert batch.extras["advantage"].tolist() == [[1, 1, 1, 1], [-1, -1, -1, 0], [2, 2, 0, 0]]
+    assert batch.sequence_ids is not None
+    assert batch.sequence_ids.tolist() == [[0, 0, 0, 0], [1, 1, 1, 0], [2, 2, 0, 0]]
+    assert batch.sequences == 3 and batch.tokens == 9
+
+
+def test_short_samples_share_rows_as_wide_as_the_longest() -> None:
+    lengths = [4, 2, 9, 3, 5, 1]
+    rows = pack_rows(lengths, pack_width(lengths))
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    # Longest first, each into the first row with room: 9 | 5 4 | 3 2 1 ... in rows of 9.
+    assert [[lengths[i] for i in row] for row in rows] == [[9], [5, 4], [3, 2, 1]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_packed_micro_batches_hold_the_rows_they_were_counted_with(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = [int(n) for n in rng.integers(1, 40, 60)]
+    budget = 200
+    width = pack_width(lengths)
+    parts = split_micro_batches(lengths, budget, packed=True, min_count=3)
+    assert len(parts) >= 3
+    assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
+    rows = 0
+    for part in parts:
+        if not part:
+            continue
+        batch = to_train_batch(
+            [np.ones(lengths[i] - 1, np.int64) for i in part],
+            [np.ones(1, np.int64) for _ in part],
+            0,
+            packed=True,
+            width=width,
+        )
+        assert batch.input_ids.shape[1] == width
+        assert batch.input_ids.numel() <= budget
+        rows += batch.input_ids.shape[0]
+    # Laid out anew, each micro-batch's samples fall into the rows first fit made.
+    assert rows == len(pack_rows(lengths, width))
 
 
 def test_padded_micro_batches_count_the_padding_against_the_budget() -> None:

@@ -223,8 +223,8 @@ def test_the_trainer_keeps_every_micro_batch_within_the_token_budget_on_long_pro
     assert engine.seen and max(tensor for tensor, _ in engine.seen) <= budget
     assert sum(tokens for _, tokens in engine.seen) == total, "every sample trained once"
     padding = outcome[1].padding()
-    if packing:
-        assert padding["padding_fraction"] == 0.0
+    if packing:  # short samples fill the rows beside long ones: less padding than padded
+        assert padding["padding_fraction"] < padding["padding_fraction_unpacked"]
     assert padding["micro_batch_tokens_max"] <= budget
 
 

@@ -1,10 +1,14 @@
 """Rows read from the store -> training micro-batches: padded, or packed.
 
-Padded: one right-padded row per sample. Packed: the samples laid end to end in one row, each
-with positions restarting at 0; the model then attends only within a sample (transformers reads
-the boundaries from the positions), so no sample sees another and no token is padding. Either
-way, :func:`split_micro_batches` keeps every micro-batch within the token budget, counting what
-the tensors hold: packed, the samples' tokens; padded, rows times the longest row.
+Padded: one right-padded row per sample. Packed: samples laid end to end in rows of a fixed
+width, each with positions restarting at 0; the model then attends only within a sample
+(transformers reads the boundaries from the positions), so no sample sees another. A row is as
+wide as the longest sample of the step's claim (:func:`pack_width`), not a whole micro-batch
+long: attention costs each token the width of its row (the mask over a row is width x width), so
+one row of thousands of short samples would cost thousands of times what their own lengths do.
+The short samples share rows (first fit, longest first: :func:`pack_rows`), so the padding left
+is a row's unfilled end. Either way, :func:`split_micro_batches` keeps every micro-batch within
+the token budget, counting what the tensors hold (rows times their width).
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ def to_train_batch(
     per_token: Mapping[str, Sequence[Any]] | None = None,
     per_row: Mapping[str, np.ndarray] | None = None,
     packed: bool = False,
+    width: int | None = None,
 ) -> TrainBatch:
     """``prompt + response`` sequences. ``per_token`` arrays (one value per response token, e.g.
     behaviour log-probs) are placed at the response positions of a ``[B, L]`` tensor; ``per_row``
-    arrays become ``[B]`` tensors (packed: ``[1, L]``, the row's value on each of its tokens)."""
+    arrays become ``[B]`` tensors (packed: ``[rows, width]``, the sample's value on each of its
+    tokens; see :func:`_packed`)."""
     if packed:
-        return _packed(prompts, responses, per_token or {}, per_row or {})
+        return _packed(prompts, responses, per_token or {}, per_row or {}, pad_id, width)
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     width = max(lengths)
     rows = len(lengths)
@@ -60,33 +66,79 @@ def _packed(
     responses: Sequence[np.ndarray],
     per_token: Mapping[str, Sequence[Any]],
     per_row: Mapping[str, np.ndarray],
+    pad_id: int,
+    width: int | None,
 ) -> TrainBatch:
+    """The samples in order, end to end, a new row begun whenever the next does not fit in
+    ``width`` (default: the longest sample): the rows :func:`pack_rows` made, when given its
+    rows' samples one row after another. A row's unfilled end is padding, positioned as a
+    sequence of its own and outside every mask."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    total = sum(lengths)
-    ids = np.concatenate([np.concatenate([p, r]) for p, r in zip(prompts, responses, strict=True)])
-    positions = np.concatenate([np.arange(n) for n in lengths])
-    sequence = np.repeat(np.arange(len(lengths)), lengths)
-    response = np.zeros(total, dtype=np.float32)
-    token_values = {name: np.zeros(total, dtype=np.float32) for name in per_token}
-    start = 0
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        first, end = start + len(p), start + len(p) + len(r)
-        response[first:end] = 1
+    width = max(lengths, default=1) if width is None else width
+    starts: list[tuple[int, int]] = []  # (row, column) of each sample
+    row, column = 0, 0
+    for n in lengths:
+        if n > width:
+            raise ValueError(f"a sample of {n} tokens does not fit in packed rows of {width}")
+        if column + n > width:
+            row, column = row + 1, 0
+        starts.append((row, column))
+        column += n
+    rows = row + 1 if lengths else 0
+    ids = np.full((rows, width), pad_id, dtype=np.int64)
+    attention = np.zeros((rows, width), dtype=np.int64)
+    response = np.zeros((rows, width), dtype=np.float32)
+    # Padding counts on from 0 after the row's last sample: a sequence of its own.
+    positions = np.zeros((rows, width), dtype=np.int64)
+    sequence = np.zeros((rows, width), dtype=np.int64)
+    token_values = {name: np.zeros((rows, width), dtype=np.float32) for name in per_token}
+    row_values = {name: np.zeros((rows, width), dtype=np.float32) for name in per_row}
+    ends = np.zeros(rows, dtype=np.int64)
+    for i, ((r, c), p, resp) in enumerate(zip(starts, prompts, responses, strict=True)):
+        n, m = len(p), len(resp)
+        ids[r, c : c + n] = p
+        ids[r, c + n : c + n + m] = resp
+        attention[r, c : c + n + m] = 1
+        response[r, c + n : c + n + m] = 1
+        positions[r, c : c + n + m] = np.arange(n + m)
+        sequence[r, c : c + n + m] = i
         for name, values in per_token.items():
-            token_values[name][first:end] = values[i]
-        start = end
-    extras = {name: torch.from_numpy(v)[None] for name, v in token_values.items()}
-    for name, column in per_row.items():
-        spread = np.asarray(column, dtype=np.float32)[sequence]
-        extras[name] = torch.from_numpy(spread)[None]
+            token_values[name][r, c + n : c + n + m] = values[i]
+        for name, column_values in per_row.items():
+            row_values[name][r, c : c + n + m] = column_values[i]
+        ends[r] = c + n + m
+    for r, end in enumerate(ends):
+        positions[r, end:] = np.arange(width - end)
+    extras = {name: torch.from_numpy(v) for name, v in (token_values | row_values).items()}
     return TrainBatch(
-        torch.from_numpy(ids.astype(np.int64))[None],
-        torch.ones((1, total), dtype=torch.int64),
-        torch.from_numpy(response)[None],
+        torch.from_numpy(ids),
+        torch.from_numpy(attention),
+        torch.from_numpy(response),
         extras,
-        position_ids=torch.from_numpy(positions.astype(np.int64))[None],
-        sequence_ids=torch.from_numpy(sequence.astype(np.int64))[None],
+        position_ids=torch.from_numpy(positions),
+        sequence_ids=torch.from_numpy(sequence),
     )
+
+
+def pack_width(lengths: Sequence[int]) -> int:
+    """The width of packed rows for samples of these lengths: the longest."""
+    return max(lengths, default=1)
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Samples (by index into ``lengths``) in rows of at most ``width`` tokens: longest first,
+    each into the first row with room (first fit decreasing); a row's samples in the order they
+    went in."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = next((k for k, free in enumerate(room) if free >= lengths[i]), len(rows))
+        if k == len(rows):
+            rows.append([])
+            room.append(width)
+        rows[k].append(i)
+        room[k] -= lengths[i]
+    return rows
 
 
 def split_micro_batches(
@@ -94,12 +146,23 @@ def split_micro_batches(
 ) -> list[list[int]]:
     """Rows (by index into ``lengths``) in micro-batches whose tensors hold at most ``budget``
     tokens; at least ``min_count`` of them (the extra ones empty). A row longer than the budget
-    raises ``BadRequestError``."""
-    if packed or not lengths:
-        return micro_batches(lengths, budget, min_count=min_count) if lengths else [[]] * min_count
+    raises ``BadRequestError``. Packed, a micro-batch lists its samples one packed row after
+    another (rows of :func:`pack_width`), as :func:`to_train_batch` lays them out."""
+    if not lengths:
+        return [[] for _ in range(min_count)]
     longest = max(lengths)
     if longest > budget:
         micro_batches(lengths, budget)  # raises, naming the row
+    if packed:
+        rows = pack_rows(lengths, pack_width(lengths))
+        per_batch = budget // pack_width(lengths)
+        count = -(-len(rows) // per_batch)
+        # Rows dealt out in turn, in the order first fit made them (each micro-batch keeps it:
+        # its samples, laid out anew, fall into the same rows).
+        packed_parts: list[list[int]] = [[] for _ in range(max(count, min_count))]
+        for k, row in enumerate(rows):
+            packed_parts[k % count] += row
+        return packed_parts
     # Padded: longest first, so each micro-batch's rows are close in length (little padding).
     parts: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):

@@ -17,7 +17,7 @@ import torch
 from asyncflow.algorithms.losses import ALIASES, LossSettings, policy_loss
 from asyncflow.config import Config
 from asyncflow.engines.base import TrainBatch, TrainEngine
-from asyncflow.workers.batches import split_micro_batches, to_train_batch
+from asyncflow.workers.batches import pack_width, split_micro_batches, to_train_batch
 
 #: Fields a training step reads from each sample row.
 SAMPLE_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage", "reward"]
@@ -80,7 +80,9 @@ class StepLoss:
             share = batch.sequences / self.rows_per_step
         return loss * share, stats
 
-    def batch(self, data: Mapping[str, Sequence[Any]]) -> TrainBatch:
+    def batch(self, data: Mapping[str, Sequence[Any]], width: int | None = None) -> TrainBatch:
+        """``data``'s samples as one micro-batch; packed, in rows of ``width`` (default: its
+        longest sample)."""
         per_token = {"behaviour_logp": data["behaviour_logprobs"]}
         if "ref_logprobs" in data:
             per_token["ref_logp"] = data["ref_logprobs"]
@@ -97,6 +99,7 @@ class StepLoss:
             per_token=per_token,
             per_row=per_row,
             packed=self.packed,
+            width=width,
         )
         if "loss_mask" in tb.extras:
             # Environment tokens (tool output) are in the response but not the policy's: the
@@ -114,9 +117,11 @@ class StepLoss:
     def micro_batches(
         self, data: Mapping[str, Sequence[Any]], parts: list[list[int]], with_reference: bool
     ) -> list[TrainBatch]:
-        """One micro-batch per part (an empty part gives an :meth:`empty_batch`)."""
+        """One micro-batch per part (an empty part gives an :meth:`empty_batch`); packed, every
+        one in rows as wide as :meth:`parts` counted them."""
+        width = pack_width(sample_lengths(data))
         return [
-            self.batch({k: [v[i] for i in part] for k, v in data.items()})
+            self.batch({k: [v[i] for i in part] for k, v in data.items()}, width)
             if part
             else self.empty_batch(with_reference)
             for part in parts
