@@ -157,6 +157,29 @@ def test_a_trainer_rank_0_killed_mid_broadcast_fails_the_job_naming_it(
     assert isinstance(failed.value.__cause__, (WeightSyncError, EngineDiedError)), failed.value
 
 
+@pytest.mark.slow
+def test_a_broadcast_that_breaks_mid_version_fails_the_job_with_the_receivers_error(
+    tmp_path: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's end of the group fails as gloo fails when its peer goes (rank 0 lives on,
+    stuck sending, so only the receiver can tell): the rollout worker waiting for the version
+    ends the run with the receiver's error."""
+
+    receive = BroadcastReceiver._fill
+
+    def breaking(self: BroadcastReceiver, layout: Layout, buffer: torch.Tensor) -> None:
+        if layout.version == 1:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+        receive(self, layout, buffer)
+
+    monkeypatch.setattr(BroadcastReceiver, "_fill", breaking)
+    with pytest.raises(WorkerError, match="rollout worker failed: WeightSyncError") as failed:
+        train(job(daemon, "trainer.max_steps=2"), tmp_path, reporter=Reporter(False))
+    message = str(failed.value)
+    assert "weights v1: the broadcast from trainer rank 0 failed" in message
+    assert "engines keep v0" in message
+
+
 # -- the job's weight source over a receiver (no group) ------------------------------------------
 
 
