@@ -144,13 +144,14 @@ def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
     rows = records(tmp_path, "e2e", cases=("peers",))
     assert {r["case"] for r in rows} == set(e2e_suite.PEERS)
     steps = e2e_suite.QUICK.steps
-    job, hf, trl = runs["asyncflow"], runs["asyncflow-hf"], runs["trl"]
+    job, sync, hf, trl = (runs[case] for case in e2e_suite.PEERS)
     assert hf["engines"] == {"rollout": "hf", "trainer": "hf"}
-    assert job["steps"] == hf["steps"] == trl["steps"] == steps
+    assert job["max_staleness"] == 1 and sync["max_staleness"] == 0
+    assert job["steps"] == sync["steps"] == hf["steps"] == trl["steps"] == steps
     # TRL took one optimizer step per job step, each on a step's worth of completions.
     assert len(trl["train_loss"]) == len(trl["reward"]) == steps
     assert trl["tokens_generated"] >= steps * 4 * 16  # quick: 4 groups of 16, >= 1 token each
-    for case, summary in (("asyncflow", job), ("asyncflow-hf", hf), ("trl", trl)):
+    for case, summary in zip(e2e_suite.PEERS, (job, sync, hf, trl), strict=True):
         assert metric(rows, case, "final_accuracy", "trl")["value"] == summary["accuracy_after"]
         assert (
             metric(rows, case, "final_accuracy", "trl")["baseline_value"] == (trl["accuracy_after"])

@@ -17,7 +17,8 @@ staleness alike. Per staleness (case ``staleness-<k>``), averaged over seeds:
 Ratios are against staleness 0 measured in the same run.
 
 The ``peers`` cases start, per seed, from the same warm-started model too: the job with its
-default engines (``asyncflow``), the job with the hf engines (``asyncflow-hf``), and TRL
+default engines (``asyncflow``, staleness 1), the same synchronous (``asyncflow-sync``,
+staleness 0: on-policy, as TRL is), the job with the hf engines (``asyncflow-hf``), and TRL
 (``trl``, see :mod:`asyncflow.bench.trl_peer`), each for the same steps of the same prompts, in
 an order that rotates from seed to seed. Only the final model is evaluated (no evaluation
 during RL, so none overlaps it). Per case: ``rl_seconds`` (the job: its RL phase less that final
@@ -50,9 +51,11 @@ CASES = ("staleness", "peers")
 #: The peers' cases, and the job's overrides for its own two.
 PEERS: dict[str, list[str]] = {
     "asyncflow": [],
+    "asyncflow-sync": ["trainer.max_staleness=0"],
     "asyncflow-hf": ["rollout.engine=hf", "trainer.engine=hf"],
     "trl": [],
 }
+JOBS = [case for case in PEERS if case != "trl"]
 #: What a run keeps from its seed's first run: the built model and its warm start.
 SHARED = ("model-init", "warm_start")
 
@@ -176,15 +179,15 @@ class PeerResult:
 def _peer_runs(
     workdir: Path, seed: int, i: int, first: Path | None, settings: Settings, quick: bool
 ) -> list[PeerResult]:
-    """The peers of one seed; the job's two runs alternate their order, TRL runs between them
-    (on the warm start the first made, unless ``first`` already has one)."""
-    jobs = ["asyncflow", "asyncflow-hf"][:: 1 if i % 2 == 0 else -1]
+    """The peers of one seed; the job's runs rotate their order from seed to seed, TRL runs
+    second (on the warm start the first made, unless ``first`` already has one)."""
+    jobs = JOBS[i % len(JOBS) :] + JOBS[: i % len(JOBS)]
     overrides = [
         *settings.overrides(seed, 1),
         f"run.eval_every={settings.steps + 1}",  # the final model only
     ]
     results: dict[str, PeerResult] = {}
-    for case in (jobs[0], "trl", jobs[1]):
+    for case in (jobs[0], "trl", *jobs[1:]):
         run_dir = workdir / f"seed-{seed}" / case
         _copy_warm_start(first, run_dir)
         started = time.monotonic()
