@@ -113,7 +113,7 @@ def test_packed_micro_batches_hold_the_rows_they_were_counted_with(seed: int) ->
             packed=True,
             width=width,
         )
-        assert batch.input_ids.shape[1] == width
+        assert batch.input_ids.shape[1] <= width
         assert batch.input_ids.numel() <= budget
         rows += batch.input_ids.shape[0]
     # Laid out anew, each micro-batch's samples fall into the rows first fit made.
@@ -127,3 +127,23 @@ def test_padded_micro_batches_count_the_padding_against_the_budget() -> None:
     assert sorted(i for p in parts for i in p) == list(range(6))
     # Packed, only the tokens count: two micro-batches hold the 30 tokens.
     assert len(split_micro_batches(lengths, budget=20, packed=True)) == 2
+
+
+@pytest.mark.parametrize("spread", [(13, 20), (2, 60)])
+def test_packing_never_holds_more_padding_than_padding_each_row(spread: tuple[int, int]) -> None:
+    # Samples close in length (the default job: none fits beside another) and far apart.
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(*spread, 512)]
+
+    def tensor_tokens(packed: bool) -> int:
+        total = 0
+        for part in split_micro_batches(lengths, 4096, packed=packed):
+            prompts = [np.ones(lengths[i] - 1, np.int64) for i in part]
+            responses = [np.ones(1, np.int64) for _ in part]
+            width = pack_width(lengths) if packed else None
+            batch = to_train_batch(prompts, responses, 0, packed=packed, width=width)
+            assert batch.input_ids.numel() <= 4096
+            total += batch.input_ids.numel()
+        return total
+
+    assert sum(lengths) <= tensor_tokens(True) <= tensor_tokens(False)

@@ -1,14 +1,15 @@
 """Rows read from the store -> training micro-batches: padded, or packed.
 
-Padded: one right-padded row per sample. Packed: samples laid end to end in rows of a fixed
-width, each with positions restarting at 0; the model then attends only within a sample
-(transformers reads the boundaries from the positions), so no sample sees another. A row is as
-wide as the longest sample of the step's claim (:func:`pack_width`), not a whole micro-batch
-long: attention costs each token the width of its row (the mask over a row is width x width), so
-one row of thousands of short samples would cost thousands of times what their own lengths do.
-The short samples share rows (first fit, longest first: :func:`pack_rows`), so the padding left
-is a row's unfilled end. Either way, :func:`split_micro_batches` keeps every micro-batch within
-the token budget, counting what the tensors hold (rows times their width).
+Padded: one right-padded row per sample. Packed: samples laid end to end in rows, each with
+positions restarting at 0; the model then attends only within a sample (transformers reads the
+boundaries from the positions), so no sample sees another. A row is at most as wide as the
+longest sample of the step's claim (:func:`pack_width`), not a whole micro-batch long: attention
+costs each token the width of its row (the mask over a row is width x width), so one row of
+thousands of short samples would cost thousands of times what their own lengths do. The short
+samples share rows (first fit, longest first: :func:`pack_rows`), and a micro-batch's tensors
+are as wide as its fullest row, so the padding left is the rows' unfilled ends. Either way,
+:func:`split_micro_batches` keeps every micro-batch within the token budget, counting what the
+tensors hold (rows times their width).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _packed(
 ) -> TrainBatch:
     """The samples in order, end to end, a new row begun whenever the next does not fit in
     ``width`` (default: the longest sample): the rows :func:`pack_rows` made, when given its
-    rows' samples one row after another. A row's unfilled end is padding, positioned as a
-    sequence of its own and outside every mask."""
+    rows' samples one row after another. The tensors are as wide as the fullest row; a row's
+    unfilled end is padding, positioned as a sequence of its own and outside every mask."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     width = max(lengths, default=1) if width is None else width
     starts: list[tuple[int, int]] = []  # (row, column) of each sample
@@ -85,6 +86,7 @@ def _packed(
         starts.append((row, column))
         column += n
     rows = row + 1 if lengths else 0
+    width = max((c + n for (_, c), n in zip(starts, lengths, strict=True)), default=1)
     ids = np.full((rows, width), pad_id, dtype=np.int64)
     attention = np.zeros((rows, width), dtype=np.int64)
     response = np.zeros((rows, width), dtype=np.float32)
@@ -155,14 +157,18 @@ def split_micro_batches(
         micro_batches(lengths, budget)  # raises, naming the row
     if packed:
         rows = pack_rows(lengths, pack_width(lengths))
-        per_batch = budget // pack_width(lengths)
-        count = -(-len(rows) // per_batch)
-        # Rows dealt out in turn, in the order first fit made them (each micro-batch keeps it:
-        # its samples, laid out anew, fall into the same rows).
-        packed_parts: list[list[int]] = [[] for _ in range(max(count, min_count))]
-        for k, row in enumerate(rows):
-            packed_parts[k % count] += row
-        return packed_parts
+        count = -(-len(rows) // (budget // pack_width(lengths)))
+        # Consecutive rows, as evenly as can be: first fit opens rows longest sample first, so
+        # a micro-batch's rows are close in fill and its tensors only as wide as its fullest.
+        # Each keeps the rows' order: its samples, laid out anew, fall into the same rows.
+        size, longer = divmod(len(rows), count)
+        packed_parts: list[list[int]] = []
+        start = 0
+        for k in range(count):
+            end = start + size + (k < longer)
+            packed_parts.append([i for row in rows[start:end] for i in row])
+            start = end
+        return packed_parts + [[] for _ in range(min_count - count)]
     # Padded: longest first, so each micro-batch's rows are close in length (little padding).
     parts: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
