@@ -164,11 +164,12 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     #: Token budget of one micro-batch (gradient accumulation splits a step into these),
-    #: counted as its tensors hold them: with packing the samples' tokens, without it rows times
-    #: the longest row.
+    #: counted as its tensors hold them: rows times their width (packed, the rows' unfilled
+    #: ends count; padded, each row is as long as the longest).
     micro_batch_tokens: int = 4096
-    #: Lay a micro-batch's samples end to end in one row (attention kept within each sample)
-    #: instead of padding each to the longest: no compute is spent on padding.
+    #: Lay a micro-batch's samples end to end in rows at most as wide as the longest sample
+    #: (attention kept within each sample), short samples sharing a row, instead of padding each
+    #: to the longest: less compute is spent on padding.
     packing: bool = True
     #: Train each micro-batch as soon as its samples are ready (true), or first wait until the
     #: whole step's samples are, as synchronous frameworks do (false: a baseline to compare with).
