@@ -132,14 +132,20 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     each into the first row with room (first fit decreasing); a row's samples in the order they
     went in."""
     rows: list[list[int]] = []
+    shortest = min(lengths, default=0)
+    open_rows: list[int] = []  # the rows with room for the shortest sample, oldest first
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        k = next((k for k, free in enumerate(room) if free >= lengths[i]), len(rows))
-        if k == len(rows):
+        k = next((k for k in open_rows if room[k] >= lengths[i]), None)
+        if k is None:
+            k = len(rows)
             rows.append([])
             room.append(width)
+            open_rows.append(k)
         rows[k].append(i)
         room[k] -= lengths[i]
+        if room[k] < shortest:  # full: no sample left fits
+            open_rows.remove(k)
     return rows
 
 
