@@ -133,12 +133,12 @@ def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
     histories: dict[str, list[dict[str, Any]]] = {}
     read_result = e2e_suite._peer_result
 
-    def keep_run(run_dir: Path, seed: int, case: str, command_seconds: float) -> Any:
+    def keep_run(run_dir: Path, seed: int, case: str) -> Any:
         runs[case] = json.loads((run_dir / "summary.json").read_text())
         if case != "trl":
             lines = (run_dir / "metrics.jsonl").read_text().splitlines()
             histories[case] = [json.loads(line) for line in lines]
-        return read_result(run_dir, seed, case, command_seconds)
+        return read_result(run_dir, seed, case)
 
     monkeypatch.setattr(e2e_suite, "_peer_result", keep_run)
     rows = records(tmp_path, "e2e", cases=("peers",))

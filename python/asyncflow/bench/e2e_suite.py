@@ -26,8 +26,7 @@ evaluation; TRL: ``train()``), ``start_seconds`` (the job: engine start and the 
 evaluation; TRL: building its trainer, model load included), ``final_accuracy`` (with
 ``_min``/``_max``: greedy on the held-out problems, judged by the job's reward; the job's runs
 with their own rollout engine, TRL's model with the default job's), ``tokens_per_s``
-(generated tokens per RL second) and ``command_seconds`` (the whole command). Ratios are
-against TRL in the same run.
+(generated tokens per RL second). Ratios are against TRL in the same run.
 """
 
 from __future__ import annotations
@@ -173,7 +172,6 @@ class PeerResult:
     initial_accuracy: float
     final_accuracy: float
     tokens_per_s: float
-    command_seconds: float
 
 
 def _peer_runs(
@@ -190,14 +188,13 @@ def _peer_runs(
     for case in (jobs[0], "trl", *jobs[1:]):
         run_dir = workdir / f"seed-{seed}" / case
         _copy_warm_start(first, run_dir)
-        started = time.monotonic()
         if case == "trl":
             assert first is not None
             trl(first / "warm_start", run_dir, overrides, quick)
         else:
             train(run_dir, [*overrides, *PEERS[case]], quick)
             first = first or run_dir
-        results[case] = _peer_result(run_dir, seed, case, time.monotonic() - started)
+        results[case] = _peer_result(run_dir, seed, case)
     # One warm start: TRL's model before RL is the job's.
     before = results["asyncflow"].initial_accuracy
     results["trl"] = dataclasses.replace(results["trl"], initial_accuracy=before)
@@ -211,7 +208,7 @@ def trl(model_dir: Path, out: Path, overrides: list[str], quick: bool) -> None:
     subprocess.run([*command, "--out", str(out), *overrides], check=True, stdout=subprocess.DEVNULL)
 
 
-def _peer_result(run_dir: Path, seed: int, case: str, command_seconds: float) -> PeerResult:
+def _peer_result(run_dir: Path, seed: int, case: str) -> PeerResult:
     summary = json.loads((run_dir / "summary.json").read_text())
     phases = summary["phase_seconds"]
     if case == "trl":
@@ -230,7 +227,6 @@ def _peer_result(run_dir: Path, seed: int, case: str, command_seconds: float) ->
         initial_accuracy=before,
         final_accuracy=float(summary["accuracy_after"]),
         tokens_per_s=summary["tokens_generated"] / rl,
-        command_seconds=command_seconds,
     )
 
 
@@ -261,7 +257,7 @@ def run(
                 runs_p = _peer_runs(Path(tmp), seed, i, first, settings, quick)
                 for r in runs_p:
                     report.progress(
-                        f"seed {seed} {r.case}: {r.command_seconds:.0f}s, start "
+                        f"seed {seed} {r.case}: start "
                         f"{r.start_seconds:.1f}s, RL {r.rl_seconds:.1f}s, accuracy -> "
                         f"{r.final_accuracy:.3f}, {r.tokens_per_s:.0f} tokens/s"
                     )
@@ -283,7 +279,6 @@ def _add_peer(report: Report, case: str, runs: list[PeerResult], base: list[Peer
     for metric, unit in [
         ("rl_seconds", "s"),
         ("start_seconds", "s"),
-        ("command_seconds", "s"),
         ("tokens_per_s", "tokens/s"),
         ("final_accuracy", "fraction"),
     ]:
