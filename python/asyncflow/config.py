@@ -194,7 +194,9 @@ class TrainerConfig:
     #: DeepSpeed ZeRO stage (0: plain data parallelism; 3: parameters sharded too).
     zero_stage: int = 1
     #: ``constant`` after the warm-up, or ``cosine`` decay to ``min_lr_ratio`` at ``max_steps``.
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    #: Cosine by default: at a constant rate the default job's held-out accuracy moved 3-6 points
+    #: between evaluations over its last 30 steps, so the final model was one draw from that band.
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     #: Seconds to wait for trainer ranks to start, and for a peer rank in any collective, before

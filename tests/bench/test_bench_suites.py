@@ -9,9 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.bench import e2e_suite, run_suite
 from asyncflow.bench.emulation.modes import MODES
+from asyncflow.bench.trl_peer import scheduler_settings
+from asyncflow.config import TrainerConfig
 
 KEYS = {"suite", "case", "metric", "value", "unit", "baseline", "baseline_value", "ratio"}
 
@@ -169,3 +173,30 @@ def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
     assert metric(rows, "trl", "rl_seconds", "trl")["value"] == trl["phase_seconds"]["rl"]
     # Both start from one warm-started model.
     assert metric(rows, "trl", "initial_accuracy")["value"] == job["accuracy_before"]
+
+
+@pytest.mark.parametrize(
+    "schedule", [{"lr_schedule": "cosine"}, {"lr_schedule": "constant", "warmup_steps": 3}]
+)
+def test_trl_gets_the_jobs_learning_rate_at_every_step_after_the_warm_up(
+    schedule: dict[str, Any],
+) -> None:
+    from transformers import get_scheduler
+
+    t = TrainerConfig(max_steps=20, **schedule)
+    settings = scheduler_settings(t)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    trl_schedule = get_scheduler(
+        settings["lr_scheduler_type"],
+        optimizer,
+        num_warmup_steps=settings["warmup_steps"],
+        num_training_steps=t.max_steps,
+        scheduler_specific_kwargs=settings.get("lr_scheduler_kwargs"),
+    )
+    theirs = []
+    for _ in range(t.max_steps):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        trl_schedule.step()
+    ours = [lr_factor(t)(step) for step in range(t.max_steps)]
+    assert theirs[t.warmup_steps :] == pytest.approx(ours[t.warmup_steps :])

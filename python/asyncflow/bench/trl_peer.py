@@ -15,8 +15,10 @@ settings where TRL has them:
   ``algorithm.normalize_std``); TRL's default loss, ``dapo`` (token-level, normalised by the
   step's completion tokens: the job's ``token`` aggregation); PPO clip ``trainer.clip_eps``, KL
   ``trainer.kl_coef``, one iteration per batch;
-- AdamW at ``trainer.lr`` held constant (TRL's default schedule decays it linearly: the job's is
-  constant), ``trainer.weight_decay``, gradient clip ``trainer.grad_clip``, float32 on the CPU.
+- AdamW at ``trainer.lr`` on the job's schedule (``cosine_with_min_lr`` to
+  ``trainer.min_lr_ratio`` for ``cosine``, ``constant_with_warmup`` for ``constant``, both over
+  ``trainer.warmup_steps``; TRL's default decays linearly to zero), ``trainer.weight_decay``,
+  gradient clip ``trainer.grad_clip``, float32 on the CPU.
 
 Everything else is TRL's default. It then scores the trained model on the held-out problems
 with the job's own evaluation and rollout engine, and writes ``summary.json`` beside it:
@@ -54,6 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     summary = run(args.model, args.out, configuration.load(None, args.overrides))
     print(json.dumps(summary))
     return 0
+
+
+def scheduler_settings(t: configuration.TrainerConfig) -> dict[str, Any]:
+    """TRL's scheduler settings for the job's learning-rate schedule (the same factor per step
+    after the warm-up; TRL's warm-up starts from zero, the job's from ``1/warmup_steps``)."""
+    if t.lr_schedule == "cosine":
+        return {
+            "lr_scheduler_type": "cosine_with_min_lr",
+            "lr_scheduler_kwargs": {"min_lr_rate": t.min_lr_ratio},
+            "warmup_steps": t.warmup_steps,
+        }
+    return {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": t.warmup_steps}
 
 
 def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
@@ -103,7 +117,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
         beta=c.trainer.kl_coef,
         num_iterations=c.trainer.ppo_epochs,
         learning_rate=c.trainer.lr,
-        lr_scheduler_type="constant",
+        **scheduler_settings(c.trainer),
         weight_decay=c.trainer.weight_decay,
         max_grad_norm=c.trainer.grad_clip,
         shuffle_dataset=False,
