@@ -24,6 +24,7 @@ from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
+from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.train import train
 from asyncflow.workers.steps import StepLoss, sample_fields
 
@@ -380,6 +381,19 @@ def test_a_correct_demonstration_is_what_the_loop_would_produce() -> None:
         engine, [TOKENIZER.encode(str(problem.prompt))], [problem], Sampling(max_tokens=200)
     )
     assert [*TOKENIZER.encode(demo), TOKENIZER.eos_id] == group[0].response_ids
+
+
+def test_the_examples_budgets_hold_the_longest_right_trajectory() -> None:
+    # 9999*9999: the longest prompt (18 tokens), call (84) and tool answer (50 with its
+    # template), then 8 digits and the eos: 161 tokens, in examples/tools.yaml's budgets.
+    config = load("examples/tools.yaml")
+    problem = Problem("9999*9999=", "99980001")
+    prompt = PromptEncoder(TOKENIZER).encode(problem.prompt)
+    loop = AgentLoop(config.agent, TOKENIZER, lambda text, p: float(text.strip() == p.answer))
+    sampling = Sampling(n=1, max_tokens=config.rollout.max_tokens)
+    ((t,),) = loop.run(ScriptedEngine(_multiply), [prompt], [problem], sampling)
+    assert (t.finish_reason, t.turns, t.reward) == ("stop", 2, 1.0)
+    assert len(prompt) + len(t.response_ids) <= config.model.max_positions
 
 
 def test_demonstrations_make_mistakes_at_the_given_rate() -> None:
