@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -117,17 +118,52 @@ def test_a_broadcast_job_ends_with_the_trainers_final_weights_in_its_engine_and_
     (engine,) = rollouts
     assert engine.version == STEPS
     # Bit for bit the model the ranks saved from their own parameters.
-    final = load_file(tmp_path / "final" / "model.safetensors")
-    mine = dict(engine.model.named_parameters())  # type: ignore[attr-defined]
-    assert set(final) <= set(mine)
-    for name, tensor in final.items():
-        assert as_bytes(mine[name]).numpy().tobytes() == as_bytes(tensor).numpy().tobytes(), name
+    engine_matches_saved_model(engine, tmp_path)
 
     store = daemon.connect()
     assert "__weights__" not in set(store.rows().partitions), "a version went through the store"
     layouts = store.rows(partition=bc.PARTITION)
     assert sorted(int(v) for v in layouts.versions) == [STEPS - 1, STEPS]  # the last two kept
     assert [set(f) for f in store.ready_fields(layouts.indexes)] == [{bc.LAYOUT}] * 2
+
+
+def engine_matches_saved_model(engine: RolloutEngine, run_dir: Path) -> None:
+    """The engine's parameters are bit for bit those the trainer ranks saved as final."""
+    final = load_file(run_dir / "final" / "model.safetensors")
+    mine = dict(engine.model.named_parameters())  # type: ignore[attr-defined]
+    assert set(final) <= set(mine)
+    for name, tensor in final.items():
+        assert as_bytes(mine[name]).numpy().tobytes() == as_bytes(tensor).numpy().tobytes(), name
+
+
+@pytest.mark.slow
+def test_a_broadcast_job_resumed_from_its_checkpoint_broadcasts_the_restored_version_first(
+    tmp_path: Path, rollouts: list[RolloutEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job killed with its daemon: the resumed job's fresh store has no layout and its engine
+    the model's starting weights, so rank 0 must send the checkpoint's version before the step
+    after it is generated (on-policy here: generated only from it)."""
+    overrides = ["trainer.max_steps=2", "run.checkpoint_every=1"]
+    with DaemonProcess() as first:
+        train(job(first, *overrides), tmp_path, reporter=Reporter(False))
+    assert (tmp_path / "checkpoints" / "step-000001").is_dir()
+    rollouts.clear()
+
+    loads: list[int] = []
+    load = ReceivedWeights.load
+
+    def recording_load(self: ReceivedWeights, engine: RolloutEngine, version: int) -> int:
+        loads.append(load(self, engine, version))
+        return loads[-1]
+
+    monkeypatch.setattr(ReceivedWeights, "load", recording_load)
+    with DaemonProcess() as second:
+        summary = train(job(second, *overrides), resume=tmp_path, reporter=Reporter(False))
+    assert summary["steps"] == 2
+    assert loads[:1] == [1], loads  # the restored version, before step 2's samples
+    (engine,) = rollouts
+    assert engine.version == 2
+    engine_matches_saved_model(engine, tmp_path)
 
 
 @pytest.mark.slow
@@ -178,6 +214,32 @@ def test_a_broadcast_that_breaks_mid_version_fails_the_job_with_the_receivers_er
     message = str(failed.value)
     assert "weights v1: the broadcast from trainer rank 0 failed" in message
     assert "engines keep v0" in message
+
+
+@pytest.mark.slow
+def test_a_receiver_that_fails_for_its_own_reason_ends_the_job_before_the_broadcast_timeout(
+    tmp_path: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a broken connection: the receiver gives up on a version by itself (here, a layout it
+    cannot use), while rank 0 is left waiting to send. The job must end with that error, its
+    rank processes stopped, rather than when the group's timeout fails rank 0."""
+    receive = BroadcastReceiver._fill
+
+    def refusing(self: BroadcastReceiver, layout: Layout, buffer: torch.Tensor) -> None:
+        if layout.version == 1:
+            raise ValueError("weights v1: a layout this receiver cannot place")
+        receive(self, layout, buffer)
+
+    monkeypatch.setattr(BroadcastReceiver, "_fill", refusing)
+    timeout = 900.0  # far beyond the job's own length (tens of seconds)
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match="a layout this receiver cannot place"):
+        train(
+            job(daemon, "trainer.max_steps=2", f"weights.timeout={timeout}"),
+            tmp_path,
+            reporter=Reporter(False),
+        )
+    assert time.monotonic() - started < timeout / 3
 
 
 # -- the job's weight source over a receiver (no group) ------------------------------------------
