@@ -193,6 +193,18 @@ def test_a_trainer_rank_0_killed_mid_broadcast_fails_the_job_naming_it(
     assert isinstance(failed.value.__cause__, (WeightSyncError, EngineDiedError)), failed.value
 
 
+def fail_receiving(monkeypatch: pytest.MonkeyPatch, version: int, error: Exception) -> None:
+    """The job's receiver raises ``error`` once ``version``'s header is in, before its bytes."""
+    receive = BroadcastReceiver._fill
+
+    def failing(self: BroadcastReceiver, layout: Layout, buffer: torch.Tensor) -> None:
+        if layout.version == version:
+            raise error
+        receive(self, layout, buffer)
+
+    monkeypatch.setattr(BroadcastReceiver, "_fill", failing)
+
+
 @pytest.mark.slow
 def test_a_broadcast_that_breaks_mid_version_fails_the_job_with_the_receivers_error(
     tmp_path: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
@@ -200,15 +212,7 @@ def test_a_broadcast_that_breaks_mid_version_fails_the_job_with_the_receivers_er
     """The job's end of the group fails as gloo fails when its peer goes (rank 0 lives on,
     stuck sending, so only the receiver can tell): the rollout worker waiting for the version
     ends the run with the receiver's error."""
-
-    receive = BroadcastReceiver._fill
-
-    def breaking(self: BroadcastReceiver, layout: Layout, buffer: torch.Tensor) -> None:
-        if layout.version == 1:
-            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
-        receive(self, layout, buffer)
-
-    monkeypatch.setattr(BroadcastReceiver, "_fill", breaking)
+    fail_receiving(monkeypatch, 1, RuntimeError("Connection closed by peer [127.0.0.1]:1"))
     with pytest.raises(WorkerError, match="rollout worker failed: WeightSyncError") as failed:
         train(job(daemon, "trainer.max_steps=2"), tmp_path, reporter=Reporter(False))
     message = str(failed.value)
@@ -223,14 +227,7 @@ def test_a_receiver_that_fails_for_its_own_reason_ends_the_job_before_the_broadc
     """Not a broken connection: the receiver gives up on a version by itself (here, a layout it
     cannot use), while rank 0 is left waiting to send. The job must end with that error, its
     rank processes stopped, rather than when the group's timeout fails rank 0."""
-    receive = BroadcastReceiver._fill
-
-    def refusing(self: BroadcastReceiver, layout: Layout, buffer: torch.Tensor) -> None:
-        if layout.version == 1:
-            raise ValueError("weights v1: a layout this receiver cannot place")
-        receive(self, layout, buffer)
-
-    monkeypatch.setattr(BroadcastReceiver, "_fill", refusing)
+    fail_receiving(monkeypatch, 1, ValueError("weights v1: a layout this receiver cannot place"))
     timeout = 900.0  # far beyond the job's own length (tens of seconds)
     started = time.monotonic()
     with pytest.raises(WorkerError, match="a layout this receiver cannot place"):
