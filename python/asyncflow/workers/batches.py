@@ -75,7 +75,7 @@ def _packed(
     rows' samples one row after another. The tensors are as wide as the fullest row; a row's
     unfilled end is padding, positioned as a sequence of its own and outside every mask."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    width = max(lengths, default=1) if width is None else width
+    width = pack_width(lengths) if width is None else width
     starts: list[tuple[int, int]] = []  # (row, column) of each sample
     row, column = 0, 0
     for n in lengths:
@@ -162,8 +162,9 @@ def split_micro_batches(
     if longest > budget:
         micro_batches(lengths, budget)  # raises, naming the row
     if packed:
-        rows = pack_rows(lengths, pack_width(lengths))
-        count = -(-len(rows) // (budget // pack_width(lengths)))
+        width = pack_width(lengths)
+        rows = pack_rows(lengths, width)
+        count = -(-len(rows) // (budget // width))
         # Consecutive rows, as evenly as can be: first fit opens rows longest sample first, so
         # a micro-batch's rows are close in fill and its tensors only as wide as its fullest.
         # Each keeps the rows' order: its samples, laid out anew, fall into the same rows.
