@@ -120,6 +120,9 @@ impl fmt::Debug for Clock {
 /// whose storage daemons must drop them).
 type FreeHook = Box<dyn Fn(&[u64]) + Send + Sync>;
 
+/// Called whenever rows may have become claimable (see [`Store::on_change`]).
+type ChangeHook = Box<dyn Fn() + Send + Sync>;
+
 #[derive(Debug)]
 pub struct Store {
     config: StoreConfig,
@@ -127,15 +130,22 @@ pub struct Store {
     index: Mutex<Index>,
     /// Signalled whenever rows may have become claimable (new readiness, released leases).
     changed: Condvar,
+    /// Called at the same moments, for waiters that do not block a thread on `changed`.
+    on_change: OnceHook<ChangeHook>,
     shards: Shards,
     memory: Arc<MemoryBudget>,
-    on_free: OnceHook,
+    on_free: OnceHook<FreeHook>,
     /// Where durable changes go; unset for a store that forgets everything when it stops.
     journal: OnceLock<Arc<dyn Journal>>,
 }
 
-#[derive(Default)]
-struct OnceHook(OnceLock<FreeHook>);
+struct OnceHook<H>(OnceLock<H>);
+
+impl<H> Default for OnceHook<H> {
+    fn default() -> Self {
+        Self(OnceLock::new())
+    }
+}
 
 impl fmt::Debug for dyn Journal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -143,7 +153,7 @@ impl fmt::Debug for dyn Journal {
     }
 }
 
-impl fmt::Debug for OnceHook {
+impl<H> fmt::Debug for OnceHook<H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(if self.0.get().is_some() { "OnceHook(set)" } else { "OnceHook(unset)" })
     }
@@ -166,6 +176,7 @@ impl Store {
         Ok(Self {
             index: Mutex::new(Index::new()),
             changed: Condvar::new(),
+            on_change: OnceHook::default(),
             shards: Shards::new(config.shards),
             memory: MemoryBudget::new(config.memory_limit),
             on_free: OnceHook::default(),
@@ -221,6 +232,26 @@ impl Store {
     /// the first hook set counts.
     pub fn on_free(&self, hook: impl Fn(&[u64]) + Send + Sync + 'static) {
         let _ = self.on_free.0.set(Box::new(hook));
+    }
+
+    /// Calls `hook` whenever rows may have become claimable (new readiness, released or expired
+    /// leases, a shared batch claimed), after waking the claims blocked in [`Store::claim`]. A
+    /// caller that waits without a thread tries again when called, or at
+    /// [`Store::next_lease_deadline`]. Only the first hook set counts.
+    pub fn on_change(&self, hook: impl Fn() + Send + Sync + 'static) {
+        let _ = self.on_change.0.set(Box::new(hook));
+    }
+
+    fn notify_changed(&self) {
+        self.changed.notify_all();
+        if let Some(hook) = self.on_change.0.get() {
+            hook();
+        }
+    }
+
+    /// When the earliest lease runs out, on the store's clock; `None` when none is held.
+    pub fn next_lease_deadline(&self) -> Option<Instant> {
+        self.index.lock().next_lease_deadline()
     }
 
     fn free_payloads(&self, rows: &[u64]) {
@@ -337,7 +368,7 @@ impl Store {
         let gone = index.commit_ready(rows, fields);
         let at = self.append(&mut index, receipt);
         drop(index);
-        self.changed.notify_all();
+        self.notify_changed();
         self.free_payloads(&gone);
         self.sync(at)
     }
@@ -355,14 +386,14 @@ impl Store {
         let outcome = block_on(&self.index, &self.changed, wait, |index, _, last_try| {
             let now = self.clock.now();
             if index.expire_leases(now) > 0 {
-                self.changed.notify_all();
+                self.notify_changed();
             }
             let partial = last_try && allow_partial;
             match index.try_claim_with(spec, now, lease_timeout, partial, &lengths) {
                 Ok(Some(claimed)) => {
                     if spec.share.is_some() {
                         // The other consumers of a shared batch may be waiting for it to exist.
-                        self.changed.notify_all();
+                        self.notify_changed();
                     }
                     Attempt::Done(Ok(claimed))
                 }
@@ -401,7 +432,7 @@ impl Store {
     /// Returns a lease's rows (or `subset`) to be delivered again at once.
     pub fn release(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
         self.index.lock().release(lease, subset, self.clock.now())?;
-        self.changed.notify_all();
+        self.notify_changed();
         Ok(())
     }
 

@@ -3,9 +3,10 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use asyncflow_core::{ClaimSpec, StoreError};
+use asyncflow_core::{ClaimSpec, StoreError, Wait};
 use asyncflow_server::Error;
 use asyncflow_server::client::Preference;
 use support::{Daemon, NOW, ints, put_ints, read_ints};
@@ -120,4 +121,107 @@ fn a_staged_put_larger_than_a_frame_is_refused() {
     let err = client.put(&[column], support::new_rows(), None, NOW).unwrap_err();
     assert!(matches!(err, Error::Store(StoreError::BadRequest(m)) if m.contains("max-frame")));
     put_ints(&client, "y", &[1]);
+}
+
+/// A gauge or counter from the metrics page of a daemon started with `--metrics address`.
+fn metric(address: &str, name: &str) -> u64 {
+    use std::io::{Read as _, Write as _};
+    let mut page = std::net::TcpStream::connect(address).unwrap();
+    page.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    page.read_to_string(&mut text).unwrap();
+    let prefix = format!("asyncflow_{name} ");
+    let line = text.lines().find(|l| l.starts_with(&prefix)).expect("the metric is served");
+    line[prefix.len()..].parse().unwrap()
+}
+
+/// A loopback address nothing listens on now.
+fn free_address() -> String {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    probe.local_addr().unwrap().to_string()
+}
+
+/// Polls `condition` every 10 ms, failing after a minute.
+fn wait_until(what: &str, condition: impl Fn() -> bool) {
+    let give_up = Instant::now() + Duration::from_secs(60);
+    while !condition() {
+        assert!(Instant::now() < give_up, "gave up waiting until {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_claim_is_served_while_more_claims_wait_than_the_daemon_has_threads() {
+    // Tokio's blocking pool, which once held every waiting claim, has 512 threads.
+    const IDLE: usize = 600;
+    let metrics = free_address();
+    let daemon = Daemon::start(&["--metrics", &metrics]);
+    let client = daemon.connect(Preference::Tcp);
+    client.register_task("idle", None, NOW).unwrap();
+    client.register_task("t", None, NOW).unwrap();
+    let done = AtomicBool::new(false);
+    let interrupted = || done.load(Ordering::Relaxed);
+    let idle_wait = Wait { deadline: None, interrupted: &interrupted };
+    std::thread::scope(|s| {
+        let idle: Vec<_> = (0..IDLE)
+            .map(|_| s.spawn(|| client.claim(&spec("idle", "never", 1), false, None, idle_wait)))
+            .collect();
+        wait_until("every idle claim waits", || metric(&metrics, "waiting_claims") == IDLE as u64);
+        let claim = s.spawn(|| client.claim(&spec("t", "x", 1), false, None, NOW));
+        wait_until("the claim waits too", || metric(&metrics, "waiting_claims") == IDLE as u64 + 1);
+        let rows = put_ints(&client, "x", &[7]);
+        let (claimed, _) = claim.join().unwrap().unwrap();
+        assert_eq!(claimed.rows, rows, "served while {IDLE} other claims still wait");
+        assert_eq!(metric(&metrics, "waiting_claims"), IDLE as u64);
+        done.store(true, Ordering::Relaxed);
+        for waiting in idle {
+            let err = waiting.join().unwrap().unwrap_err();
+            assert!(matches!(err, Error::Store(StoreError::Interrupted)), "{err}");
+        }
+    });
+    wait_until("the daemon drops the cancelled claims", || metric(&metrics, "waiting_claims") == 0);
+}
+
+#[test]
+fn a_waiting_claim_gets_the_rows_of_a_lease_that_runs_out() {
+    let daemon = Daemon::start(&["--lease-timeout", "1"]);
+    let (holder, waiter) = (daemon.connect(Preference::Auto), daemon.connect(Preference::Auto));
+    holder.register_task("t", None, NOW).unwrap();
+    let rows = put_ints(&holder, "x", &[5]);
+    let (held, _) = holder.claim(&spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
+    assert_eq!(held.rows, rows);
+    // Nothing else happens in the store: only the lease's deadline can wake this claim.
+    let (again, _) =
+        waiter.claim(&spec("t", "x", 1), false, Some(Duration::from_secs(600)), NOW).unwrap();
+    assert_eq!(again.rows, rows);
+    assert_ne!(again.lease, held.lease);
+}
+
+#[test]
+fn a_cancelled_claim_stops_waiting_and_its_connection_serves_on() {
+    let metrics = free_address();
+    let daemon = Daemon::start(&["--metrics", &metrics]);
+    let client = daemon.connect(Preference::Auto);
+    client.register_task("t", None, NOW).unwrap();
+    let cancel = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            let interrupted = || cancel.load(Ordering::Relaxed);
+            client.claim(
+                &spec("t", "x", 1),
+                false,
+                None,
+                Wait { deadline: None, interrupted: &interrupted },
+            )
+        });
+        wait_until("the claim waits", || metric(&metrics, "waiting_claims") == 1);
+        cancel.store(true, Ordering::Relaxed);
+        let err = waiting.join().unwrap().unwrap_err();
+        assert!(matches!(err, Error::Store(StoreError::Interrupted)), "{err}");
+    });
+    // The daemon dropped the waiting claim: the row goes to the next claim, not to it.
+    wait_until("the daemon drops the cancelled claim", || metric(&metrics, "waiting_claims") == 0);
+    let rows = put_ints(&client, "x", &[1]);
+    let (claimed, _) = client.claim(&spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
+    assert_eq!(claimed.rows, rows);
 }

@@ -23,6 +23,8 @@ pub struct Metrics {
     pub leases_given_back: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
+    /// Claims waiting for their rows now.
+    pub waiting_claims: AtomicU64,
 }
 
 impl Metrics {
@@ -75,6 +77,12 @@ impl Metrics {
         );
         metric("received_bytes_total", "counter", "Frame bytes received.", load(&self.bytes_in));
         metric("sent_bytes_total", "counter", "Frame bytes sent.", load(&self.bytes_out));
+        metric(
+            "waiting_claims",
+            "gauge",
+            "Claims waiting for their rows.",
+            load(&self.waiting_claims),
+        );
         let s = daemon.roles.stats();
         metric("live_rows", "gauge", "Rows whose payload is held.", s.index.live_rows);
         metric("payload_rows", "gauge", "Rows with payload bytes on this daemon.", s.payload_rows);

@@ -54,6 +54,10 @@ pub struct Daemon {
     metrics: Metrics,
     /// Set once a stop is asked for: waiting requests give up, the rest finish.
     stopping: AtomicBool,
+    /// Wakes the claims waiting on the runtime (see `routing::wait_for_claim`): the store may
+    /// have claimable rows, or a waiting request was cancelled, lost its connection or the
+    /// daemon is stopping.
+    claims: Arc<tokio::sync::Notify>,
     /// Connections being served, against `--max-connections`.
     connections: AtomicUsize,
     /// Connections that have not said hello yet, oldest first (see `Ungreeted`).
@@ -317,12 +321,18 @@ pub async fn serve(
 
     let holders = Holders::new(config.reconnect_grace);
     let transit = transit::Transit::new(config.max_transit_bytes);
+    let claims = Arc::new(tokio::sync::Notify::new());
+    if let Some(store) = roles.claim_store() {
+        let claims = Arc::clone(&claims);
+        store.on_change(move || claims.notify_waiters());
+    }
     let daemon = Arc::new(Daemon {
         config,
         roles,
         pool,
         metrics: Metrics::default(),
         stopping: AtomicBool::new(false),
+        claims,
         connections: AtomicUsize::new(0),
         unauthenticated: parking_lot::Mutex::new(std::collections::BTreeMap::new()),
         active: parking_lot::Mutex::new(std::collections::HashMap::new()),
@@ -362,6 +372,7 @@ pub async fn serve(
     let reason = stop.await;
     tracing::info!(reason, "stopping: no new connections, finishing in-flight requests");
     daemon.stopping.store(true, Ordering::Relaxed);
+    daemon.claims.notify_waiters();
     let _ = stop_tx.send(true);
     while acceptors.join_next().await.is_some() {}
     let mut conns = std::mem::take(&mut *conns.lock());

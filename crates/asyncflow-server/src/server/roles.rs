@@ -28,6 +28,15 @@ impl Roles {
         }
     }
 
+    /// The store whose claims this daemon serves; `None` on a storage daemon, which serves none.
+    pub fn claim_store(&self) -> Option<&Arc<Store>> {
+        match self {
+            Roles::Standalone(store) => Some(store),
+            Roles::Controller(c) => Some(&c.store),
+            Roles::Storage(_) => None,
+        }
+    }
+
     /// Whether this daemon keeps payloads (and so has a store memory budget for them).
     pub fn keeps_payloads(&self) -> bool {
         !matches!(self, Roles::Controller(_))
@@ -83,12 +92,7 @@ impl Roles {
 
     /// Returns a lease's rows to be delivered again; whether it was still held.
     pub fn release_lease(&self, lease: u64) -> bool {
-        let store = match self {
-            Roles::Standalone(store) => store,
-            Roles::Controller(c) => &c.store,
-            Roles::Storage(_) => return false,
-        };
-        store.release(lease, None).is_ok()
+        self.claim_store().is_some_and(|store| store.release(lease, None).is_ok())
     }
 
     /// Whatever a connection left unfinished when it closed.

@@ -1,12 +1,15 @@
 //! Where a request goes once its frame is read: answered on the spot (notices, pings, requests
-//! that cannot wait), or run on the blocking pool, its reply queued for the writer.
+//! that cannot wait, claims whose rows are there), or left to wait (a claim as a task of the
+//! runtime, a put short of memory on the blocking pool), its reply queued for the writer.
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use asyncflow_core::{StoreError, Wait};
 use asyncflow_proto::{Failure, PayloadSource, Reply, Request};
+use tokio::sync::futures::OwnedNotified;
 use tokio::task::JoinSet;
 
 use super::Daemon;
@@ -45,6 +48,7 @@ pub(super) fn dispatch(
         }
         Request::Cancel { request } => {
             session.cancel(request);
+            daemon.claims.notify_waiters();
             return None;
         }
         Request::Hello(_) => {
@@ -84,16 +88,17 @@ pub(super) fn dispatch(
         let outcome = daemon.execute(session, req, frame.payload, wait);
         return answer(outgoing(daemon, session, id, outcome, notice));
     }
-    // A claim first looks once without waiting: most find their rows already there.
-    if let Request::Claim { allow_partial, timeout, .. } = &req
-        && (!allow_partial || *timeout == Some(Duration::ZERO))
-    {
-        let never = || false;
-        let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
-        match daemon.execute(session, req.clone(), Payload::default(), now) {
-            Err(StoreError::Timeout { .. }) if *timeout != Some(Duration::ZERO) => {}
-            outcome => return answer(outgoing(daemon, session, id, outcome, notice)),
+    if matches!(req, Request::Claim { .. }) && daemon.roles.claim_store().is_some() {
+        // Registered before the first look, so no change after it goes unnoticed.
+        let woken = next_change(daemon);
+        let claim = WaitingClaim { id, req, deadline, started: Instant::now() };
+        // Most claims find their rows already there: answered on the spot.
+        if let Some(outcome) = claim.look(daemon, session) {
+            return Some(outgoing(daemon, session, id, outcome, false));
         }
+        let waiter = Waiter::new(daemon, session, tx, activity, id);
+        tasks.spawn(claim.wait(waiter, woken));
+        return None;
     }
     let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
     let cancelled = session.track(id);
@@ -121,6 +126,115 @@ pub(super) fn dispatch(
         bytes
     });
     None
+}
+
+/// A future that completes at the next call of `Store::on_change`'s hook (or a wake-up for an
+/// interrupted claim), registered from now on even before it is first polled.
+fn next_change(daemon: &Daemon) -> Pin<Box<OwnedNotified>> {
+    let mut woken = Box::pin(Arc::clone(&daemon.claims).notified_owned());
+    woken.as_mut().enable();
+    woken
+}
+
+/// A claim that may wait for its rows. It waits as a task of the runtime, not a thread: woken
+/// when the store may have claimable rows (`Store::on_change`), when a lease runs out, at its
+/// deadline, or when it is cancelled, its connection closes or the daemon stops.
+struct WaitingClaim {
+    id: u64,
+    req: Request,
+    deadline: Option<Instant>,
+    started: Instant,
+}
+
+/// Where a waiting claim's reply goes, and what it answers to while it waits.
+struct Waiter {
+    daemon: Arc<Daemon>,
+    session: Arc<Session>,
+    tx: Replies,
+    activity: Arc<Activity>,
+    cancelled: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Waiter {
+    /// Tracked (for a cancel) and counted busy before the reader reads on: a cancel may come
+    /// next.
+    fn new(
+        daemon: &Arc<Daemon>,
+        session: &Arc<Session>,
+        tx: &Replies,
+        activity: &Arc<Activity>,
+        id: u64,
+    ) -> Self {
+        let cancelled = session.track(id);
+        activity.busy.fetch_add(1, Ordering::AcqRel);
+        daemon.metrics.waiting_claims.fetch_add(1, Ordering::Relaxed);
+        Self {
+            daemon: Arc::clone(daemon),
+            session: Arc::clone(session),
+            tx: tx.clone(),
+            activity: Arc::clone(activity),
+            cancelled,
+        }
+    }
+}
+
+impl WaitingClaim {
+    /// Waits for the claim's rows and queues its reply; `woken` has been registered for the
+    /// next change since before the claim's last look.
+    async fn wait(self, waiter: Waiter, mut woken: Pin<Box<OwnedNotified>>) -> u64 {
+        let Waiter { daemon, session, tx, activity, cancelled } = waiter;
+        let store = daemon.roles.claim_store().expect("only a daemon that serves claims waits");
+        let outcome = loop {
+            match [self.deadline, store.next_lease_deadline()].into_iter().flatten().min() {
+                Some(at) => tokio::select! {
+                    () = &mut woken => {}
+                    () = tokio::time::sleep_until(at.into()) => {}
+                },
+                None => (&mut woken).await,
+            }
+            woken = next_change(&daemon);
+            let interrupted = cancelled.load(Ordering::Relaxed)
+                || session.closed.load(Ordering::Relaxed)
+                || daemon.stopping.load(Ordering::Relaxed);
+            if interrupted {
+                break Err(StoreError::Interrupted);
+            }
+            if let Some(outcome) = self.look(&daemon, &session) {
+                break outcome;
+            }
+        };
+        session.untrack(self.id);
+        daemon.metrics.waiting_claims.fetch_sub(1, Ordering::Relaxed);
+        tx.send(outgoing(&daemon, &session, self.id, outcome, false));
+        activity.last.store(daemon.uptime(), Ordering::Release);
+        activity.busy.fetch_sub(1, Ordering::AcqRel);
+        0
+    }
+
+    /// One look for the rows, without waiting: `None` if the claim should wait on. Past its
+    /// deadline it settles for a partial batch if it allows one, or times out.
+    fn look(&self, daemon: &Daemon, session: &Session) -> Option<Outcome> {
+        let Request::Claim { spec, allow_partial, timeout, read } = &self.req else {
+            unreachable!("only claims wait as tasks");
+        };
+        let now = Instant::now();
+        let last = self.deadline.is_some_and(|d| now >= d);
+        let attempt = Request::Claim {
+            spec: spec.clone(),
+            allow_partial: *allow_partial && last,
+            timeout: *timeout,
+            read: *read,
+        };
+        let never = || false;
+        let wait = Wait { deadline: Some(now), interrupted: &never };
+        match daemon.execute(session, attempt, Payload::default(), wait) {
+            Err(StoreError::Timeout { what, .. }) if last => {
+                Some(Err(StoreError::Timeout { what, waited: now - self.started }))
+            }
+            Err(StoreError::Timeout { .. }) => None,
+            outcome => Some(outcome),
+        }
+    }
 }
 
 /// Whether a request can block: claims wait for rows, and under a memory limit puts (and the
