@@ -147,13 +147,20 @@ struct Incoming {
     local: bool,
     /// Replies waiting for the writer task, which runs only once this read waits.
     queued: Arc<AtomicUsize>,
+    /// The connection's activity: while a claim of it waits as a task of this runtime, which
+    /// runs only once this read waits, the read does not spin.
+    activity: Arc<Activity>,
 }
 
 impl Incoming {
     /// Reads whatever arrives on a local socket within `SPIN`; `None` if nothing did (or
-    /// another connection is spinning, a reply waits to be written, or this one is not local).
+    /// another connection is spinning, a reply waits to be written, a claim waits, or this one
+    /// is not local).
     fn spin(&self, buf: &mut ReadBuf<'_>) -> Option<std::io::Result<()>> {
-        if !self.local || SPINNING.swap(true, Ordering::Acquire) {
+        if !self.local
+            || self.activity.waiting.load(Ordering::Acquire) > 0
+            || SPINNING.swap(true, Ordering::Acquire)
+        {
             return None;
         }
         let fd = match &self.half {
@@ -609,6 +616,8 @@ pub struct Activity {
     pub(super) last: AtomicU64,
     /// Requests running (a claim waiting for rows included).
     pub(super) busy: AtomicUsize,
+    /// Claims waiting for rows as tasks of the connection's runtime.
+    pub(super) waiting: AtomicUsize,
     evicted: AtomicBool,
     evict: tokio::sync::Notify,
 }
@@ -619,6 +628,7 @@ impl Activity {
             slot,
             last: AtomicU64::new(now),
             busy: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
             evict: tokio::sync::Notify::new(),
         }
@@ -733,7 +743,9 @@ async fn serve_here(
     let shm = matches!(socket, Socket::Unix(_)).then(|| daemon.pool.clone()).flatten();
     let (half, writer) = split(socket);
     let queued = Arc::new(AtomicUsize::new(0));
-    let incoming = Incoming { half, local, queued: Arc::clone(&queued) };
+    let activity = Arc::clone(&counted.1);
+    let incoming =
+        Incoming { half, local, queued: Arc::clone(&queued), activity: Arc::clone(&activity) };
     let mut reader = BufReader::with_capacity(BUFFER, incoming);
     let (tx, rx) = mpsc::unbounded_channel();
     let counts = Arc::new(ReplyCounts {
@@ -746,7 +758,6 @@ async fn serve_here(
     let writer = Arc::new(Mutex::new(writer));
     let writer_task =
         tokio::spawn(write_loop(Arc::clone(&daemon), Arc::clone(&writer), rx, counts));
-    let activity = Arc::clone(&counted.1);
     {
         let session = Arc::new(Session::new(peer.clone(), shm.map(ShmSession::new)));
         let kept = daemon.holders.attach(session.id, &leases);

@@ -167,6 +167,7 @@ impl Waiter {
     ) -> Self {
         let cancelled = session.track(id);
         activity.busy.fetch_add(1, Ordering::AcqRel);
+        activity.waiting.fetch_add(1, Ordering::AcqRel);
         daemon.metrics.waiting_claims.fetch_add(1, Ordering::Relaxed);
         Self {
             daemon: Arc::clone(daemon),
@@ -207,6 +208,7 @@ impl WaitingClaim {
         daemon.metrics.waiting_claims.fetch_sub(1, Ordering::Relaxed);
         tx.send(outgoing(&daemon, &session, self.id, outcome, false));
         activity.last.store(daemon.uptime(), Ordering::Release);
+        activity.waiting.fetch_sub(1, Ordering::AcqRel);
         activity.busy.fetch_sub(1, Ordering::AcqRel);
         0
     }
