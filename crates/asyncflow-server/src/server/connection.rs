@@ -1,5 +1,6 @@
-//! One client connection: greet and authenticate, then read frames and run each request on the
-//! blocking pool, so a claim that waits a minute holds no other request of the same client;
+//! One client connection: greet and authenticate, then read frames and run each request that
+//! may wait apart from the reading (a claim as a task, a put short of memory on the blocking
+//! pool), so a claim that waits a minute holds no other request of the same client;
 //! replies go back through one writer task in whatever order requests finish. A frame that
 //! cannot be trusted closes the connection; every other client is unaffected.
 //!
