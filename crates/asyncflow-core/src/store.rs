@@ -439,7 +439,16 @@ impl Store {
     /// Extends a lease by `timeout` (default: the store's lease timeout) from now.
     pub fn renew(&self, lease: LeaseId, timeout: Option<Duration>) -> Result<Instant> {
         let timeout = timeout.unwrap_or(self.config.lease_timeout);
-        self.index.lock().renew(lease, self.clock.now(), timeout)
+        let mut index = self.index.lock();
+        let earliest = index.next_lease_deadline();
+        let until = index.renew(lease, self.clock.now(), timeout)?;
+        let sooner = index.next_lease_deadline() < earliest;
+        drop(index);
+        // A claim that waits without a thread sleeps until the earliest deadline it last saw.
+        if sooner {
+            self.notify_changed();
+        }
+        Ok(until)
     }
 
     /// The cells of `fields` on `rows`, one column per field.

@@ -198,6 +198,25 @@ fn a_waiting_claim_gets_the_rows_of_a_lease_that_runs_out() {
 }
 
 #[test]
+fn a_waiting_claim_gets_the_rows_of_a_lease_renewed_shorter_that_runs_out() {
+    let metrics = free_address();
+    let daemon = Daemon::start(&["--lease-timeout", "3600", "--metrics", &metrics]);
+    let (holder, waiter) = (daemon.connect(Preference::Auto), daemon.connect(Preference::Auto));
+    holder.register_task("t", None, NOW).unwrap();
+    let rows = put_ints(&holder, "x", &[5]);
+    let (held, _) = holder.claim(&spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
+    std::thread::scope(|s| {
+        let claim = s
+            .spawn(|| waiter.claim(&spec("t", "x", 1), false, Some(Duration::from_secs(600)), NOW));
+        // Waiting, it has seen the lease's hour-long deadline as the earliest.
+        wait_until("the claim waits", || metric(&metrics, "waiting_claims") == 1);
+        holder.renew(held.lease.unwrap(), Some(Duration::from_secs(1)), NOW).unwrap();
+        let (again, _) = claim.join().unwrap().unwrap();
+        assert_eq!(again.rows, rows, "the rows come again once the shortened lease runs out");
+    });
+}
+
+#[test]
 fn a_cancelled_claim_stops_waiting_and_its_connection_serves_on() {
     let metrics = free_address();
     let daemon = Daemon::start(&["--metrics", &metrics]);
