@@ -11,7 +11,7 @@ use asyncflow_proto::{
     CellMeta, CellPlace, PayloadSource, Reply, Segments, SharedCell, WireCell, WireColumn,
     align_payload,
 };
-use asyncflow_shm::{MAX_FDS, MIN_SEGMENT, Segment};
+use asyncflow_shm::{MAX_FDS, MIN_SEGMENT, Region, Segment};
 
 use super::outgoing::{Part, ReplyBody};
 use super::session::{Session, Stage};
@@ -52,17 +52,7 @@ pub fn incoming_chunk(
             let guard = if let Some(guard) = guard {
                 guard
             } else {
-                let fits = usize::try_from(extent).is_ok_and(|e| region.set_len(e));
-                if !fits {
-                    return Err(StoreError::bad_request(format!(
-                        "a put of {extent} bytes does not fit the {capacity}-byte spare region"
-                    )));
-                }
-                // A put of the spare's size class is charged what it uses; a smaller one (which
-                // the client is meant to stage instead) at least half the segment it keeps, as
-                // a staged region of this size would be.
-                let floor = if capacity > MIN_SEGMENT { capacity as u64 / 2 + 1 } else { 0 };
-                reserve(extent.max(floor))?
+                reserve(spare_charge(&mut region, extent)?)?
             };
             Ok(Chunk::new(Box::new(region), Some(guard)))
         }
@@ -70,6 +60,21 @@ pub fn incoming_chunk(
             Err(StoreError::bad_request("this daemon keeps payloads; send the bytes with the put"))
         }
     }
+}
+
+/// What a put of `extent` bytes into the connection's spare `region` is charged, the region cut
+/// to that length; an error if it does not fit. A put of the spare's size class is charged what
+/// it uses; a smaller one (which the client is meant to stage instead) at least half the
+/// segment it keeps, as a staged region of this size would be.
+pub fn spare_charge(region: &mut Region, extent: u64) -> Result<u64, StoreError> {
+    let capacity = region.capacity();
+    if !usize::try_from(extent).is_ok_and(|e| region.set_len(e)) {
+        return Err(StoreError::bad_request(format!(
+            "a put of {extent} bytes does not fit the {capacity}-byte spare region"
+        )));
+    }
+    let floor = if capacity > MIN_SEGMENT { capacity as u64 / 2 + 1 } else { 0 };
+    Ok(extent.max(floor))
 }
 
 /// How far into its payload a put's cells reach.

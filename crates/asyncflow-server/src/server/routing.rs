@@ -13,7 +13,7 @@ use tokio::sync::futures::OwnedNotified;
 use tokio::task::JoinSet;
 
 use super::Daemon;
-use super::cells::Payload;
+use super::cells::{Payload, extent};
 use super::connection::{Activity, Frame, Replies};
 use super::execute::{Execute, Outcome};
 use super::outgoing::{Outgoing, ReplyBody};
@@ -81,8 +81,10 @@ pub(super) fn dispatch(
         _ => None,
     };
     let answer = |out: Outgoing| (!notice).then_some(out);
+    pay_for_spare(daemon, session, &req);
     // What cannot wait runs right here: handing it to another thread would cost more than it.
-    if !may_wait(&req, session, daemon) {
+    let paid = frame.payload.paid.is_some() || frame.payload.bytes.is_empty();
+    if !may_wait(&req, session, daemon, paid) {
         let never = || false;
         let wait = Wait { deadline, interrupted: &never };
         let outcome = daemon.execute(session, req, frame.payload, wait);
@@ -97,7 +99,13 @@ pub(super) fn dispatch(
             return Some(outgoing(daemon, session, id, outcome, false));
         }
         let waiter = Waiter::new(daemon, session, tx, activity, id);
-        tasks.spawn(claim.wait(waiter, woken));
+        // Its request stays in memory while it waits, counted against the connection's share.
+        let bytes = frame.meta.len() as u64;
+        *in_flight += bytes;
+        tasks.spawn(async move {
+            claim.wait(waiter, woken).await;
+            bytes
+        });
         return None;
     }
     let (daemon, session, tx) = (Arc::clone(daemon), Arc::clone(session), tx.clone());
@@ -182,7 +190,7 @@ impl Waiter {
 impl WaitingClaim {
     /// Waits for the claim's rows and queues its reply; `woken` has been registered for the
     /// next change since before the claim's last look.
-    async fn wait(self, waiter: Waiter, mut woken: Pin<Box<OwnedNotified>>) -> u64 {
+    async fn wait(self, waiter: Waiter, mut woken: Pin<Box<OwnedNotified>>) {
         let Waiter { daemon, session, tx, activity, cancelled } = waiter;
         let store = daemon.roles.claim_store().expect("only a daemon that serves claims waits");
         let outcome = loop {
@@ -210,7 +218,6 @@ impl WaitingClaim {
         activity.last.store(daemon.uptime(), Ordering::Release);
         activity.waiting.fetch_sub(1, Ordering::AcqRel);
         activity.busy.fetch_sub(1, Ordering::AcqRel);
-        0
     }
 
     /// One look for the rows, without waiting: `None` if the claim should wait on. Past its
@@ -239,13 +246,28 @@ impl WaitingClaim {
     }
 }
 
+/// Pays now for a put into the connection's spare region if the store has room, as an inline
+/// put's bytes are when read: then the put cannot wait.
+fn pay_for_spare(daemon: &Daemon, session: &Session, req: &Request) {
+    if let (Request::Put(p), Some(shm)) = (req, &session.shm)
+        && let PayloadSource::Staged(stage) = p.source
+        && daemon.config.memory_limit.is_some()
+    {
+        let never = || false;
+        let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
+        let extent = extent(p.columns.iter().flat_map(|c| &c.cells));
+        shm.pay_spare(stage, extent, |bytes| daemon.roles.reserve(bytes, now));
+    }
+}
+
 /// Whether a request can block: claims wait for rows, and under a memory limit puts (and the
-/// staging of their shared memory) wait for room — a put in a staged region only if that region
-/// is the connection's spare, which is paid for when used.
-fn may_wait(req: &Request, session: &Session, daemon: &Daemon) -> bool {
+/// staging of their shared memory) wait for room — an inline put only if its bytes (`paid`) were
+/// not paid for when read, a put in a staged region only if that region is the connection's
+/// spare and not paid for yet.
+fn may_wait(req: &Request, session: &Session, daemon: &Daemon, paid: bool) -> bool {
     let unpaid = |source: &PayloadSource| match source {
-        PayloadSource::Inline => true,
-        PayloadSource::Staged(id) => session.shm.as_ref().is_some_and(|s| s.is_spare(*id)),
+        PayloadSource::Inline => !paid,
+        PayloadSource::Staged(id) => session.shm.as_ref().is_some_and(|s| s.is_unpaid_spare(*id)),
         PayloadSource::Elsewhere => false,
     };
     match req {

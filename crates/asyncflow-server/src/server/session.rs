@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
-use asyncflow_core::{Chunk, MemoryGuard};
+use asyncflow_core::{Chunk, MemoryGuard, StoreError};
 use asyncflow_proto::{Segments, SharedCell, Spare};
 use asyncflow_shm::{Region, Segment, SegmentPool};
 use parking_lot::Mutex;
@@ -183,8 +183,34 @@ impl ShmSession {
     }
 
     /// Whether `id` is the spare region, which a put still has to pay for.
-    pub fn is_spare(&self, id: u64) -> bool {
-        self.stages.lock().spare == Some(id)
+    /// Whether `id` is the connection's spare region and not paid for yet.
+    pub fn is_unpaid_spare(&self, id: u64) -> bool {
+        let stages = self.stages.lock();
+        stages.spare == Some(id) && stages.by_id.get(&id).is_some_and(|s| s.guard.is_none())
+    }
+
+    /// Pays now for a put of `extent` bytes into the spare region `id`, if `reserve` grants its
+    /// charge (see `cells::spare_charge`) without waiting: then the put cannot wait. Anything
+    /// else (another region, a put that does not fit, no room) is left to the put.
+    pub fn pay_spare(
+        &self,
+        id: u64,
+        extent: u64,
+        reserve: impl FnOnce(u64) -> Result<MemoryGuard, StoreError>,
+    ) {
+        let mut stages = self.stages.lock();
+        if stages.spare != Some(id) {
+            return;
+        }
+        let Some(stage) = stages.by_id.get_mut(&id).filter(|s| s.guard.is_none()) else {
+            return;
+        };
+        // A put that fits has its region cut to its length here rather than when it runs.
+        if let Ok(charge) = super::cells::spare_charge(&mut stage.region, extent)
+            && let Ok(guard) = reserve(charge)
+        {
+            stage.guard = Some(guard);
+        }
     }
 
     pub fn take_stage(&self, id: u64) -> Option<Stage> {
