@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--cases",
         metavar="NAMES",
-        help="e2e only: comma-separated parts to run, staleness and/or peers (default: both)",
+        help="e2e only: comma-separated parts to run, of staleness, peers, partial (default: all)",
     )
     rel = sub.add_parser(
         "reliability",

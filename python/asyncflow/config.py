@@ -59,9 +59,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    #: ``arithmetic`` (built in) or ``dataset``: local files (``train_file``/``eval_file``) with
-    #: verl-style columns. ``parquet`` is the older name of ``dataset``.
-    task: Literal["arithmetic", "dataset", "parquet", "multiply-tools"] = "arithmetic"
+    #: ``arithmetic`` (built in), ``addition-longtail`` (its variant with a long tail of response
+    #: lengths: operands of 2 to ``digits`` digits, a column-by-column scratchpad, scored by the
+    #: ``gsm8k`` reward), ``multiply-tools`` (multi-turn, with a calculator), or ``dataset``: local
+    #: files (``train_file``/``eval_file``) with verl-style columns. ``parquet`` is the older name
+    #: of ``dataset``.
+    task: Literal["arithmetic", "addition-longtail", "dataset", "parquet", "multiply-tools"] = (
+        "arithmetic"
+    )
     train_file: str | None = None
     eval_file: str | None = None
     #: ``auto`` (by the file's name: ``.parquet``, ``.json``/``.jsonl``, ``.arrow`` or a directory
@@ -85,7 +90,8 @@ class DataConfig:
     #: longer ones are left out (``filter``, counted in the summary) or cut from the left.
     max_prompt_length: int | None = None
     truncation: Literal["filter", "truncate_left"] = "filter"
-    #: Built-in task: operand digits, and held-out problems for evaluation.
+    #: Built-in task: operand digits (``addition-longtail``: the most), and held-out problems for
+    #: evaluation.
     digits: int = 2
     eval_size: int = 500
 
@@ -556,6 +562,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         raise ConfigError(errors[0])
     if origin is Literal:
         choices = typing.get_args(hint)
+        if isinstance(value, bool):  # YAML reads off/on, no/yes as booleans
+            words = ("on", "yes", "true") if value else ("off", "no", "false")
+            value = next((w for w in words if w in choices), value)
         if value not in choices:
             raise ConfigError(f"{key} must be one of {list(choices)}, not {value!r}")
         return value
@@ -707,7 +716,14 @@ def validate(c: Config) -> None:
             f"trainer.micro_batch_tokens ({c.trainer.micro_batch_tokens}) must hold one sample: "
             f"data.max_prompt_length + rollout.max_tokens = {longest}",
         )
-    if c.data.task not in ("arithmetic", "multiply-tools"):  # (built in: no files)
+    if c.data.task == "addition-longtail":
+        _require(c.data.digits >= 3, "data.task: addition-longtail needs data.digits of at least 3")
+        _require(
+            c.reward.fn != "exact_match",
+            "data.task: addition-longtail answers with a scratchpad and '#### <sum>': set "
+            "reward.fn: gsm8k (exact_match would score every response 0)",
+        )
+    if c.data.task not in ("arithmetic", "addition-longtail", "multiply-tools"):  # (no files)
         task = c.data.task
         _require(c.data.train_file is not None, f"data.task: {task} needs data.train_file")
         for key, file in [

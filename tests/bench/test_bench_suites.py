@@ -175,6 +175,49 @@ def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
     assert metric(rows, "trl", "initial_accuracy")["value"] == job["accuracy_before"]
 
 
+@pytest.mark.slow
+def test_the_e2e_suite_runs_the_long_tail_job_in_each_partial_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    read_result = e2e_suite._partial_result
+
+    def keep_run(run_dir: Path, seed: int, mode: str) -> Any:
+        history = (run_dir / "metrics.jsonl").read_text().splitlines()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        runs[mode] = (summary, [json.loads(line) for line in history])
+        return read_result(run_dir, seed, mode)
+
+    monkeypatch.setattr(e2e_suite, "_partial_result", keep_run)
+    rows = records(tmp_path, "e2e", cases=("partial",))
+    assert {r["case"] for r in rows} == {f"partial-{m}" for m in e2e_suite.PARTIAL}
+    assert list(runs) == list(e2e_suite.PARTIAL)  # seed 0 runs off first
+    steps = e2e_suite.QUICK.steps
+    for mode, (summary, history) in runs.items():
+        case = f"partial-{mode}"
+        assert summary["partial_rollout"] == mode and summary["max_staleness"] == 1
+        assert summary["steps"] == steps
+        # The final model only is evaluated, and every step trained its 4 groups of 16.
+        assert [r["step"] for r in history if "eval_accuracy" in r] == [steps]
+        assert sum(sum(r["staleness"].values()) for r in history if "staleness" in r) == (
+            steps * 4 * 16
+        )
+        rl = summary["phase_seconds"]["rl"] - sum(r.get("eval_seconds", 0.0) for r in history)
+        assert metric(rows, case, "samples_per_s", "partial-off")["value"] == pytest.approx(
+            steps * 4 * 16 / rl
+        )
+        busy = metric(rows, case, "rollout_busy", "partial-off")["value"]
+        assert busy == summary["busy_fraction"]["rollout"]
+        accuracy = metric(rows, case, "final_accuracy", "partial-off")["value"]
+        assert accuracy == summary["accuracy_after"]
+    # Off, no sample spans two versions; all three start from the one warm start.
+    assert runs["off"][0]["multi_version_sample_share"] == 0
+    assert metric(rows, "partial-off", "multi_version_share", "partial-off")["value"] == 0
+    assert "warm_start" in runs["off"][0]["phase_seconds"]
+    assert not any("warm_start" in runs[m][0]["phase_seconds"] for m in ("continue", "abort"))
+    assert len({runs[m][0]["accuracy_before"] for m in runs}) == 1
+
+
 @pytest.mark.parametrize(
     "schedule", [{"lr_schedule": "cosine"}, {"lr_schedule": "constant", "warmup_steps": 3}]
 )

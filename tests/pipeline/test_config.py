@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow import config as cfg
+from asyncflow.bench import e2e_suite
 
 
 def test_defaults_are_the_embedded_job() -> None:
@@ -70,6 +71,12 @@ def test_the_arithmetic_example_is_valid() -> None:
     assert cfg.load(EXAMPLES / "arithmetic.yaml").run.name == "arithmetic"
 
 
+def test_the_long_tail_example_is_the_e2e_suites_long_tail_job() -> None:
+    example = cfg.load(EXAMPLES / "longtail.yaml")
+    overrides = ["run.name=longtail", "data.eval_size=200", "trainer.max_steps=30"]
+    assert example == cfg.load(None, [*e2e_suite.LONGTAIL, *overrides])
+
+
 def existing_paths(tmp_path: Path) -> list[str]:
     """Overrides pointing an example's model and data paths at files that exist (empty)."""
     (tmp_path / "model").mkdir()
@@ -95,6 +102,17 @@ def test_the_two_node_ray_example_is_valid_once_its_paths_exist(tmp_path: Path) 
 def test_a_negative_ray_resource_is_a_config_error() -> None:
     with pytest.raises(cfg.ConfigError, match=r"ray\.rollout_gpus cannot be negative"):
         cfg.load(None, ["ray.rollout_gpus=-1"])
+
+
+def test_off_is_a_word_where_a_setting_takes_words(tmp_path: Path) -> None:
+    # YAML reads an unquoted off as false: a setting whose choices are words gets the word back.
+    assert cfg.load(None, ["rollout.partial=continue", "rollout.partial=off"]).rollout.partial == (
+        "off"
+    )
+    (tmp_path / "c.yaml").write_text("rollout:\n  partial: off\n")
+    assert cfg.load(tmp_path / "c.yaml").rollout.partial == "off"
+    with pytest.raises(cfg.ConfigError, match="must be one of"):
+        cfg.load(None, ["rollout.partial=on"])
 
 
 def test_chat_template_takes_auto_true_or_false() -> None:

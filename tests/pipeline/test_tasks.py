@@ -13,10 +13,17 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.config import ConfigError, DataConfig
+from asyncflow.config import load as load_config
 from asyncflow.models.chatml import save_chatml_tokenizer
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.tasks import gsm_synthetic
-from asyncflow.tasks.arithmetic import ArithmeticTask, add_dropping_carries, has_carry
+from asyncflow.tasks.arithmetic import (
+    ArithmeticTask,
+    LongTailAdditionTask,
+    add_dropping_carries,
+    has_carry,
+    scratchpad,
+)
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.dataset import read_problems
 from asyncflow.tasks.loader import load_task
@@ -73,6 +80,39 @@ def test_demonstrations_drop_carries_at_the_requested_rate() -> None:
     rng = random.Random(0)
     wrong = sum(task.demonstration(problem, rng, 0.6) != problem.answer for _ in range(2000))
     assert 0.5 < wrong / 2000 < 0.7
+
+
+def test_a_scratchpad_works_each_column_and_ends_with_the_sum_its_columns_give() -> None:
+    assert scratchpad(37, 48, 2, [False, False]) == "7+8=15\n3+4+1=8\n#### 85"
+    assert scratchpad(37, 48, 2, [True, False]) == "7+8=15\n3+4=7\n#### 75"
+    assert scratchpad(999, 1, 3, [False] * 3) == "9+1=10\n9+0+1=10\n9+0+1=10\n#### 1000"
+    assert gsm8k_match(scratchpad(999, 1, 3, [False] * 3), "1000") == 1.0
+
+
+def test_the_long_tail_task_halves_each_extra_digit_and_holds_its_problems_out() -> None:
+    task = LongTailAdditionTask(max_digits=6, eval_size=200)
+    held_out = [tuple(map(int, p.prompt[:-1].split("+"))) for p in task.eval_set()]
+    assert len({(min(a, b), max(a, b)) for a, b in held_out}) == 200
+    stream = task.train_stream(seed=0)
+    train = [tuple(map(int, next(stream).prompt[:-1].split("+"))) for _ in range(20000)]
+    assert not {(min(a, b), max(a, b)) for a, b in train} & set(task._held)
+    digits = [len(str(a)) for a, b in train]
+    assert all(len(str(b)) == d for (_, b), d in zip(train, digits, strict=True))
+    share = {d: digits.count(d) / len(digits) for d in range(2, 7)}
+    expected = {d: 0.5 ** (d - 2) / sum(0.5**k for k in range(5)) for d in range(2, 7)}
+    for d in range(2, 7):
+        assert abs(share[d] - expected[d]) < 0.015, (d, share[d])
+    # Responses grow with the operands: 23 tokens (with the eos) at 2 digits, 65 at 6.
+    rng = random.Random(0)
+    longest = task.demonstration(task.longest_prompt(), rng, 0.0)
+    assert len(longest) + 1 == 65 and gsm8k_match(longest, task.longest_prompt().answer) == 1.0
+
+
+def test_the_long_tail_task_needs_a_reward_that_reads_its_final_line() -> None:
+    with pytest.raises(ConfigError, match=r"reward\.fn: gsm8k"):
+        load_config(None, ["data.task=addition-longtail", "data.digits=6"])
+    with pytest.raises(ConfigError, match=r"data\.digits of at least 3"):
+        load_config(None, ["data.task=addition-longtail", "reward.fn=gsm8k"])
 
 
 def test_the_built_in_tokenizer_loads_through_auto_tokenizer_with_a_chatml_template(

@@ -27,6 +27,15 @@ evaluation; TRL: building its trainer, model load included), ``final_accuracy`` 
 ``_min``/``_max``: greedy on the held-out problems, judged by the job's reward; the job's runs
 with their own rollout engine, TRL's model with the default job's), ``tokens_per_s``
 (generated tokens per RL second). Ratios are against TRL in the same run.
+
+The ``partial`` cases run the job at staleness 1 on the built-in task's long-tail variant
+(``addition-longtail``, as ``examples/longtail.yaml``: responses of 23 to 65 tokens) with each
+``rollout.partial`` mode, ``off`` first, from one warm start per seed, in an order that rotates
+from seed to seed, evaluating the final model only. Per mode (case ``partial-<mode>``):
+``samples_per_s`` (samples trained per RL second, the final evaluation excluded), ``rl_seconds``,
+``tokens_per_s``, the rollout's and the trainer's busy fractions over RL, the share of samples
+whose tokens span more than one policy version, and held-out accuracy before and after (with
+``_min``/``_max``). Ratios are against ``off`` in the same run.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from asyncflow.bench.records import Report
 
 STALENESS = (0, 1, 2)
 SEEDS = (0, 1, 2)
-CASES = ("staleness", "peers")
+CASES = ("staleness", "peers", "partial")
 #: The peers' cases, and the job's overrides for its own two.
 PEERS: dict[str, list[str]] = {
     "asyncflow": [],
@@ -55,6 +64,17 @@ PEERS: dict[str, list[str]] = {
     "trl": [],
 }
 JOBS = [case for case in PEERS if case != "trl"]
+PARTIAL = ("off", "continue", "abort")
+#: The long-tail job, as examples/longtail.yaml sets it (a test holds the two together).
+LONGTAIL = [
+    "data.task=addition-longtail",
+    "data.digits=6",
+    "model.max_positions=96",
+    "reward.fn=gsm8k",
+    "rollout.max_tokens=72",
+    "rollout.max_num_seqs=256",
+    "trainer.micro_batch_tokens=8192",
+]
 #: What a run keeps from its seed's first run: the built model and its warm start.
 SHARED = ("model-init", "warm_start")
 
@@ -201,6 +221,63 @@ def _peer_runs(
     return [results[case] for case in PEERS]
 
 
+@dataclass(frozen=True)
+class PartialResult:
+    seed: int
+    mode: str
+    samples_per_s: float
+    rl_seconds: float
+    tokens_per_s: float
+    rollout_busy: float
+    trainer_busy: float
+    multi_version_share: float
+    initial_accuracy: float
+    final_accuracy: float
+
+
+def _partial_runs(
+    workdir: Path, seed: int, i: int, settings: Settings, quick: bool
+) -> list[PartialResult]:
+    """The long-tail job of one seed in each ``rollout.partial`` mode, from one warm start."""
+    modes = PARTIAL[i % 3 :] + PARTIAL[: i % 3]
+    overrides = [
+        *settings.overrides(seed, 1),
+        *LONGTAIL,
+        f"run.eval_every={settings.steps + 1}",  # the final model only
+    ]
+    first: Path | None = None
+    results = {}
+    for mode in modes:
+        run_dir = workdir / f"seed-{seed}" / f"partial-{mode}"
+        _copy_warm_start(first, run_dir)
+        train(run_dir, [*overrides, f"rollout.partial={mode}"], quick)
+        first = first or run_dir
+        results[mode] = _partial_result(run_dir, seed, mode)
+    return [results[mode] for mode in PARTIAL]
+
+
+def _partial_result(run_dir: Path, seed: int, mode: str) -> PartialResult:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluating = sum(r.get("eval_seconds", 0.0) for r in history)
+    rl = float(summary["phase_seconds"]["rl"]) - evaluating
+    # A step's trained samples, by age.
+    trained = sum(sum(r["staleness"].values()) for r in history if "staleness" in r)
+    busy = summary["busy_fraction"]
+    return PartialResult(
+        seed=seed,
+        mode=mode,
+        samples_per_s=trained / rl,
+        rl_seconds=rl,
+        tokens_per_s=summary["tokens_generated"] / rl,
+        rollout_busy=float(busy.get("rollout", 0.0)),
+        trainer_busy=float(busy.get("trainer", 0.0)),
+        multi_version_share=float(summary["multi_version_sample_share"]),
+        initial_accuracy=float(summary["accuracy_before"]),
+        final_accuracy=float(summary["accuracy_after"]),
+    )
+
+
 def trl(model_dir: Path, out: Path, overrides: list[str], quick: bool) -> None:
     if quick:
         overrides = [*overrides, "trainer.groups_per_step=4"]
@@ -247,6 +324,7 @@ def run(
     )
     staleness: list[RunResult] = []
     peers: list[PeerResult] = []
+    partial: list[PartialResult] = []
     with tempfile.TemporaryDirectory(prefix="asyncflow-e2e-") as tmp:
         for i, seed in enumerate(SEEDS[:1] if quick else SEEDS):
             first = None
@@ -262,6 +340,17 @@ def run(
                         f"{r.final_accuracy:.3f}, {r.tokens_per_s:.0f} tokens/s"
                     )
                 peers += runs_p
+            if "partial" in cases:
+                runs_q = _partial_runs(Path(tmp), seed, i, settings, quick)
+                for q in runs_q:
+                    report.progress(
+                        f"seed {seed} partial {q.mode}: RL {q.rl_seconds:.1f}s, "
+                        f"{q.samples_per_s:.1f} samples/s, busy rollout {q.rollout_busy:.2f} "
+                        f"trainer {q.trainer_busy:.2f}, multi-version "
+                        f"{q.multi_version_share:.3f}, accuracy {q.initial_accuracy:.3f} -> "
+                        f"{q.final_accuracy:.3f}"
+                    )
+                partial += runs_q
     if staleness:
         by_k = {k: [r for r in staleness if r.staleness == k] for k in STALENESS}
         for k, runs in by_k.items():
@@ -270,6 +359,34 @@ def run(
         by_case = {c: [r for r in peers if r.case == c] for c in PEERS}
         for case, runs_c in by_case.items():
             _add_peer(report, case, runs_c, by_case["trl"])
+    if partial:
+        by_mode = {m: [r for r in partial if r.mode == m] for m in PARTIAL}
+        for mode, runs_m in by_mode.items():
+            _add_partial(report, f"partial-{mode}", runs_m, by_mode["off"])
+
+
+def _add_partial(
+    report: Report, case: str, runs: list[PartialResult], base: list[PartialResult]
+) -> None:
+    def avg(rs: list[PartialResult], field: str) -> float:
+        return mean(float(getattr(r, field)) for r in rs)
+
+    for metric, unit in [
+        ("samples_per_s", "samples/s"),
+        ("rl_seconds", "s"),
+        ("tokens_per_s", "tokens/s"),
+        ("rollout_busy", "fraction"),
+        ("trainer_busy", "fraction"),
+        ("multi_version_share", "fraction"),
+        ("initial_accuracy", "fraction"),
+        ("final_accuracy", "fraction"),
+    ]:
+        report.add(case, metric, avg(runs, metric), unit, "partial-off", avg(base, metric))
+    for metric in ("samples_per_s", "final_accuracy"):
+        values = [float(getattr(r, metric)) for r in runs]
+        unit = "samples/s" if metric == "samples_per_s" else "fraction"
+        report.add(case, f"{metric}_min", min(values), unit)
+        report.add(case, f"{metric}_max", max(values), unit)
 
 
 def _add_peer(report: Report, case: str, runs: list[PeerResult], base: list[PeerResult]) -> None:

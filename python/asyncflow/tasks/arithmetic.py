@@ -6,6 +6,11 @@ commuted twin (``48+37=`` has the answer of ``37+48=``): the split is by unorder
 supervised warm start, :func:`demonstration` can reproduce the classic mistake of dropping a
 carry, which yields a model that often knows the right answer (sampling finds it) without
 preferring it (greedy misses it) — the gap RL is good at closing.
+
+:class:`LongTailAdditionTask` is its variant with a long tail of response lengths: operands of 2
+to ``max_digits`` digits, each extra digit half as likely as the one before, and an answer worked
+column by column before the result (``"7+8=15\n3+4+1=8\n#### 85"``), so a response grows with
+its operands. It measures what long responses cost a step (``rollout.partial``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,19 @@ def add_dropping_carries(a: int, b: int, digits: int, drop: list[bool]) -> int:
         carry = 0 if drop[i] else s // 10
         scale *= 10
     return total + carry * scale
+
+
+def scratchpad(a: int, b: int, digits: int, drop: list[bool]) -> str:
+    """``a + b`` worked one column a line from the units, then ``#### <sum>``; the carry out of
+    column ``i`` is forgotten when ``drop[i]``, and the sum is what those columns give."""
+    lines, carry, scale = [], 0, 1
+    for i in range(digits):
+        x, y = a // scale % 10, b // scale % 10
+        s = x + y + carry
+        lines.append(f"{x}+{y}{'+1' if carry else ''}={s}")
+        carry = 0 if drop[i] else s // 10
+        scale *= 10
+    return "\n".join([*lines, f"#### {add_dropping_carries(a, b, digits, drop)}"])
 
 
 def has_carry(a: int, b: int, digits: int) -> bool:
@@ -76,3 +94,57 @@ class ArithmeticTask:
         a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
         drop = [rng.random() < mistake_rate for _ in range(self.digits)]
         return str(add_dropping_carries(a, b, self.digits, drop))
+
+
+class LongTailAdditionTask:
+    """Addition of two ``d``-digit numbers, ``d`` from 2 to ``max_digits`` with probability
+    halving at each extra digit (``d = 2`` about half the problems), answered with a column-by-
+    column scratchpad and ``#### <sum>`` (scored by the ``gsm8k`` reward). Held out by unordered
+    pair, as :class:`ArithmeticTask`."""
+
+    name = "addition-longtail"
+
+    def __init__(self, max_digits: int = 6, eval_size: int = 200) -> None:
+        if not 3 <= max_digits <= 9:
+            raise ValueError(f"max_digits must be in 3..9, not {max_digits}")
+        self.max_digits = max_digits
+        self._weights = [0.5**d for d in range(max_digits - 1)]
+        rng = random.Random(SPLIT_SEED)
+        self._eval: list[tuple[int, int]] = []
+        self._held: set[tuple[int, int]] = set()
+        while len(self._eval) < eval_size:
+            a, b = self._pair(rng)
+            if (min(a, b), max(a, b)) not in self._held:
+                self._held.add((min(a, b), max(a, b)))
+                self._eval.append((a, b))
+
+    def _pair(self, rng: random.Random) -> tuple[int, int]:
+        digits = rng.choices(range(2, self.max_digits + 1), self._weights)[0]
+        lo, hi = 10 ** (digits - 1), 10**digits - 1
+        return rng.randint(lo, hi), rng.randint(lo, hi)
+
+    def eval_set(self) -> list[Problem]:
+        return [_problem(a, b) for a, b in self._eval]
+
+    def longest_prompt(self) -> Problem:
+        n = self.max_digits
+        return _problem(10**n - 1, 10**n - 1)
+
+    def train_stream(self, seed: int, start: int = 0) -> Iterator[Problem]:
+        rng = random.Random(seed)
+        k = 0
+        while True:
+            a, b = self._pair(rng)
+            if (min(a, b), max(a, b)) in self._held:
+                continue
+            if k >= start:
+                yield _problem(a, b)
+            k += 1
+
+    def demonstration(self, problem: Problem, rng: random.Random, mistake_rate: float) -> str:
+        """The worked answer, each carry dropped with probability ``mistake_rate`` (the result
+        following the columns as written)."""
+        assert isinstance(problem.prompt, str)
+        a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
+        digits = len(str(a))
+        return scratchpad(a, b, digits, [rng.random() < mistake_rate for _ in range(digits)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from asyncflow.config import DataConfig
 from asyncflow.errors import ConfigError
-from asyncflow.tasks.arithmetic import ArithmeticTask
+from asyncflow.tasks.arithmetic import ArithmeticTask, LongTailAdditionTask
 from asyncflow.tasks.base import Problem, Task
 from asyncflow.tasks.dataset import DatasetTask, read_problems
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
@@ -16,8 +16,12 @@ def load_task(data: DataConfig, prompts: PromptEncoder) -> Task:
         return MultiplyToolsTask(eval_size=data.eval_size)
     if data.task == "arithmetic":
         task = ArithmeticTask(digits=data.digits, eval_size=data.eval_size)
-        _check_generated(task, prompts)
+        _check_generated(prompts, task.eval_set()[0])
         return task
+    if data.task == "addition-longtail":
+        longtail = LongTailAdditionTask(max_digits=data.digits, eval_size=data.eval_size)
+        _check_generated(prompts, longtail.longest_prompt())
+        return longtail
     assert data.train_file is not None  # validated with the config
     train, too_long = read_problems(data.train_file, data, prompts)
     counts = {"train": too_long}
@@ -33,9 +37,8 @@ def load_task(data: DataConfig, prompts: PromptEncoder) -> Task:
     return DatasetTask(train, held_out, counts)
 
 
-def _check_generated(task: ArithmeticTask, prompts: PromptEncoder) -> None:
-    """A generated task's prompts all have one shape: the first tells whether they fit."""
-    problem = task.eval_set()[0]
+def _check_generated(prompts: PromptEncoder, problem: Problem) -> None:
+    """A generated task's longest prompt tells whether they all fit."""
     try:
         ids = prompts.render(problem.prompt)
     except PromptError as e:
