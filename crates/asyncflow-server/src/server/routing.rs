@@ -154,13 +154,15 @@ struct WaitingClaim {
     started: Instant,
 }
 
-/// Where a waiting claim's reply goes, and what it answers to while it waits.
+/// Where a waiting claim's reply goes, and what it answers to while it waits. It is counted out
+/// when dropped, however the wait ends (answered, or its task dropped or panicking).
 struct Waiter {
     daemon: Arc<Daemon>,
     session: Arc<Session>,
     tx: Replies,
     activity: Arc<Activity>,
     cancelled: Arc<std::sync::atomic::AtomicBool>,
+    id: u64,
 }
 
 impl Waiter {
@@ -183,7 +185,18 @@ impl Waiter {
             tx: tx.clone(),
             activity: Arc::clone(activity),
             cancelled,
+            id,
         }
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        self.session.untrack(self.id);
+        self.daemon.metrics.waiting_claims.fetch_sub(1, Ordering::Relaxed);
+        self.activity.last.store(self.daemon.uptime(), Ordering::Release);
+        self.activity.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.activity.busy.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -191,7 +204,7 @@ impl WaitingClaim {
     /// Waits for the claim's rows and queues its reply; `woken` has been registered for the
     /// next change since before the claim's last look.
     async fn wait(self, waiter: Waiter, mut woken: Pin<Box<OwnedNotified>>) {
-        let Waiter { daemon, session, tx, activity, cancelled } = waiter;
+        let (daemon, session) = (&waiter.daemon, &waiter.session);
         let store = daemon.roles.claim_store().expect("only a daemon that serves claims waits");
         let outcome = loop {
             match [self.deadline, store.next_lease_deadline()].into_iter().flatten().min() {
@@ -201,23 +214,21 @@ impl WaitingClaim {
                 },
                 None => (&mut woken).await,
             }
-            woken = next_change(&daemon);
-            let interrupted = cancelled.load(Ordering::Relaxed)
+            woken = next_change(daemon);
+            let interrupted = waiter.cancelled.load(Ordering::Relaxed)
                 || session.closed.load(Ordering::Relaxed)
                 || daemon.stopping.load(Ordering::Relaxed);
             if interrupted {
                 break Err(StoreError::Interrupted);
             }
-            if let Some(outcome) = self.look(&daemon, &session) {
+            if let Some(outcome) = self.look(daemon, session) {
                 break outcome;
             }
         };
-        session.untrack(self.id);
-        daemon.metrics.waiting_claims.fetch_sub(1, Ordering::Relaxed);
-        tx.send(outgoing(&daemon, &session, self.id, outcome, false));
-        activity.last.store(daemon.uptime(), Ordering::Release);
-        activity.waiting.fetch_sub(1, Ordering::AcqRel);
-        activity.busy.fetch_sub(1, Ordering::AcqRel);
+        let reply = outgoing(daemon, session, self.id, outcome, false);
+        let tx = waiter.tx.clone();
+        drop(waiter); // counted out before the reply can reach the client
+        tx.send(reply);
     }
 
     /// One look for the rows, without waiting: `None` if the claim should wait on. Past its
