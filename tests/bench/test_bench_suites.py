@@ -85,9 +85,7 @@ def test_the_e2e_suite_times_the_main_job_at_each_staleness(
     read_result = e2e_suite.result
 
     def keep_run(run_dir: Path, seed: int, staleness: int, target: float) -> Any:
-        history = (run_dir / "metrics.jsonl").read_text().splitlines()
-        summary = json.loads((run_dir / "summary.json").read_text())
-        runs[staleness] = (summary, [json.loads(line) for line in history])
+        runs[staleness] = e2e_suite.read_run(run_dir)
         return read_result(run_dir, seed, staleness, target)
 
     monkeypatch.setattr(e2e_suite, "result", keep_run)
@@ -183,9 +181,7 @@ def test_the_e2e_suite_runs_the_long_tail_job_in_each_partial_mode(
     read_result = e2e_suite._partial_result
 
     def keep_run(run_dir: Path, seed: int, mode: str) -> Any:
-        history = (run_dir / "metrics.jsonl").read_text().splitlines()
-        summary = json.loads((run_dir / "summary.json").read_text())
-        runs[mode] = (summary, [json.loads(line) for line in history])
+        runs[mode] = e2e_suite.read_run(run_dir)
         return read_result(run_dir, seed, mode)
 
     monkeypatch.setattr(e2e_suite, "_partial_result", keep_run)

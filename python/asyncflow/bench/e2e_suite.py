@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
+from typing import Any
 
 from asyncflow.bench.records import Report
 
@@ -127,9 +128,15 @@ def train(run_dir: Path, overrides: list[str], quick: bool) -> None:
     subprocess.run([*command, *overrides], check=True, stdout=subprocess.DEVNULL)
 
 
-def result(run_dir: Path, seed: int, staleness: int, target: float) -> RunResult:
+def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run's ``summary.json`` and its ``metrics.jsonl`` records."""
     summary = json.loads((run_dir / "summary.json").read_text())
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, history
+
+
+def result(run_dir: Path, seed: int, staleness: int, target: float) -> RunResult:
+    summary, history = read_run(run_dir)
     rl = float(summary["phase_seconds"]["rl"])
     evaluating, reached_at = 0.0, None
     for record in history:
@@ -257,8 +264,7 @@ def _partial_runs(
 
 
 def _partial_result(run_dir: Path, seed: int, mode: str) -> PartialResult:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary, history = read_run(run_dir)
     evaluating = sum(r.get("eval_seconds", 0.0) for r in history)
     rl = float(summary["phase_seconds"]["rl"]) - evaluating
     # A step's trained samples, by age.
