@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
@@ -371,12 +372,14 @@ def run(
             _add_partial(report, f"partial-{mode}", runs_m, by_mode["off"])
 
 
+def _mean(runs: Sequence[Any], field: str) -> float:
+    """The mean of ``field`` over the runs of a case (its seeds)."""
+    return mean(float(getattr(r, field)) for r in runs)
+
+
 def _add_partial(
     report: Report, case: str, runs: list[PartialResult], base: list[PartialResult]
 ) -> None:
-    def avg(rs: list[PartialResult], field: str) -> float:
-        return mean(float(getattr(r, field)) for r in rs)
-
     for metric, unit in [
         ("samples_per_s", "samples/s"),
         ("rl_seconds", "s"),
@@ -387,7 +390,7 @@ def _add_partial(
         ("initial_accuracy", "fraction"),
         ("final_accuracy", "fraction"),
     ]:
-        report.add(case, metric, avg(runs, metric), unit, "partial-off", avg(base, metric))
+        report.add(case, metric, _mean(runs, metric), unit, "partial-off", _mean(base, metric))
     for metric in ("samples_per_s", "final_accuracy"):
         values = [float(getattr(r, metric)) for r in runs]
         unit = "samples/s" if metric == "samples_per_s" else "fraction"
@@ -396,26 +399,20 @@ def _add_partial(
 
 
 def _add_peer(report: Report, case: str, runs: list[PeerResult], base: list[PeerResult]) -> None:
-    def avg(rs: list[PeerResult], field: str) -> float:
-        return mean(float(getattr(r, field)) for r in rs)
-
     for metric, unit in [
         ("rl_seconds", "s"),
         ("start_seconds", "s"),
         ("tokens_per_s", "tokens/s"),
         ("final_accuracy", "fraction"),
     ]:
-        report.add(case, metric, avg(runs, metric), unit, "trl", avg(base, metric))
+        report.add(case, metric, _mean(runs, metric), unit, "trl", _mean(base, metric))
     values = [r.final_accuracy for r in runs]
     report.add(case, "final_accuracy_min", min(values), "fraction")
     report.add(case, "final_accuracy_max", max(values), "fraction")
-    report.add(case, "initial_accuracy", avg(runs, "initial_accuracy"), "fraction")
+    report.add(case, "initial_accuracy", _mean(runs, "initial_accuracy"), "fraction")
 
 
 def _add(report: Report, case: str, runs: list[RunResult], base: list[RunResult]) -> None:
-    def avg(rs: list[RunResult], field: str) -> float:
-        return mean(float(getattr(r, field)) for r in rs)
-
     sync = "staleness-0"
     for metric, field, unit in [
         ("time_to_target_s", "time_to_target", "s"),
@@ -424,9 +421,9 @@ def _add(report: Report, case: str, runs: list[RunResult], base: list[RunResult]
         ("initial_accuracy", "initial_accuracy", "fraction"),
         ("final_accuracy", "final_accuracy", "fraction"),
     ]:
-        report.add(case, metric, avg(runs, field), unit, sync, avg(base, field))
+        report.add(case, metric, _mean(runs, field), unit, sync, _mean(base, field))
     for field in ("initial_accuracy", "final_accuracy"):
         values = [float(getattr(r, field)) for r in runs]
         report.add(case, f"{field}_min", min(values), "fraction")
         report.add(case, f"{field}_max", max(values), "fraction")
-    report.add(case, "reached_target", avg(runs, "reached"), "fraction")
+    report.add(case, "reached_target", _mean(runs, "reached"), "fraction")
