@@ -182,7 +182,6 @@ impl ShmSession {
         drop(region);
     }
 
-    /// Whether `id` is the spare region, which a put still has to pay for.
     /// Whether `id` is the connection's spare region and not paid for yet.
     pub fn is_unpaid_spare(&self, id: u64) -> bool {
         let stages = self.stages.lock();
