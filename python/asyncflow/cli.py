@@ -38,7 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--cases",
         metavar="NAMES",
-        help="e2e only: comma-separated parts to run, of staleness, peers, partial (default: all)",
+        help="e2e only: comma-separated parts to run, of staleness, peers, partial, tools "
+        "(default: all but tools)",
+    )
+    bench.add_argument(
+        "--task",
+        choices=["default", "tools"],
+        help="e2e only: tools runs the multi-turn tools job (the tools cases) instead",
     )
     rel = sub.add_parser(
         "reliability",
@@ -118,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from asyncflow.daemon import serve
 
         return serve(argv[2:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
     if args.command == "bench":
@@ -130,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(TOKEN_ENV, new_token())
 
         cases = tuple(args.cases.split(",")) if args.cases else None
+        if args.task == "tools":
+            if cases is not None and cases != ("tools",):
+                parser.error("--task tools runs the tools cases; leave out --cases")
+            cases = ("tools",)
         return run_suite(
             args.suite, json_path=args.json, quick=args.quick, costs=args.costs, cases=cases
         )

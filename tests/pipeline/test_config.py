@@ -77,6 +77,17 @@ def test_the_long_tail_example_is_the_e2e_suites_long_tail_job() -> None:
     assert example == cfg.load(None, [*e2e_suite.LONGTAIL, *overrides])
 
 
+def test_the_tools_example_is_the_e2e_suites_tools_job() -> None:
+    example = cfg.load(EXAMPLES / "tools.yaml")
+    overrides = [
+        "run.name=tools",
+        "run.eval_every=10",
+        "data.eval_size=200",
+        "trainer.max_steps=40",
+    ]
+    assert example == cfg.load(None, [*e2e_suite.TOOLS, *overrides])
+
+
 def existing_paths(tmp_path: Path) -> list[str]:
     """Overrides pointing an example's model and data paths at files that exist (empty)."""
     (tmp_path / "model").mkdir()

@@ -119,10 +119,12 @@ class ToolEnvironment:
 
     async def _answer(self, call: ToolCall | CallError) -> tuple[str, str | None]:
         """The call's ``<tool_response>`` block, and the kind of error it was (None if none)."""
-        text, kind = await self._run(call)
+        text, kind = await self.run_call(call)
         return f"<tool_response>\n{text}\n</tool_response>", kind
 
-    async def _run(self, call: ToolCall | CallError) -> tuple[str, str | None]:
+    async def run_call(self, call: ToolCall | CallError) -> tuple[str, str | None]:
+        """The call's answer (an ``error: ...`` text when it failed) after the configured
+        latency, and the kind of error it was (None if none)."""
         if isinstance(call, CallError):
             return f"error: {call.message}", call.kind
         tool = self.tools.get(call.name)

@@ -36,6 +36,19 @@ from seed to seed, evaluating the final model only. Per mode (case ``partial-<mo
 ``tokens_per_s``, the rollout's and the trainer's busy fractions over RL, the share of samples
 whose tokens span more than one policy version, and held-out accuracy before and after (with
 ``_min``/``_max``). Ratios are against ``off`` in the same run.
+
+The ``tools`` cases (``asyncflow bench e2e --task tools``; not among the defaults) run the
+multi-turn tools job (``multiply-tools`` with a calculator that answers after a real sandboxed
+process and a lognormal delay, as ``examples/tools.yaml``) at staleness 0, 1 and 2 from one warm
+start per seed, evaluating every 5 of its 40 steps, and TRL's ``GRPOTrainer`` with its own tool
+support on the same work (second, as in ``peers``; its final model only). Per case
+(``tools-staleness-<k>``, ``tools-trl``): ``rl_seconds`` (evaluation excluded),
+``tokens_per_s``, held-out accuracy before and after (``_min``/``_max``), and the RL seconds
+until held-out accuracy first comes within 2 points of the seed's synchronous run's final
+accuracy (``time_to_sync_final_s``, against the synchronous run's whole ``rl_seconds``) and of
+TRL's (``time_to_trl_final_s``, against TRL's ``rl_seconds``), with the share of seeds that got
+there (``reached_sync_final``, ``reached_trl_final``; a run that never does counts its whole RL
+time). TRL is evaluated once, at its end: it gets there at its end or never.
 """
 
 from __future__ import annotations
@@ -57,7 +70,9 @@ from asyncflow.bench.records import Report
 
 STALENESS = (0, 1, 2)
 SEEDS = (0, 1, 2)
-CASES = ("staleness", "peers", "partial")
+CASES = ("staleness", "peers", "partial", "tools")
+#: What runs when no cases are named (``tools``, hours long, runs when asked for).
+DEFAULT_CASES = ("staleness", "peers", "partial")
 #: The peers' cases, and the job's overrides for its own two.
 PEERS: dict[str, list[str]] = {
     "asyncflow": [],
@@ -77,6 +92,29 @@ LONGTAIL = [
     "rollout.max_num_seqs=256",
     "trainer.micro_batch_tokens=8192",
 ]
+#: The multi-turn tools job, as examples/tools.yaml sets it (a test holds the two together).
+TOOLS = [
+    "model.max_positions=192",
+    "data.task=multiply-tools",
+    "warm_start.steps=600",
+    "warm_start.batch_size=64",
+    "warm_start.mistake_rate=0.6",
+    "rollout.n=8",
+    "rollout.max_tokens=100",
+    "rollout.groups_per_call=16",
+    "trainer.micro_batch_tokens=8192",
+    "trainer.groups_per_step=16",
+    "store.lease_timeout=600",
+    "reward.fn=exact_match",
+    "agent.enabled=true",
+    "agent.max_turns=3",
+    "agent.max_tokens=170",
+    "agent.tool_timeout=120",
+    "agent.latency.distribution=lognormal",
+    "agent.latency.median=0.2",
+    "agent.latency.sigma=0.5",
+    "agent.latency.subprocess=true",
+]
 #: What a run keeps from its seed's first run: the built model and its warm start.
 SHARED = ("model-init", "warm_start")
 
@@ -88,8 +126,8 @@ class Settings:
     steps: int
     eval_every: int
     eval_size: int
-    #: Held-out accuracy the time-to-target clock stops at.
-    target: float
+    #: Held-out accuracy the time-to-target clock stops at (the staleness cases).
+    target: float = 0.0
 
     def overrides(self, seed: int, staleness: int) -> list[str]:
         return [
@@ -107,6 +145,11 @@ class Settings:
 #: warm start) in roughly 12 of them.
 FULL = Settings(steps=30, eval_every=2, eval_size=500, target=0.93)
 QUICK = Settings(steps=2, eval_every=1, eval_size=50, target=0.0)
+#: The tools job's 40 steps (examples/tools.yaml), evaluated every 5.
+TOOLS_FULL = Settings(steps=40, eval_every=5, eval_size=200)
+TOOLS_QUICK = Settings(steps=2, eval_every=1, eval_size=20)
+#: Points of held-out accuracy within which a run has reached another's final accuracy.
+TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -314,24 +357,149 @@ def _peer_result(run_dir: Path, seed: int, case: str) -> PeerResult:
     )
 
 
+@dataclass(frozen=True)
+class ToolsResult:
+    seed: int
+    case: str
+    rl_seconds: float
+    tokens_per_s: float
+    initial_accuracy: float
+    final_accuracy: float
+    #: (RL seconds, evaluation excluded; held-out accuracy) at each evaluation during RL (TRL:
+    #: its end only).
+    curve: tuple[tuple[float, float], ...]
+
+    def time_to(self, accuracy: float) -> float | None:
+        """RL seconds until held-out accuracy came within ``TOLERANCE`` of ``accuracy``."""
+        return next((t for t, a in self.curve if a >= accuracy - TOLERANCE - 1e-9), None)
+
+
+#: The tools job's staleness runs, by case.
+TOOLS_JOBS = {f"tools-staleness-{k}": k for k in STALENESS}
+TOOLS_CASES = (*TOOLS_JOBS, "tools-trl")
+
+
+def _tools_runs(
+    workdir: Path, seed: int, i: int, settings: Settings, quick: bool
+) -> list[ToolsResult]:
+    """The tools job of one seed at each staleness, and TRL, from one warm start; the job's
+    runs rotate their order from seed to seed, TRL runs second."""
+    jobs = list(TOOLS_JOBS)
+    jobs = jobs[i % len(jobs) :] + jobs[: i % len(jobs)]
+    first: Path | None = None
+    results: dict[str, ToolsResult] = {}
+    for case in (jobs[0], "tools-trl", *jobs[1:]):
+        run_dir = workdir / f"seed-{seed}" / case
+        _copy_warm_start(first, run_dir)
+        if case == "tools-trl":
+            assert first is not None
+            trl(first / "warm_start", run_dir, [*settings.overrides(seed, 0), *TOOLS], quick)
+            results[case] = _tools_trl_result(run_dir, seed)
+        else:
+            overrides = [*settings.overrides(seed, TOOLS_JOBS[case]), *TOOLS]
+            train(run_dir, overrides, quick)
+            first = first or run_dir
+            results[case] = _tools_result(run_dir, seed, case)
+    before = results[jobs[0]].initial_accuracy  # one warm start: TRL's model before RL
+    results["tools-trl"] = dataclasses.replace(results["tools-trl"], initial_accuracy=before)
+    return [results[case] for case in TOOLS_CASES]
+
+
+def _tools_result(run_dir: Path, seed: int, case: str) -> ToolsResult:
+    summary, history = read_run(run_dir)
+    curve, evaluating = [], 0.0
+    for record in history:
+        if "eval_accuracy" in record:
+            curve.append((record["time"] - evaluating, float(record["eval_accuracy"])))
+            evaluating += record["eval_seconds"]
+    rl = float(summary["phase_seconds"]["rl"]) - evaluating
+    return ToolsResult(
+        seed=seed,
+        case=case,
+        rl_seconds=rl,
+        tokens_per_s=summary["tokens_generated"] / rl,
+        initial_accuracy=float(summary["accuracy_before"]),
+        final_accuracy=float(summary["accuracy_after"]),
+        curve=tuple(curve),
+    )
+
+
+def _tools_trl_result(run_dir: Path, seed: int) -> ToolsResult:
+    peer = _peer_result(run_dir, seed, "trl")
+    return ToolsResult(
+        seed=seed,
+        case="tools-trl",
+        rl_seconds=peer.rl_seconds,
+        tokens_per_s=peer.tokens_per_s,
+        initial_accuracy=peer.initial_accuracy,
+        final_accuracy=peer.final_accuracy,
+        curve=((peer.rl_seconds, peer.final_accuracy),),
+    )
+
+
+def _add_tools(report: Report, results: list[ToolsResult]) -> None:
+    by_case = {c: [r for r in results if r.case == c] for c in TOOLS_CASES}
+    sync, peer = by_case["tools-staleness-0"], by_case["tools-trl"]
+    for case, runs in by_case.items():
+        for metric, unit in [
+            ("rl_seconds", "s"),
+            ("tokens_per_s", "tokens/s"),
+            ("initial_accuracy", "fraction"),
+            ("final_accuracy", "fraction"),
+        ]:
+            report.add(
+                case, metric, _mean(runs, metric), unit, "tools-staleness-0", _mean(sync, metric)
+            )
+        for metric in ("initial_accuracy", "final_accuracy"):
+            values = [float(getattr(r, metric)) for r in runs]
+            report.add(case, f"{metric}_min", min(values), "fraction")
+            report.add(case, f"{metric}_max", max(values), "fraction")
+        for name, base_case, base in (
+            ("sync", "tools-staleness-0", sync),
+            ("trl", "tools-trl", peer),
+        ):
+            finals = {r.seed: r.final_accuracy for r in base}
+            times = [r.time_to(finals[r.seed]) for r in runs]
+            spent = [t if t is not None else r.rl_seconds for t, r in zip(times, runs, strict=True)]
+            report.add(
+                case,
+                f"time_to_{name}_final_s",
+                mean(spent),
+                "s",
+                base_case,
+                _mean(base, "rl_seconds"),
+            )
+            reached = sum(t is not None for t in times) / len(runs)
+            report.add(case, f"reached_{name}_final", reached, "fraction")
+
+
 def run(
     report: Report,
     quick: bool = False,
     costs_path: str | None = None,
-    cases: tuple[str, ...] = CASES,
+    cases: tuple[str, ...] = DEFAULT_CASES,
 ) -> None:
     settings = QUICK if quick else FULL
     unknown = set(cases) - set(CASES)
     if unknown:
         raise ValueError(f"e2e cases are {CASES}, not {sorted(unknown)}")
-    report.note(
-        f"asyncflow train with its defaults except: {settings.steps} steps, evaluation every "
-        f"{settings.eval_every} steps on {settings.eval_size} held-out problems (peers: the "
-        f"final model only); target accuracy {settings.target}"
-    )
+    if set(cases) & set(DEFAULT_CASES):
+        report.note(
+            f"asyncflow train with its defaults except: {settings.steps} steps, evaluation every "
+            f"{settings.eval_every} steps on {settings.eval_size} held-out problems (peers: the "
+            f"final model only); target accuracy {settings.target}"
+        )
+    if "tools" in cases:
+        ts = TOOLS_QUICK if quick else TOOLS_FULL
+        report.note(
+            f"tools: asyncflow train as examples/tools.yaml, {ts.steps} steps, evaluation "
+            f"every {ts.eval_every} steps on {ts.eval_size} held-out problems; TRL: the final "
+            f"model only; reached: within {TOLERANCE} of the final accuracy"
+        )
     staleness: list[RunResult] = []
     peers: list[PeerResult] = []
     partial: list[PartialResult] = []
+    tools: list[ToolsResult] = []
     with tempfile.TemporaryDirectory(prefix="asyncflow-e2e-") as tmp:
         for i, seed in enumerate(SEEDS[:1] if quick else SEEDS):
             first = None
@@ -358,6 +526,16 @@ def run(
                         f"{q.final_accuracy:.3f}"
                     )
                 partial += runs_q
+            if "tools" in cases:
+                tool_settings = TOOLS_QUICK if quick else TOOLS_FULL
+                runs_t = _tools_runs(Path(tmp), seed, i, tool_settings, quick)
+                for t in runs_t:
+                    report.progress(
+                        f"seed {seed} {t.case}: RL {t.rl_seconds:.1f}s, accuracy "
+                        f"{t.initial_accuracy:.3f} -> {t.final_accuracy:.3f}, curve "
+                        + ", ".join(f"{a:.3f} at {s:.0f}s" for s, a in t.curve)
+                    )
+                tools += runs_t
     if staleness:
         by_k = {k: [r for r in staleness if r.staleness == k] for k in STALENESS}
         for k, runs in by_k.items():
@@ -370,6 +548,8 @@ def run(
         by_mode = {m: [r for r in partial if r.mode == m] for m in PARTIAL}
         for mode, runs_m in by_mode.items():
             _add_partial(report, f"partial-{mode}", runs_m, by_mode["off"])
+    if tools:
+        _add_tools(report, tools)
 
 
 def _mean(runs: Sequence[Any], field: str) -> float:

@@ -20,6 +20,19 @@ settings where TRL has them:
   ``trainer.warmup_steps``; TRL's default decays linearly to zero), ``trainer.weight_decay``,
   gradient clip ``trainer.grad_clip``, float32 on the CPU.
 
+With ``agent.enabled`` (the multi-turn ``multiply-tools`` job, ``examples/tools.yaml``) TRL runs
+the trajectories with its own tool support, as its docs set it up: the tool is an ``async def``
+function passed as ``tools`` (TRL awaits a completion's calls together, completion after
+completion), the tokenizer's chat template renders tool calls and answers as the job's agent loop
+writes them (the built-in template does), and TRL's Qwen-style response template
+(``<tool_call>{json}</tool_call>``) reads the calls. The tool is the job's: the same calculator,
+sandboxed process and latency, answering with the same text. ``max_completion_length`` is
+``agent.max_tokens`` (model and tool tokens together, as the job counts them; TRL has no per-turn
+bound, the job's is ``rollout.max_tokens``), ``max_tool_calling_iterations`` is
+``agent.max_turns - 1``, and the reward judges the last assistant message's text, as the job's
+verifier judges the last model turn. A call TRL cannot read ends the completion (the job answers
+it with an error observation): each framework's own handling.
+
 Everything else is TRL's default. It then scores the trained model on the held-out problems
 with the job's own evaluation and rollout engine, and writes ``summary.json`` beside it:
 ``phase_seconds`` (``start``: building the trainer, model load included; ``rl``: ``train()``;
@@ -31,12 +44,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncflow import config as configuration
+from asyncflow.agents.env import ToolEnvironment
+from asyncflow.agents.evaluation import agent_view
+from asyncflow.agents.parser import ToolCall
+from asyncflow.agents.tools import create_tool
 from asyncflow.engines.registry import create_rollout_engine
 from asyncflow.evaluation import accuracy, pass_at_k, verifier
 from asyncflow.models.tokenizer import load_tokenizer
@@ -70,12 +88,40 @@ def scheduler_settings(t: configuration.TrainerConfig) -> dict[str, Any]:
     return {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": t.warmup_steps}
 
 
+def trl_tools(agent: configuration.AgentConfig) -> list[Callable[..., Any]]:
+    """The job's tools for TRL: ``async def`` functions with the docstrings TRL reads their
+    schema from, each answering as the job's ``tools`` environment does (latency included)."""
+    if agent.environment != "tools" or list(agent.tools) != ["calculator"]:
+        raise ValueError("the TRL peer runs the built-in tools environment with calculator only")
+    env = ToolEnvironment.from_config(agent, {"calculator": create_tool("calculator", agent)})
+
+    async def calculator(expression: str) -> str:
+        """Evaluates an arithmetic expression (numbers, + - * / // % ** and parentheses).
+
+        Args:
+            expression: The expression, e.g. 123*4567.
+        """
+        text, _ = await env.run_call(ToolCall("calculator", {"expression": expression}))
+        return text
+
+    return [calculator]
+
+
+def last_answer(completion: Any) -> str:
+    """The text TRL's completion is judged on: the last assistant message's (a plain
+    completion is its text)."""
+    if isinstance(completion, str):
+        return completion
+    return next((m["content"] or "" for m in reversed(completion) if m["role"] == "assistant"), "")
+
+
 def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     quiet_libraries()
     # Imported here: TRL (bench dependency group) is needed by this peer only.
     import trl  # noqa: PLC0415
     from datasets import Dataset  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.chat_template_utils import qwen3_template  # noqa: PLC0415
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(c.run.seed)
@@ -87,30 +133,38 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     if any(m is None for m in conversations):
         raise ValueError("the TRL peer needs a model with a chat template")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tools = trl_tools(c.agent) if c.agent.enabled else None
+    if tools:
+        tokenizer.response_template = qwen3_template
     for p, chat in zip(problems, conversations, strict=True):
-        ids = tokenizer.apply_chat_template([chat], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [chat], tools=tools, add_generation_prompt=True, tokenize=True
+        )
         if list(ids["input_ids"][0]) != prompts.encode(p.prompt):
             raise ValueError(f"TRL would render {p.prompt!r} differently from the job")
     data = Dataset.from_dict({"prompt": conversations, "answer": [p.answer for p in problems]})
     reward = resolve_reward(c.reward.fn)
-    generated = [0]
 
-    def reward_fn(
-        completions: list[Any], answer: list[str], completion_ids: list[list[int]], **_: Any
-    ) -> list[float]:
-        generated[0] += sum(len(ids) for ids in completion_ids)
-        texts = [x[-1]["content"] if isinstance(x, list) else x for x in completions]
+    def reward_fn(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        texts = [last_answer(x) for x in completions]
         return [float(reward(t, a)) for t, a in zip(texts, answer, strict=True)]
 
     reward_fn.__name__ = c.reward.fn
     batch = c.trainer.groups_per_step * c.rollout.n
+    if tools:
+        lengths = {
+            "max_completion_length": c.agent.max_tokens,
+            "max_tool_calling_iterations": c.agent.max_turns - 1,
+        }
+    else:
+        lengths = {"max_completion_length": c.rollout.max_tokens}
     settings = trl.GRPOConfig(
         output_dir=str(out / "trl"),
         max_steps=c.trainer.max_steps,
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
         num_generations=c.rollout.n,
-        max_completion_length=c.rollout.max_tokens,
+        **lengths,
         temperature=c.rollout.temperature,
         scale_rewards="group" if c.algorithm.normalize_std else "none",
         epsilon=c.trainer.clip_eps,
@@ -139,6 +193,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
         args=settings,
         train_dataset=data,
         processing_class=tokenizer,
+        tools=tools,
     )
     phases["start"] = round(time.monotonic() - since, 2)
     since = time.monotonic()
@@ -152,6 +207,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     scorer = create_rollout_engine(c.rollout.engine, final, c)
     verify = verifier(reward, False)
     eval_set = task.eval_set()
+    scorer = agent_view(c, scorer, eval_set, prompts)  # whole trajectories in agent runs
     after = accuracy(scorer, eval_set, prompts, c.rollout.max_tokens, verify=verify)
     pass_after = pass_at_k(
         scorer,
@@ -163,15 +219,21 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
         verify=verify,
     )
     phases["eval_after"] = round(time.monotonic() - since, 2)
+    history = trainer.state.log_history
     summary = {
         "peer": f"trl {trl.__version__}",
         "accuracy_after": after,
         f"pass_at_{PASS_K}_after": pass_after,
         "phase_seconds": phases,
-        "tokens_generated": generated[0],
+        # TRL logs each step's mean completion length, the model's tokens only (tool answers
+        # are not counted, as the job does not count them).
+        "tokens_generated": round(
+            batch * sum(r["completions/mean_length"] for r in history if "loss" in r)
+        ),
         "steps": c.trainer.max_steps,
-        "train_loss": [r["loss"] for r in trainer.state.log_history if "loss" in r],
-        "reward": [r["reward"] for r in trainer.state.log_history if "reward" in r],
+        "tools": [t.__name__ for t in tools or []],
+        "train_loss": [r["loss"] for r in history if "loss" in r],
+        "reward": [r["reward"] for r in history if "reward" in r],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

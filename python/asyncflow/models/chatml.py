@@ -21,10 +21,30 @@ ROLES = ["system", "user", "assistant"]
 CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())
 
 #: Every message in order, then (``add_generation_prompt``) the assistant's opened turn; as
-#: Qwen's, without a default system message (``data.system_prompt`` adds one).
+#: Qwen's, without a default system message (``data.system_prompt`` adds one) and without a
+#: list of tools (the model learns the format from demonstrations). Tool calls and answers render
+#: as the agent loop writes them (docs/agents.md): an assistant message's ``tool_calls`` as
+#: ``<tool_call>{"name":...,"arguments":{...}}</tool_call>`` after its content, and a run of
+#: ``tool`` messages as one user turn of ``<tool_response>`` blocks, one per line.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
+    "{{ '<|im_start|>user' }}"
+    "{%- endif -%}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- set f = call['function'] if call['function'] is defined else call -%}"
+    "{{ '<tool_call>' + ({'name': f['name'], 'arguments': f['arguments']} "
+    "| tojson(separators=(',', ':'))) + '</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
