@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: all but tools)",
     )
     bench.add_argument(
+        "--seeds",
+        metavar="SEEDS",
+        help="e2e only: comma-separated seeds to run, of 0, 1, 2 (default: all); each seed's "
+        "runs are compared with baselines of the same seed, so seeds may run apart",
+    )
+    bench.add_argument(
         "--task",
         choices=["default", "tools"],
         help="e2e only: tools runs the multi-turn tools job (the tools cases) instead",
@@ -141,8 +147,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if cases is not None and cases != ("tools",):
                 parser.error("--task tools runs the tools cases; leave out --cases")
             cases = ("tools",)
+        seeds = tuple(int(x) for x in args.seeds.split(",")) if args.seeds else None
         return run_suite(
-            args.suite, json_path=args.json, quick=args.quick, costs=args.costs, cases=cases
+            args.suite,
+            json_path=args.json,
+            quick=args.quick,
+            costs=args.costs,
+            cases=cases,
+            seeds=seeds,
         )
     if args.command == "data":
         from asyncflow.tasks import gsm_synthetic

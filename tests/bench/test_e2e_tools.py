@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -165,3 +166,30 @@ def test_task_tools_is_the_tools_cases_and_nothing_else(capsys: pytest.CaptureFi
         main(["bench", "e2e", "--task", "tools", "--cases", "staleness"])
     assert stopped.value.code == 2
     assert "--task tools runs the tools cases" in capsys.readouterr().err
+
+
+def test_a_seed_run_alone_keeps_the_order_it_has_in_the_full_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    order: list[tuple[int, str]] = []
+
+    def job(run_dir: Path, overrides: list[str], quick: bool) -> None:
+        order.append((int(run_dir.parent.name[5:]), run_dir.name))
+
+    def result(run_dir: Path, seed: int, case: str = "tools-trl") -> ToolsResult:
+        return ToolsResult(seed, case, 1.0, 1.0, 0.5, 0.5, ((1.0, 0.5),))
+
+    monkeypatch.setattr(e2e_suite, "train", job)
+    monkeypatch.setattr(e2e_suite, "trl", lambda model, out, overrides, quick: job(out, [], quick))
+    monkeypatch.setattr(e2e_suite, "_copy_warm_start", lambda first, run_dir: None)
+    monkeypatch.setattr(e2e_suite, "_tools_result", result)
+    monkeypatch.setattr(e2e_suite, "_tools_trl_result", result)
+    e2e_suite.run(Report("e2e"), cases=("tools",))
+    full = [case for seed, case in order if seed == 1]
+    assert full[1] == "tools-trl" and len(set(full)) == 4
+    assert full != [case for seed, case in order if seed == 0]  # the order rotates by seed
+    order.clear()
+    e2e_suite.run(Report("e2e"), cases=("tools",), seeds=(1,))
+    assert [case for _, case in order] == full
+    with pytest.raises(ValueError, match="seeds are some of"):
+        e2e_suite.run(Report("e2e"), cases=("tools",), seeds=(3,))

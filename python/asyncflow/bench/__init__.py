@@ -33,19 +33,23 @@ def run_suite(
     quick: bool = False,
     costs: str | None = None,
     cases: tuple[str, ...] | None = None,
+    seeds: tuple[int, ...] | None = None,
 ) -> int:
     """Runs one suite, prints its table, and writes its records to ``json_path`` (with the
-    table and figure beside it). ``cases``: the parts of the ``e2e`` suite to run."""
+    table and figure beside it). ``cases`` and ``seeds``: the parts and seeds of the ``e2e``
+    suite to run."""
     if costs is not None and name not in COSTED:
         raise ValueError(f"suite {name!r} reads no cost model; --costs is for {COSTED}")
-    if cases is not None and name != "e2e":
-        raise ValueError(f"suite {name!r} has no parts to choose; --cases is for e2e")
+    if (cases is not None or seeds is not None) and name != "e2e":
+        raise ValueError(f"suite {name!r} has no parts to choose; --cases and --seeds are for e2e")
     module = importlib.import_module(SUITES[name])
     report = Report(name)
     report.note(f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}")
     options: dict[str, object] = {"costs_path": costs} if costs else {}
     if cases is not None:
         options["cases"] = cases
+    if seeds is not None:
+        options["seeds"] = seeds
     module.run(report, quick=quick, **options)
     report.note(f"finished after {time.monotonic() - report.started:.0f}s; {machine()}")
     print(report.markdown())
