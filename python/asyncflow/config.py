@@ -367,6 +367,12 @@ class RunConfig:
     #: Runs go to ``<output_dir>/<name>`` unless ``--run-dir`` is given.
     output_dir: str = "runs"
     eval_every: int = 5
+    #: Evaluate after RL instead of during it: each ``eval_every`` step keeps a copy of the
+    #: weights in host memory, scored once RL is over (``summary.json``'s
+    #: ``deferred_evaluations``). During RL the trainer then never waits for an evaluation while
+    #: the rollout goes on, so RL seconds and the times of the accuracy curve are the
+    #: training's own (benchmarks; a copy per evaluation must fit in memory).
+    eval_deferred: bool = False
     checkpoint_every: int = 10
     #: Seconds any worker may wait for its input before the run fails with a clear error.
     stall_timeout: float = 300.0

@@ -284,9 +284,19 @@ class Run:
         ]
         figures = {"accuracy_before": before, "pass_at_k_before": pass_before}
 
+        # run.eval_deferred: (step, RL seconds, weights) of each evaluation, scored after RL.
+        deferred: list[tuple[int, float, list[tuple[str, torch.Tensor]]]] = []
+
         def after_step(step: int) -> dict[str, Any]:
             extra: dict[str, Any] = {}
-            if step % c.run.eval_every == 0 or step == c.trainer.max_steps:
+            if c.run.eval_deferred and (
+                step % c.run.eval_every == 0 or step == c.trainer.max_steps
+            ):
+                copy = [
+                    (n, t.detach().to("cpu", copy=True)) for n, t in trainer_engine.export_weights()
+                ]
+                deferred.append((step, tracer.now(), copy))
+            elif step % c.run.eval_every == 0 or step == c.trainer.max_steps:
                 since = time.monotonic()
                 evaluator.load_weights(step, trainer_engine.export_weights())
                 acc = accuracy(evaluator, eval_set, prompts, max_tokens, verify=verify)
@@ -322,6 +332,15 @@ class Run:
             tracer.write_chrome_trace(self.run_dir / "trace.json")
         self.phases.timed("rl", since)
         busy = tracer.busy_fraction()
+        since = time.monotonic()
+        deferred_evals = []
+        for step, at, copy in deferred:
+            evaluator.load_weights(step, copy)
+            acc = accuracy(evaluator, eval_set, prompts, max_tokens, verify=verify)
+            evals.append((step, acc))
+            deferred_evals.append({"step": step, "time": round(at, 3), "eval_accuracy": acc})
+        if deferred:
+            self.phases.timed("eval_deferred", since)
 
         since = time.monotonic()
         version, final = ctx.weights.fetch(trainer_engine.version)
@@ -353,6 +372,8 @@ class Run:
             busy,
             model_dir,
         )
+        if deferred_evals:
+            summary["deferred_evaluations"] = deferred_evals
         if c.agent.enabled:  # turns, tool calls and failures by kind, over training rollouts
             summary["agent"] = agent_totals(middle)
         write_summary_png(self.run_dir / "summary.png", metrics.history, evals, busy)

@@ -149,6 +149,20 @@ def test_synchronous_training_is_the_same_pipeline_with_no_staleness(tmp_path: P
     assert summary["samples_dropped"] == 0
 
 
+def test_deferred_evaluation_scores_each_steps_weights_after_rl(tmp_path: Path) -> None:
+    summary = run(tmp_path, "trainer.max_steps=4", "run.eval_every=2", "run.eval_deferred=true")
+    records = metrics(tmp_path)
+    assert not any("eval_accuracy" in r for r in records)  # none during RL
+    deferred = summary["deferred_evaluations"]
+    assert [e["step"] for e in deferred] == [2, 4]
+    # Each copy was taken after its step was logged, and before the next step's record.
+    assert records[1]["time"] <= deferred[0]["time"] <= records[2]["time"]
+    assert records[3]["time"] <= deferred[1]["time"] <= summary["phase_seconds"]["rl"]
+    # The last copy is the final model: the evaluator scores it as the final evaluation does.
+    assert deferred[1]["eval_accuracy"] == summary["accuracy_after"]
+    assert summary["phase_seconds"]["eval_deferred"] > 0
+
+
 def test_the_drop_policy_discards_only_too_stale_samples(tmp_path: Path) -> None:
     summary = run(
         tmp_path,
