@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--task",
-        choices=["default", "tools"],
-        help="e2e only: tools runs the multi-turn tools job (the tools cases) instead",
+        choices=["tools"],
+        help="e2e only: run the multi-turn tools job's cases (the same as --cases tools)",
     )
     rel = sub.add_parser(
         "reliability",
@@ -147,7 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if cases is not None and cases != ("tools",):
                 parser.error("--task tools runs the tools cases; leave out --cases")
             cases = ("tools",)
-        seeds = tuple(int(x) for x in args.seeds.split(",")) if args.seeds else None
+        seeds = None
+        if args.seeds:
+            try:
+                seeds = tuple(dict.fromkeys(int(x) for x in args.seeds.split(",")))
+            except ValueError:
+                parser.error(f"--seeds takes comma-separated seeds, not {args.seeds!r}")
         return run_suite(
             args.suite,
             json_path=args.json,

@@ -219,18 +219,15 @@ def test_the_e2e_suite_runs_the_tools_job_at_each_staleness_and_trl_from_one_war
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runs: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
-    read_job, read_trl = e2e_suite._tools_result, e2e_suite._tools_trl_result
+    read_result = e2e_suite._tools_result
 
-    def keep_job(run_dir: Path, seed: int, case: str) -> Any:
-        runs[case] = e2e_suite.read_run(run_dir)
-        return read_job(run_dir, seed, case)
+    def keep_run(run_dir: Path, seed: int, case: str) -> Any:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        history = e2e_suite.read_run(run_dir)[1] if case != "tools-trl" else []
+        runs[case] = (summary, history)
+        return read_result(run_dir, seed, case)
 
-    def keep_trl(run_dir: Path, seed: int) -> Any:
-        runs["tools-trl"] = (json.loads((run_dir / "summary.json").read_text()), [])
-        return read_trl(run_dir, seed)
-
-    monkeypatch.setattr(e2e_suite, "_tools_result", keep_job)
-    monkeypatch.setattr(e2e_suite, "_tools_trl_result", keep_trl)
+    monkeypatch.setattr(e2e_suite, "_tools_result", keep_run)
     rows = records(tmp_path, "e2e", cases=("tools",))
     assert {r["case"] for r in rows} == set(e2e_suite.TOOLS_CASES)
     # Seed 0: sync first (it warms up), then TRL on its warm start, then staleness 1 and 2.
@@ -241,32 +238,30 @@ def test_the_e2e_suite_runs_the_tools_job_at_each_staleness_and_trl_from_one_war
         "tools-staleness-2",
     ]
     steps = e2e_suite.TOOLS_QUICK.steps
-    for case, k in e2e_suite.TOOLS_JOBS.items():
-        summary, history = runs[case]
-        assert summary["max_staleness"] == k and summary["steps"] == steps
-        assert summary["agent"]["trajectories"] > 0  # multi-turn rollouts, through the tools
-        # Evaluated at every step; the curve's seconds leave out the evaluations before each.
-        evaluations = [r for r in history if "eval_accuracy" in r]
-        assert [r["step"] for r in evaluations] == list(range(1, steps + 1))
-        second = evaluations[1]["time"] - evaluations[0]["eval_seconds"]
-        sync_final = runs["tools-staleness-0"][0]["accuracy_after"]
+    sync_last = runs["tools-staleness-0"][0]["deferred_evaluations"][-1]["eval_accuracy"]
+    for case, (summary, history) in runs.items():
+        assert summary["steps"] == steps
+        if case != "tools-trl":
+            assert summary["max_staleness"] == e2e_suite.TOOLS_JOBS[case]
+            assert summary["agent"]["trajectories"] > 0  # multi-turn rollouts, through the tools
+            assert not any("eval_accuracy" in r for r in history)  # no evaluation during RL
+        # Every step's weights scored after RL, at the RL seconds they were taken.
+        curve = summary["deferred_evaluations"]
+        assert [e["step"] for e in curve] == list(range(1, steps + 1))
+        assert 0 < curve[0]["time"] < curve[1]["time"] <= summary["phase_seconds"]["rl"]
         reached = metric(rows, case, "reached_sync_final")["value"]
         spent = metric(rows, case, "time_to_sync_final_s", "tools-staleness-0")["value"]
-        if evaluations[0]["eval_accuracy"] >= sync_final - e2e_suite.TOLERANCE:
-            assert (reached, spent) == (1, evaluations[0]["time"])
-        elif evaluations[1]["eval_accuracy"] >= sync_final - e2e_suite.TOLERANCE:
-            assert (reached, spent) == (1, pytest.approx(second))
+        got_there = [e for e in curve if e["eval_accuracy"] >= sync_last - e2e_suite.TOLERANCE]
+        if got_there:
+            assert (reached, spent) == (1, got_there[0]["time"])
         else:
-            assert reached == 0
+            assert (reached, spent) == (0, summary["phase_seconds"]["rl"])
+        rl = metric(rows, case, "rl_seconds", "tools-staleness-0")["value"]
+        assert rl == summary["phase_seconds"]["rl"]
         final = metric(rows, case, "final_accuracy", "tools-staleness-0")["value"]
         assert final == summary["accuracy_after"]
     trl, _ = runs["tools-trl"]
-    assert trl["tools"] == ["calculator"] and trl["steps"] == steps
-    assert len(trl["train_loss"]) == steps
-    assert (
-        metric(rows, "tools-trl", "rl_seconds", "tools-staleness-0")["value"]
-        == (trl["phase_seconds"]["rl"])
-    )
+    assert trl["tools"] == ["calculator"] and len(trl["train_loss"]) == steps
     assert "warm_start" in runs["tools-staleness-0"][0]["phase_seconds"]
     later = ("tools-staleness-1", "tools-staleness-2")
     assert not any("warm_start" in runs[c][0]["phase_seconds"] for c in later)

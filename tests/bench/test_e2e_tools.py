@@ -4,6 +4,7 @@ tools and answers; the suite's time-to-accuracy arithmetic."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncflow.agents.env import ToolEnvironment
-from asyncflow.agents.parser import ToolCall
+from asyncflow.agents.parser import ToolCall, format_call
 from asyncflow.agents.tools import create_tool
 from asyncflow.bench import e2e_suite
 from asyncflow.bench.e2e_suite import ToolsResult
@@ -45,17 +46,33 @@ def test_the_builtin_template_renders_a_tool_exchange_as_the_agent_loop_writes_i
     task = MultiplyToolsTask(eval_size=1)
     demonstration = task.demonstration(Problem("12*34=", "408"), random.Random(0), 0.0)
     assert rendered == opened + demonstration + "<|im_end|>\n"
-    # Plain messages render as ChatML always did, with or without tools offered.
-    assert opened == "<|im_start|>user\n12*34=<|im_end|>\n<|im_start|>assistant\n"
-    assert (
-        tokenizer.apply_chat_template(
-            prompt,
-            tools=[{"type": "function", "function": {"name": "calculator"}}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        == opened
+    # Arguments given as a JSON string (OpenAI's form) are written as they are.
+    as_string = {"type": "function", "function": {**CALL["function"], "arguments": '{"a":1}'}}
+    call = tokenizer.apply_chat_template(
+        [{"role": "assistant", "content": "", "tool_calls": [as_string]}], tokenize=False
     )
+    assert '"arguments":{"a":1}}</tool_call>' in call
+
+
+def test_the_builtin_template_renders_plain_messages_as_chatml_with_or_without_tools() -> None:
+    tokenizer = _fast_tokenizer()
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": ""},
+    ]
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1=<|im_end|>\n"
+        "<|im_start|>assistant\n2<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
+    )
+    tools = [{"type": "function", "function": {"name": "calculator"}}]
+    for offered in (None, tools):
+        assert tokenizer.apply_chat_template(chat, tools=offered, tokenize=False) == expected
+        opened = tokenizer.apply_chat_template(
+            chat, tools=offered, tokenize=False, add_generation_prompt=True
+        )
+        assert opened == expected + "<|im_start|>assistant\n"
 
 
 # TRL 1.16 warns about vLLM 0.32, which this test does not use.
@@ -83,8 +100,9 @@ def test_trl_accepts_the_template_and_continues_a_call_with_the_jobs_observation
     )
     tool = [{"role": "tool", "name": "calculator", "content": "408"}]
     suffix = GRPOTrainer._get_tool_suffix_ids(trainer, tool)
-    observation = "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n"
-    assert tokenizer.decode(suffix) == observation + "<|im_start|>assistant\n"
+    template = AgentConfig().observation_template
+    observation = template.format(observation="<tool_response>\n408\n</tool_response>")
+    assert tokenizer.decode(suffix) == observation
     # TRL reads the job's call format with its Qwen-style response template.
     tokenizer.response_template = qwen3_template
     text = '<tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>'
@@ -95,14 +113,21 @@ def test_trl_accepts_the_template_and_continues_a_call_with_the_jobs_observation
     assert parse_response(tokenizer, ids, prefix=prefix)["tool_calls"] == [CALL]
 
 
-def test_trls_calculator_answers_as_the_jobs_environment() -> None:
+def test_trls_calculator_answers_as_the_jobs_environment_with_its_sandboxed_process() -> None:
     agent = load(None, e2e_suite.TOOLS).agent
-    agent = AgentConfig(**{**agent.__dict__, "latency": type(agent.latency)()})  # no delay
+    # The delay left out; the calculator still computes in a sandboxed process.
+    latency = dataclasses.replace(agent.latency, distribution="none")
+    agent = dataclasses.replace(agent, latency=latency)
+    assert agent.latency.subprocess
     (calculator,) = trl_tools(agent)
     env = ToolEnvironment.from_config(agent, {"calculator": create_tool("calculator", agent)})
     for expression in ("12*34", "1/0", "import os"):
-        ours, _ = asyncio.run(env.run_call(ToolCall("calculator", {"expression": expression})))
-        assert asyncio.run(calculator(expression)) == ours
+        # The job's observation of the call, and TRL's (its template around the answer).
+        step = asyncio.run(
+            env.step(format_call(ToolCall("calculator", {"expression": expression})))
+        )
+        answer = asyncio.run(calculator(expression))
+        assert step.observation == f"<tool_response>\n{answer}\n</tool_response>"
     assert asyncio.run(calculator("12*34")) == "408"
     assert asyncio.run(calculator("1/0")).startswith("error: calculator:")
 
@@ -124,6 +149,7 @@ def test_trl_is_judged_on_its_last_assistant_message() -> None:
 
 
 def _run(case: str, seed: int, final: float, curve: list[tuple[float, float]]) -> ToolsResult:
+    assert curve[-1][1] == final
     rl = curve[-1][0] + 10.0
     return ToolsResult(seed, case, rl, 1.0, 0.5, final, tuple(curve))
 
@@ -176,14 +202,13 @@ def test_a_seed_run_alone_keeps_the_order_it_has_in_the_full_run(
     def job(run_dir: Path, overrides: list[str], quick: bool) -> None:
         order.append((int(run_dir.parent.name[5:]), run_dir.name))
 
-    def result(run_dir: Path, seed: int, case: str = "tools-trl") -> ToolsResult:
+    def result(run_dir: Path, seed: int, case: str) -> ToolsResult:
         return ToolsResult(seed, case, 1.0, 1.0, 0.5, 0.5, ((1.0, 0.5),))
 
     monkeypatch.setattr(e2e_suite, "train", job)
     monkeypatch.setattr(e2e_suite, "trl", lambda model, out, overrides, quick: job(out, [], quick))
     monkeypatch.setattr(e2e_suite, "_copy_warm_start", lambda first, run_dir: None)
     monkeypatch.setattr(e2e_suite, "_tools_result", result)
-    monkeypatch.setattr(e2e_suite, "_tools_trl_result", result)
     e2e_suite.run(Report("e2e"), cases=("tools",))
     full = [case for seed, case in order if seed == 1]
     assert full[1] == "tools-trl" and len(set(full)) == 4

@@ -40,15 +40,15 @@ whose tokens span more than one policy version, and held-out accuracy before and
 The ``tools`` cases (``asyncflow bench e2e --task tools``; not among the defaults) run the
 multi-turn tools job (``multiply-tools`` with a calculator that answers after a real sandboxed
 process and a lognormal delay, as ``examples/tools.yaml``) at staleness 0, 1 and 2 from one warm
-start per seed, evaluating every 5 of its 40 steps, and TRL's ``GRPOTrainer`` with its own tool
-support on the same work (second, as in ``peers``; its final model only). Per case
-(``tools-staleness-<k>``, ``tools-trl``): ``rl_seconds`` (evaluation excluded),
-``tokens_per_s``, held-out accuracy before and after (``_min``/``_max``), and the RL seconds
-until held-out accuracy first comes within 2 points of the seed's synchronous run's final
-accuracy (``time_to_sync_final_s``, against the synchronous run's whole ``rl_seconds``) and of
-TRL's (``time_to_trl_final_s``, against TRL's ``rl_seconds``), with the share of seeds that got
-there (``reached_sync_final``, ``reached_trl_final``; a run that never does counts its whole RL
-time). TRL is evaluated once, at its end: it gets there at its end or never.
+start per seed, and TRL's ``GRPOTrainer`` with its own tool support on the same work (second, as
+in ``peers``). Each keeps a copy of its weights every 5 of its 40 steps and scores them after RL
+(``run.eval_deferred``: no evaluation runs during RL, in the job or in TRL). Per case
+(``tools-staleness-<k>``, ``tools-trl``): ``rl_seconds``, ``tokens_per_s``, held-out accuracy
+before and after (``_min``/``_max``), and the RL seconds until held-out accuracy first comes
+within 2 points of the seed's synchronous run's last evaluation (``time_to_sync_final_s``,
+against the synchronous run's whole ``rl_seconds``) and of TRL's (``time_to_trl_final_s``,
+against TRL's ``rl_seconds``), with the share of seeds that got there (``reached_sync_final``,
+``reached_trl_final``; a run that never does counts its whole RL time).
 """
 
 from __future__ import annotations
@@ -204,6 +204,12 @@ def result(run_dir: Path, seed: int, staleness: int, target: float) -> RunResult
     )
 
 
+def rotated(items: list[Any], i: int) -> list[Any]:
+    """``items`` starting at its ``i``-th (modulo its length): seed ``i``'s order of runs."""
+    k = i % len(items)
+    return items[k:] + items[:k]
+
+
 def _copy_warm_start(first: Path | None, run_dir: Path) -> None:
     if first is not None:
         for name in SHARED:
@@ -214,7 +220,7 @@ def _staleness_runs(
     workdir: Path, seed: int, i: int, settings: Settings, report: Report, quick: bool
 ) -> tuple[list[RunResult], Path | None]:
     results = []
-    order = STALENESS[i % 3 :] + STALENESS[: i % 3]
+    order = rotated(list(STALENESS), i)
     first: Path | None = None
     for k in order:
         run_dir = workdir / f"seed-{seed}" / f"staleness-{k}"
@@ -250,7 +256,7 @@ def _peer_runs(
 ) -> list[PeerResult]:
     """The peers of one seed; the job's runs rotate their order from seed to seed, TRL runs
     second (on the warm start the first made, unless ``first`` already has one)."""
-    jobs = JOBS[i % len(JOBS) :] + JOBS[: i % len(JOBS)]
+    jobs = rotated(JOBS, i)
     overrides = [
         *settings.overrides(seed, 1),
         f"run.eval_every={settings.steps + 1}",  # the final model only
@@ -290,7 +296,7 @@ def _partial_runs(
     workdir: Path, seed: int, i: int, settings: Settings, quick: bool
 ) -> list[PartialResult]:
     """The long-tail job of one seed in each ``rollout.partial`` mode, from one warm start."""
-    modes = PARTIAL[i % 3 :] + PARTIAL[: i % 3]
+    modes = rotated(list(PARTIAL), i)
     overrides = [
         *settings.overrides(seed, 1),
         *LONGTAIL,
@@ -365,8 +371,8 @@ class ToolsResult:
     tokens_per_s: float
     initial_accuracy: float
     final_accuracy: float
-    #: (RL seconds, evaluation excluded; held-out accuracy) at each evaluation during RL (TRL:
-    #: its end only).
+    #: (RL seconds, held-out accuracy) of the weights of every ``eval_every``-th step and the
+    #: last, scored after RL.
     curve: tuple[tuple[float, float], ...]
 
     def time_to(self, accuracy: float) -> float | None:
@@ -383,57 +389,42 @@ def _tools_runs(
     workdir: Path, seed: int, i: int, settings: Settings, quick: bool
 ) -> list[ToolsResult]:
     """The tools job of one seed at each staleness, and TRL, from one warm start; the job's
-    runs rotate their order from seed to seed, TRL runs second."""
-    jobs = list(TOOLS_JOBS)
-    jobs = jobs[i % len(jobs) :] + jobs[: i % len(jobs)]
+    runs rotate their order from seed to seed, TRL runs second. Every run evaluates after RL
+    (``run.eval_deferred``), so its RL seconds hold no evaluation."""
+    jobs = rotated(list(TOOLS_JOBS), i)
     first: Path | None = None
     results: dict[str, ToolsResult] = {}
     for case in (jobs[0], "tools-trl", *jobs[1:]):
         run_dir = workdir / f"seed-{seed}" / case
         _copy_warm_start(first, run_dir)
+        overrides = [
+            *settings.overrides(seed, TOOLS_JOBS.get(case, 0)),
+            *TOOLS,
+            "run.eval_deferred=true",
+        ]
         if case == "tools-trl":
             assert first is not None
-            trl(first / "warm_start", run_dir, [*settings.overrides(seed, 0), *TOOLS], quick)
-            results[case] = _tools_trl_result(run_dir, seed)
+            trl(first / "warm_start", run_dir, overrides, quick)
         else:
-            overrides = [*settings.overrides(seed, TOOLS_JOBS[case]), *TOOLS]
             train(run_dir, overrides, quick)
             first = first or run_dir
-            results[case] = _tools_result(run_dir, seed, case)
+        results[case] = _tools_result(run_dir, seed, case)
     before = results[jobs[0]].initial_accuracy  # one warm start: TRL's model before RL
     results["tools-trl"] = dataclasses.replace(results["tools-trl"], initial_accuracy=before)
     return [results[case] for case in TOOLS_CASES]
 
 
 def _tools_result(run_dir: Path, seed: int, case: str) -> ToolsResult:
-    summary, history = read_run(run_dir)
-    curve, evaluating = [], 0.0
-    for record in history:
-        if "eval_accuracy" in record:
-            curve.append((record["time"] - evaluating, float(record["eval_accuracy"])))
-            evaluating += record["eval_seconds"]
-    rl = float(summary["phase_seconds"]["rl"]) - evaluating
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rl = float(summary["phase_seconds"]["rl"])
     return ToolsResult(
         seed=seed,
         case=case,
         rl_seconds=rl,
         tokens_per_s=summary["tokens_generated"] / rl,
-        initial_accuracy=float(summary["accuracy_before"]),
+        initial_accuracy=float(summary.get("accuracy_before", "nan")),  # TRL: the job's
         final_accuracy=float(summary["accuracy_after"]),
-        curve=tuple(curve),
-    )
-
-
-def _tools_trl_result(run_dir: Path, seed: int) -> ToolsResult:
-    peer = _peer_result(run_dir, seed, "trl")
-    return ToolsResult(
-        seed=seed,
-        case="tools-trl",
-        rl_seconds=peer.rl_seconds,
-        tokens_per_s=peer.tokens_per_s,
-        initial_accuracy=peer.initial_accuracy,
-        final_accuracy=peer.final_accuracy,
-        curve=((peer.rl_seconds, peer.final_accuracy),),
+        curve=tuple((e["time"], e["eval_accuracy"]) for e in summary["deferred_evaluations"]),
     )
 
 
@@ -458,7 +449,8 @@ def _add_tools(report: Report, results: list[ToolsResult]) -> None:
             ("sync", "tools-staleness-0", sync),
             ("trl", "tools-trl", peer),
         ):
-            finals = {r.seed: r.final_accuracy for r in base}
+            # The last evaluation of the curve: the same engine as the others.
+            finals = {r.seed: r.curve[-1][1] for r in base}
             times = [r.time_to(finals[r.seed]) for r in runs]
             spent = [t if t is not None else r.rl_seconds for t, r in zip(times, runs, strict=True)]
             report.add(

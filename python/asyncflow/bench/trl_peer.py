@@ -18,7 +18,9 @@ settings where TRL has them:
 - AdamW at ``trainer.lr`` on the job's schedule (``cosine_with_min_lr`` to
   ``trainer.min_lr_ratio`` for ``cosine``, ``constant_with_warmup`` for ``constant``, both over
   ``trainer.warmup_steps``; TRL's default decays linearly to zero), ``trainer.weight_decay``,
-  gradient clip ``trainer.grad_clip``, float32 on the CPU.
+  gradient clip ``trainer.grad_clip``, float32 on the CPU;
+- no gradient checkpointing (TRL's default recomputes activations to save memory; the job's
+  trainer does not, and the tiny model needs no saving).
 
 With ``agent.enabled`` (the multi-turn ``multiply-tools`` job, ``examples/tools.yaml``) TRL runs
 the trajectories with its own tool support, as its docs set it up: the tool is an ``async def``
@@ -27,16 +29,20 @@ completion), the tokenizer's chat template renders tool calls and answers as the
 writes them (the built-in template does), and TRL's Qwen-style response template
 (``<tool_call>{json}</tool_call>``) reads the calls. The tool is the job's: the same calculator,
 sandboxed process and latency, answering with the same text. ``max_completion_length`` is
-``agent.max_tokens`` (model and tool tokens together, as the job counts them; TRL has no per-turn
-bound, the job's is ``rollout.max_tokens``), ``max_tool_calling_iterations`` is
-``agent.max_turns - 1``, and the reward judges the last assistant message's text, as the job's
-verifier judges the last model turn. A call TRL cannot read ends the completion (the job answers
-it with an error observation): each framework's own handling.
+``agent.max_tokens`` (model and tool tokens together, as the job counts them), each turn
+generates at most ``rollout.max_tokens`` (``generation_kwargs``' ``max_new_tokens``),
+``max_tool_calling_iterations`` is ``agent.max_turns - 1``, and the reward judges the last
+assistant message's text, as the job's verifier judges the last model turn. A call TRL cannot
+read ends the completion (the job answers it with an error observation): each framework's own
+handling.
 
 Everything else is TRL's default. It then scores the trained model on the held-out problems
 with the job's own evaluation and rollout engine, and writes ``summary.json`` beside it:
 ``phase_seconds`` (``start``: building the trainer, model load included; ``rl``: ``train()``;
-``eval_after``), ``accuracy_after``, ``pass_at_8_after`` and ``tokens_generated``.
+``eval_after``), ``accuracy_after``, ``pass_at_8_after`` and ``tokens_generated``. With
+``run.eval_deferred``, as the job does, a callback keeps a copy of the weights every
+``run.eval_every`` steps (and at the last), scored greedily after ``train()``:
+``deferred_evaluations`` (step, seconds into ``train()``, held-out accuracy).
 """
 
 from __future__ import annotations
@@ -115,6 +121,33 @@ def last_answer(completion: Any) -> str:
     return next((m["content"] or "" for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
+#: (step, seconds since train() started, a host copy of the weights).
+Copy = tuple[int, float, list[tuple[str, torch.Tensor]]]
+
+
+def weight_copies(model: torch.nn.Module, c: configuration.Config) -> Any:
+    """A TRL callback that keeps a host copy of the model's weights after each
+    ``run.eval_every``-th step and the last, in its ``taken`` (a list of :data:`Copy`); set its
+    ``started`` as ``train()`` starts."""
+    from transformers import TrainerCallback
+
+    class WeightCopies(TrainerCallback):
+        def __init__(self) -> None:
+            self.started = time.monotonic()
+            self.taken: list[Copy] = []
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            step = state.global_step
+            if step % c.run.eval_every == 0 or step == c.trainer.max_steps:
+                at = time.monotonic() - self.started
+                named = model.named_parameters()
+                self.taken.append(
+                    (step, at, [(n, p.detach().to("cpu", copy=True)) for n, p in named])
+                )
+
+    return WeightCopies()
+
+
 def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     quiet_libraries()
     # Imported here: TRL (bench dependency group) is needed by this peer only.
@@ -155,6 +188,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
         lengths = {
             "max_completion_length": c.agent.max_tokens,
             "max_tool_calling_iterations": c.agent.max_turns - 1,
+            "generation_kwargs": {"max_new_tokens": c.rollout.max_tokens},
         }
     else:
         lengths = {"max_completion_length": c.rollout.max_tokens}
@@ -174,6 +208,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
         **scheduler_settings(c.trainer),
         weight_decay=c.trainer.weight_decay,
         max_grad_norm=c.trainer.grad_clip,
+        gradient_checkpointing=False,
         shuffle_dataset=False,
         use_cpu=True,
         bf16=False,
@@ -195,8 +230,13 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
         processing_class=tokenizer,
         tools=tools,
     )
+    copies = weight_copies(model, c) if c.run.eval_deferred else None
+    if copies is not None:
+        trainer.add_callback(copies)
     phases["start"] = round(time.monotonic() - since, 2)
     since = time.monotonic()
+    if copies is not None:
+        copies.started = since
     trainer.train()
     phases["rl"] = round(time.monotonic() - since, 2)
 
@@ -208,6 +248,11 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     verify = verifier(reward, False)
     eval_set = task.eval_set()
     scorer = agent_view(c, scorer, eval_set, prompts)  # whole trajectories in agent runs
+    deferred = []
+    for step, at, copy in copies.taken if copies is not None else []:
+        scorer.load_weights(step, copy)
+        acc = accuracy(scorer, eval_set, prompts, c.rollout.max_tokens, verify=verify)
+        deferred.append({"step": step, "time": round(at, 3), "eval_accuracy": acc})
     after = accuracy(scorer, eval_set, prompts, c.rollout.max_tokens, verify=verify)
     pass_after = pass_at_k(
         scorer,
@@ -234,6 +279,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
         "tools": [t.__name__ for t in tools or []],
         "train_loss": [r["loss"] for r in history if "loss" in r],
         "reward": [r["reward"] for r in history if "reward" in r],
+        **({"deferred_evaluations": deferred} if deferred else {}),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

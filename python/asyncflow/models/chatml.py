@@ -24,7 +24,8 @@ CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())
 #: Qwen's, without a default system message (``data.system_prompt`` adds one) and without a
 #: list of tools (the model learns the format from demonstrations). Tool calls and answers render
 #: as the agent loop writes them (docs/agents.md): an assistant message's ``tool_calls`` as
-#: ``<tool_call>{"name":...,"arguments":{...}}</tool_call>`` after its content, and a run of
+#: ``<tool_call>{"name":...,"arguments":{...}}</tool_call>`` after its content (arguments given
+#: as a JSON string are written as they are), and a run of
 #: ``tool`` messages as one user turn of ``<tool_response>`` blocks, one per line.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -40,8 +41,10 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
     "{%- for call in message['tool_calls'] or [] -%}"
     "{%- set f = call['function'] if call['function'] is defined else call -%}"
-    "{{ '<tool_call>' + ({'name': f['name'], 'arguments': f['arguments']} "
-    "| tojson(separators=(',', ':'))) + '</tool_call>' }}"
+    "{%- set arguments = f['arguments'] if f['arguments'] is string "
+    "else f['arguments'] | tojson(separators=(',', ':')) -%}"
+    "{{ '<tool_call>{\"name\":' + f['name'] | tojson + ',\"arguments\":' + arguments "
+    "+ '}</tool_call>' }}"
     "{%- endfor -%}"
     "{{ '<|im_end|>' + '\n' }}"
     "{%- endif -%}"
