@@ -7,12 +7,14 @@ warm-started model (copied into their run directories), so they differ only in s
 alternate their order from seed to seed, so that a drift in the machine's load falls on every
 staleness alike. Per staleness (case ``staleness-<k>``), averaged over seeds:
 
-- ``time_to_target_s``: RL seconds until held-out accuracy first reaches the target, evaluation
-  time excluded (the trainer waits for it). A run that never reaches it counts its whole RL time
-  and lowers ``reached_target``.
+- ``time_to_target_s``: RL seconds until held-out accuracy first reaches the target. The runs
+  evaluate after RL (``run.eval_deferred``: a copy of the weights is kept at each evaluation
+  step and scored afterwards), so no evaluation is in RL time, and none lets the rollout run on
+  while the trainer waits. A run that never reaches the target counts its whole RL time and
+  lowers ``reached_target``.
 - ``initial_accuracy`` and ``final_accuracy``: held-out accuracy before and after RL (each with
-  ``_min`` / ``_max`` over seeds), ``tokens_per_s``
-  (generated tokens per RL second, evaluation excluded), ``rl_seconds``.
+  ``_min`` / ``_max`` over seeds), ``tokens_per_s`` (generated tokens per RL second),
+  ``rl_seconds``.
 
 Ratios are against staleness 0 measured in the same run.
 
@@ -180,25 +182,18 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def result(run_dir: Path, seed: int, staleness: int, target: float) -> RunResult:
-    summary, history = read_run(run_dir)
-    rl = float(summary["phase_seconds"]["rl"])
-    evaluating, reached_at = 0.0, None
-    for record in history:
-        if "eval_accuracy" not in record:
-            continue
-        if record["eval_accuracy"] >= target:
-            reached_at = record["time"] - evaluating
-            break
-        evaluating += record["eval_seconds"]
-    total_eval = sum(r.get("eval_seconds", 0.0) for r in history)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rl = float(summary["phase_seconds"]["rl"])  # no evaluation in it: they are deferred
+    curve = summary["deferred_evaluations"]
+    reached_at = next((e["time"] for e in curve if e["eval_accuracy"] >= target), None)
     return RunResult(
         seed=seed,
         staleness=staleness,
-        time_to_target=reached_at if reached_at is not None else rl - total_eval,
+        time_to_target=reached_at if reached_at is not None else rl,
         reached=reached_at is not None,
         initial_accuracy=float(summary["accuracy_before"]),
         final_accuracy=float(summary["accuracy_after"]),
-        tokens_per_s=summary["tokens_generated"] / (rl - total_eval),
+        tokens_per_s=summary["tokens_generated"] / rl,
         rl_seconds=rl,
         engines=summary["engines"],
     )
@@ -226,7 +221,7 @@ def _staleness_runs(
         run_dir = workdir / f"seed-{seed}" / f"staleness-{k}"
         _copy_warm_start(first, run_dir)
         started = time.monotonic()
-        train(run_dir, settings.overrides(seed, k), quick)
+        train(run_dir, [*settings.overrides(seed, k), "run.eval_deferred=true"], quick)
         first = first or run_dir
         r = result(run_dir, seed, k, settings.target)
         report.progress(

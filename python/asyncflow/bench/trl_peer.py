@@ -131,7 +131,7 @@ def weight_copies(model: torch.nn.Module, c: configuration.Config) -> Any:
     ``started`` as ``train()`` starts."""
     from transformers import TrainerCallback
 
-    class WeightCopies(TrainerCallback):
+    class WeightCopies(TrainerCallback):  # type: ignore[misc]  # transformers: untyped here
         def __init__(self) -> None:
             self.started = time.monotonic()
             self.taken: list[Copy] = []
