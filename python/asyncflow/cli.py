@@ -138,10 +138,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from asyncflow.bench import run_suite
         from asyncflow.daemon import TOKEN_ENV, new_token
 
-        # The daemons a suite starts, and the client processes it starts, take the token from
-        # here: on loopback without one, any local user could read and clear their rows.
-        os.environ.setdefault(TOKEN_ENV, new_token())
-
         cases = tuple(args.cases.split(",")) if args.cases else None
         if args.task == "tools":
             if cases is not None and cases != ("tools",):
@@ -153,6 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 seeds = tuple(dict.fromkeys(int(x) for x in args.seeds.split(",")))
             except ValueError:
                 parser.error(f"--seeds takes comma-separated seeds, not {args.seeds!r}")
+        # The daemons a suite starts, and the client processes it starts, take the token from
+        # here: on loopback without one, any local user could read and clear their rows.
+        os.environ.setdefault(TOKEN_ENV, new_token())
         return run_suite(
             args.suite,
             json_path=args.json,

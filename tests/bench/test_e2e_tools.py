@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from asyncflow.bench.records import Report
 from asyncflow.bench.trl_peer import last_answer, trl_tools
 from asyncflow.cli import main
 from asyncflow.config import AgentConfig, load
+from asyncflow.daemon import TOKEN_ENV
 from asyncflow.models.chatml import _fast_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
@@ -187,11 +189,21 @@ def test_the_tools_report_compares_with_the_sync_run_and_trl_seed_by_seed() -> N
     assert got["tools-staleness-0", "final_accuracy_min"].value == 0.6
 
 
-def test_task_tools_is_the_tools_cases_and_nothing_else(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as stopped:
-        main(["bench", "e2e", "--task", "tools", "--cases", "staleness"])
-    assert stopped.value.code == 2
-    assert "--task tools runs the tools cases" in capsys.readouterr().err
+def test_bad_e2e_options_are_refused_before_anything_is_set_up(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A suite's runs take the store token from the environment; an option refused must leave it
+    # unset (later daemons in this process would otherwise find a token nobody gave them).
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    for options, message in (
+        (["--task", "tools", "--cases", "staleness"], "--task tools runs the tools cases"),
+        (["--seeds", "0,one"], "--seeds takes comma-separated seeds"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(["bench", "e2e", *options])
+        assert stopped.value.code == 2
+        assert message in capsys.readouterr().err
+        assert TOKEN_ENV not in os.environ
 
 
 def test_a_seed_run_alone_keeps_the_order_it_has_in_the_full_run(
