@@ -483,12 +483,13 @@ def run(
             f"{settings.eval_every} steps on {settings.eval_size} held-out problems (peers: the "
             f"final model only); target accuracy {settings.target}"
         )
+    tool_settings = TOOLS_QUICK if quick else TOOLS_FULL
     if "tools" in cases:
-        ts = TOOLS_QUICK if quick else TOOLS_FULL
         report.note(
-            f"tools: asyncflow train as examples/tools.yaml, {ts.steps} steps, evaluation "
-            f"every {ts.eval_every} steps on {ts.eval_size} held-out problems; TRL: the final "
-            f"model only; reached: within {TOLERANCE} of the final accuracy"
+            f"tools: asyncflow train as examples/tools.yaml and TRL, {tool_settings.steps} "
+            f"steps, the weights of every {tool_settings.eval_every}th step scored after RL on "
+            f"{tool_settings.eval_size} held-out problems; reached: within {TOLERANCE} of the "
+            "final accuracy"
         )
     staleness: list[RunResult] = []
     peers: list[PeerResult] = []
@@ -522,7 +523,6 @@ def run(
                     )
                 partial += runs_q
             if "tools" in cases:
-                tool_settings = TOOLS_QUICK if quick else TOOLS_FULL
                 runs_t = _tools_runs(Path(tmp), seed, i, tool_settings, quick)
                 for t in runs_t:
                     report.progress(
