@@ -289,14 +289,13 @@ class Run:
 
         def after_step(step: int) -> dict[str, Any]:
             extra: dict[str, Any] = {}
-            if c.run.eval_deferred and (
-                step % c.run.eval_every == 0 or step == c.trainer.max_steps
-            ):
+            due = step % c.run.eval_every == 0 or step == c.trainer.max_steps
+            if due and c.run.eval_deferred:
                 copy = [
                     (n, t.detach().to("cpu", copy=True)) for n, t in trainer_engine.export_weights()
                 ]
                 deferred.append((step, tracer.now(), copy))
-            elif step % c.run.eval_every == 0 or step == c.trainer.max_steps:
+            elif due:
                 since = time.monotonic()
                 evaluator.load_weights(step, trainer_engine.export_weights())
                 acc = accuracy(evaluator, eval_set, prompts, max_tokens, verify=verify)
