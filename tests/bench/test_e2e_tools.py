@@ -7,8 +7,10 @@ import asyncio
 import dataclasses
 import os
 import random
+import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -18,11 +20,17 @@ from asyncflow.agents.tools import create_tool
 from asyncflow.bench import e2e_suite
 from asyncflow.bench.e2e_suite import ToolsResult
 from asyncflow.bench.records import Report
-from asyncflow.bench.trl_peer import last_answer, trl_tools
+from asyncflow.bench.trl_peer import (
+    check_answers_read,
+    last_answer,
+    response_template,
+    trl_tools,
+)
 from asyncflow.cli import main
-from asyncflow.config import AgentConfig, load
+from asyncflow.config import AgentConfig, ModelConfig, load
 from asyncflow.daemon import TOKEN_ENV
 from asyncflow.models.chatml import _fast_tokenizer
+from asyncflow.models.tiny import create_tiny_model
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
 
@@ -77,20 +85,30 @@ def test_the_builtin_template_renders_plain_messages_as_chatml_with_or_without_t
         assert opened == expected + "<|im_start|>assistant\n"
 
 
+def _tokenizer_as_runs_load_it(directory: Path) -> Any:
+    """The built-in model's tokenizer as transformers loads it from a model directory (not as
+    it is built in memory: for a Qwen2 model transformers reads it as a Qwen2 tokenizer)."""
+    from transformers import AutoTokenizer
+
+    create_tiny_model(ModelConfig(), directory, seed=0)
+    return AutoTokenizer.from_pretrained(directory)
+
+
 # TRL 1.16 warns about vLLM 0.32, which this test does not use.
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:TRL currently supports vLLM")
-def test_trl_accepts_the_template_and_continues_a_call_with_the_jobs_observation_tokens() -> None:
+def test_trl_accepts_the_template_and_continues_a_call_with_the_jobs_observation_tokens(
+    tmp_path: Path,
+) -> None:
     # Imported here: importing TRL takes seconds.
     from trl import GRPOTrainer  # noqa: PLC0415
     from trl.chat_template_utils import (  # noqa: PLC0415
         is_chat_template_prefix_preserving,
         parse_response,
-        qwen3_template,
         supports_tool_calling,
     )
 
-    tokenizer = _fast_tokenizer()
+    tokenizer = _tokenizer_as_runs_load_it(tmp_path)
     assert supports_tool_calling(tokenizer) and is_chat_template_prefix_preserving(tokenizer)
     # The tokens TRL appends after a call's eos, computed as its trainer computes them.
     trainer = SimpleNamespace(
@@ -104,15 +122,35 @@ def test_trl_accepts_the_template_and_continues_a_call_with_the_jobs_observation
     suffix = GRPOTrainer._get_tool_suffix_ids(trainer, tool)
     template = AgentConfig().observation_template
     observation = template.format(observation="<tool_response>\n408\n</tool_response>")
-    assert tokenizer.decode(suffix) == observation
+    assert suffix == tokenizer.encode(observation, add_special_tokens=False)
     # TRL reads the job's call format with its Qwen-style response template.
-    tokenizer.response_template = qwen3_template
+    tokenizer.response_template = response_template(tokenizer)
     text = '<tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>'
     ids = tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
     prefix = tokenizer.apply_chat_template(
         [{"role": "user", "content": "12*34="}], add_generation_prompt=True, return_dict=False
     )
     assert parse_response(tokenizer, ids, prefix=prefix)["tool_calls"] == [CALL]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TRL currently supports vLLM")
+def test_trl_reads_an_answer_back_only_with_the_anchor_as_the_tokenizer_decodes_it(
+    tmp_path: Path,
+) -> None:
+    from trl.chat_template_utils import qwen3_template  # noqa: PLC0415
+
+    tokenizer = _tokenizer_as_runs_load_it(tmp_path)
+    (calculator,) = trl_tools(load(None, e2e_suite.TOOLS).agent)
+    chat = [{"role": "user", "content": "12*34="}]
+    # TRL's own template looks for the anchor's newline, which this tokenizer does not decode:
+    # it would read the turn's header into the answer, and every reward would be 0.
+    tokenizer.response_template = qwen3_template
+    with pytest.raises(ValueError, match=re.escape("first turn as '<|im_start|>assistant2'")):
+        check_answers_read(tokenizer, [calculator], chat)
+    tokenizer.response_template = response_template(tokenizer)
+    assert tokenizer.response_template["start_anchor"] == "<|im_start|>assistant"
+    check_answers_read(tokenizer, [calculator], chat)
 
 
 def test_trls_calculator_answers_as_the_jobs_environment_with_its_sandboxed_process() -> None:

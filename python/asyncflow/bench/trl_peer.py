@@ -27,7 +27,9 @@ the trajectories with its own tool support, as its docs set it up: the tool is a
 function passed as ``tools`` (TRL awaits a completion's calls together, completion after
 completion), the tokenizer's chat template renders tool calls and answers as the job's agent loop
 writes them (the built-in template does), and TRL's Qwen-style response template
-(``<tool_call>{json}</tool_call>``) reads the calls. The tool is the job's: the same calculator,
+(``<tool_call>{json}</tool_call>``) reads the calls and answers, its turn anchor as the model's
+tokenizer decodes it (see :func:`response_template`; checked before training to read an answer
+back, first turn and after a call). The tool is the job's: the same calculator,
 sandboxed process and latency, answering with the same text. ``max_completion_length`` is
 ``agent.max_tokens`` (model and tool tokens together, as the job counts them), each turn
 generates at most ``rollout.max_tokens`` (``generation_kwargs``' ``max_new_tokens``),
@@ -113,6 +115,46 @@ def trl_tools(agent: configuration.AgentConfig) -> list[Callable[..., Any]]:
     return [calculator]
 
 
+def response_template(tokenizer: Any) -> dict[str, Any]:
+    """TRL's Qwen-style response template, its assistant-turn anchor as ``tokenizer`` decodes
+    it. TRL parses a turn from the decoded prompt and completion, starting after the prompt's
+    last anchor; the built-in model's tokenizer, as transformers loads a Qwen2 directory, decodes
+    without whitespace, so the anchor's newline is never found and the turn's header would be
+    read into the answer."""
+    from trl.chat_template_utils import qwen3_template  # noqa: PLC0415
+
+    anchor = tokenizer.encode(qwen3_template["start_anchor"], add_special_tokens=False)
+    return {**qwen3_template, "start_anchor": tokenizer.decode(anchor)}
+
+
+def check_answers_read(tokenizer: Any, tools: list[Callable[..., Any]], chat: Any) -> None:
+    """Raises unless TRL reads a final answer back from a completion as the reward sees it, on
+    the first turn and after a tool call (``chat``: a prompt's messages)."""
+    from trl.chat_template_utils import parse_response  # noqa: PLC0415
+
+    call = {
+        "type": "function",
+        "function": {"name": "calculator", "arguments": {"expression": "1+1"}},
+    }
+    exchange = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "calculator", "content": "2"},
+    ]
+    answer = tokenizer.encode("2" + tokenizer.eos_token, add_special_tokens=False)
+    for turns in ([], exchange):
+        prefix = tokenizer.apply_chat_template(
+            [*chat, *turns],
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        read = last_answer([parse_response(tokenizer, answer, prefix=prefix, tools=tools)])
+        if read != "2":
+            after = "after a tool call" if turns else "on the first turn"
+            raise ValueError(f"TRL would read the answer '2' {after} as {read!r}")
+
+
 def last_answer(completion: Any) -> str:
     """The text TRL's completion is judged on: the last assistant message's (a plain
     completion is its text)."""
@@ -154,7 +196,6 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     import trl  # noqa: PLC0415
     from datasets import Dataset  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl.chat_template_utils import qwen3_template  # noqa: PLC0415
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(c.run.seed)
@@ -168,7 +209,8 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tools = trl_tools(c.agent) if c.agent.enabled else None
     if tools:
-        tokenizer.response_template = qwen3_template
+        tokenizer.response_template = response_template(tokenizer)
+        check_answers_read(tokenizer, tools, conversations[0])
     for p, chat in zip(problems, conversations, strict=True):
         ids = tokenizer.apply_chat_template(
             [chat], tools=tools, add_generation_prompt=True, tokenize=True
