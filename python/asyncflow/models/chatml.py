@@ -1,7 +1,10 @@
 """The built-in model's tokenizer, made locally: one token per printable ASCII character and
 newline, ChatML's control tokens and role names as whole tokens, and a ChatML (Qwen-style) chat
-template. It is saved as an ordinary Hugging Face tokenizer, so ``AutoTokenizer`` and vLLM load
-it exactly as they load any model's."""
+template. It is saved as an ordinary Hugging Face tokenizer, and ``AutoTokenizer`` and vLLM load
+it as they load any model's: for the Qwen2 model it belongs to, transformers reads it as a Qwen2
+tokenizer, whose byte-level pre-tokenizer finds no token for a space or a newline, so the
+tokenizer runs load drops whitespace when it encodes and decodes (the one built in memory here,
+:func:`chatml_tokenizer`, keeps it)."""
 
 from __future__ import annotations
 
