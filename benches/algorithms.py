@@ -1,19 +1,26 @@
-"""The algorithms side by side on the built-in task:
-``python benches/algorithms.py OUT_DIR [PNG] [--only=KEY,...]`` runs the default job (2-digit
-addition, the default model and RL settings, hf engines) cut to the held-out test's size (a warm
-start of 450 steps, then 4 RL steps, 200 held-out problems) for seeds 0-2 with each algorithm
-below, and prints a markdown table of held-out accuracy before and after RL and of RL wall-clock
-(mean and range over the seeds that finished); with PNG it also draws them into that file. Runs
-already in OUT_DIR are read, not run again; ``--only`` runs just those algorithms (key: the first
-word of a name, lower case), and the table shows every algorithm with results in OUT_DIR.
-A run that fails prints its error, is counted as failed in the table (its full output stays in
-``OUT_DIR/<key>-seed<S>.log``), and makes the script exit non-zero.
+"""The algorithms side by side on a built-in task:
+``python benches/algorithms.py OUT_DIR [PNG] [--only=KEY,...] [--task=addition|tools]`` runs
+the default job (2-digit addition, the default model and RL settings, hf engines) cut to the
+held-out test's size (a warm start of 450 steps, then 4 RL steps, 200 held-out problems) for
+seeds 0-2 with each algorithm below, and prints a markdown table of held-out accuracy before and
+after RL and of RL wall-clock (mean and range over the seeds that finished); with PNG it also
+draws them into that file. Runs already in OUT_DIR are read, not run again; ``--only`` runs just
+those algorithms (key: the first word of a name, lower case), and the table shows every
+algorithm with results in OUT_DIR. A run that fails prints its error, is counted as failed in
+the table (its full output stays in ``OUT_DIR/<key>-seed<S>.log``), and makes the script exit
+non-zero.
 
 The settings are fixed here before any run, from the papers' published values (DAPO: clip_high
 0.28, token-mean loss; GSPO: sequence ratios; REINFORCE++: batch-normalised advantages; PPO: GAE
 with gamma 1 and lambda 0.95 and a value clip of 0.2, from Ziegler et al. 2019, arXiv 1909.08593,
 ``lm-human-preferences/train_policy.py``), never tuned on these results. Each seed's warm start
 is the same for every algorithm.
+
+``--task=tools`` runs the multi-turn tool-use job instead (``examples/tools.yaml``: 3- and
+4-digit products through the calculator tool, its sandboxed process and lognormal latency,
+staleness 1), with hf engines, cut to 10 RL steps; its warm start (600 steps) is made once per
+seed by the seed's first run and copied into the others. The step count was fixed before any
+run: the first evaluation point of that job's measured runs (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -29,16 +36,27 @@ from typing import Any
 
 SEEDS = (0, 1, 2)
 DASH = "\u2013"
-COMMON = [
-    "data.eval_size=200",
-    "warm_start.steps=450",
-    "trainer.max_steps=4",
+ENGINES_AND_QUIET = [
     "rollout.engine=hf",
     "trainer.engine=hf",
     "run.progress=false",
     "run.checkpoint_every=100",
     "run.eval_every=100",
 ]
+#: Per task: the arguments of every run, and its RL steps.
+TASKS: dict[str, tuple[list[str], int]] = {
+    "addition": (["data.eval_size=200", "warm_start.steps=450", *ENGINES_AND_QUIET], 4),
+    "tools": (
+        [
+            "--config",
+            str(Path(__file__).parents[1] / "examples" / "tools.yaml"),
+            *ENGINES_AND_QUIET,
+        ],
+        10,
+    ),
+}
+#: What a run takes from its seed's first run (the tools task): its model and warm start.
+SHARED = ("model-init", "warm_start")
 ALGORITHMS = {
     "GRPO (PPO-clip)": [],
     "DAPO": [
@@ -60,14 +78,28 @@ def key(name: str) -> str:
     return name.split(maxsplit=1)[0].lower()
 
 
-def run(out: Path, name: str, seed: int, overrides: list[str]) -> dict[str, float] | None:
+def run(
+    out: Path, task: str, name: str, seed: int, overrides: list[str]
+) -> dict[str, float] | None:
     """One seed of one algorithm: its figures, or None (its error printed) if it failed."""
     run_dir = out / f"{key(name)}-seed{seed}"
     summary_file = run_dir / "summary.json"
     if not summary_file.exists():
         shutil.rmtree(run_dir, ignore_errors=True)  # what a failed earlier try left
+        if task == "tools":
+            reuse_warm_start(out, seed, run_dir)
         cli = str(Path(sys.executable).parent / "asyncflow")
-        command = [cli, "train", "--run-dir", str(run_dir), *COMMON, f"run.seed={seed}", *overrides]
+        common, steps = TASKS[task]
+        command = [
+            cli,
+            "train",
+            "--run-dir",
+            str(run_dir),
+            *common,
+            f"trainer.max_steps={steps}",
+            f"run.seed={seed}",
+            *overrides,
+        ]
         log = out / f"{key(name)}-seed{seed}.log"
         with log.open("w") as f:
             done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
@@ -90,6 +122,15 @@ def run(out: Path, name: str, seed: int, overrides: list[str]) -> dict[str, floa
     }
 
 
+def reuse_warm_start(out: Path, seed: int, run_dir: Path) -> None:
+    """Copies the seed's warm-started model from a run of it that has one, if any."""
+    for other in sorted(out.glob(f"*-seed{seed}")):
+        if other != run_dir and all((other / name).is_dir() for name in SHARED):
+            for name in SHARED:
+                shutil.copytree(other / name, run_dir / name)
+            return
+
+
 def cell(values: list[float], digits: int) -> str:
     if not values:
         return "n/a"
@@ -97,7 +138,7 @@ def cell(values: list[float], digits: int) -> str:
     return f"{mean:.{digits}f} ({min(values):.{digits}f}{DASH}{max(values):.{digits}f})"
 
 
-def plot(out: Path, png: Path) -> None:
+def plot(out: Path, png: Path, steps: int) -> None:
     """Held-out accuracy after RL, each seed a dot and the mean a bar, per algorithm."""
     import matplotlib as mpl
 
@@ -113,7 +154,7 @@ def plot(out: Path, png: Path) -> None:
             axis.bar(i, statistics.mean(values), color="lightsteelblue")
             axis.plot([i] * len(values), values, "o", color="black", markersize=4)
         acc.plot([i - 0.4, i + 0.4], [statistics.mean(r["before"] for r in results)] * 2, "r--")
-    for axis, title in [(acc, "held-out accuracy after 4 RL steps"), (secs, "RL seconds")]:
+    for axis, title in [(acc, f"held-out accuracy after {steps} RL steps"), (secs, "RL seconds")]:
         axis.set_xticks(range(len(names)), [n.split()[0] for n in names])
         axis.set_title(title)
     acc.set_ylim(0, 1)
@@ -131,16 +172,24 @@ def finished(out: Path, name: str) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--only")]
-    only = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")]
-    wanted = set(only[0].split(",")) if only else {key(n) for n in ALGORITHMS}
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    options = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+    wanted = set(options["only"].split(",")) if "only" in options else {key(n) for n in ALGORITHMS}
+    task = options.get("task", "addition")
+    if task not in TASKS or len(args) not in (1, 2):
+        sys.exit(f"usage: {sys.argv[0]} OUT_DIR [PNG] [--only=KEY,...] [--task={'|'.join(TASKS)}]")
+    steps = TASKS[task][1]
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)
+    recorded_task = out / "task"
+    if recorded_task.exists() and recorded_task.read_text() != task:
+        sys.exit(f"{out} holds runs of the {recorded_task.read_text()!r} task, not {task!r}")
+    recorded_task.write_text(task)
     failed = 0
     for name, overrides in ALGORITHMS.items():
         if key(name) not in wanted:
             continue
-        results = [run(out, name, seed, overrides) for seed in SEEDS]
+        results = [run(out, task, name, seed, overrides) for seed in SEEDS]
         failed += sum(r is None for r in results)
         recorded: list[dict[str, Any]] = [
             r if r is not None else {"seed": s, "after": None}
@@ -159,12 +208,14 @@ def main() -> None:
             f"{cell([r['after'] for r in done], 3)} | "
             f"{cell([r['rl_seconds'] for r in done], 1)} |"
         )
-    print("| algorithm | seeds finished | accuracy before RL | after 4 RL steps | RL seconds |")
+    print(
+        f"| algorithm | seeds finished | accuracy before RL | after {steps} RL steps | RL seconds |"
+    )
     print("|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"finished {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     if len(args) > 1:
-        plot(out, Path(args[1]))
+        plot(out, Path(args[1]), steps)
     if failed:
         sys.exit(f"{failed} run(s) failed; see the errors above")
 

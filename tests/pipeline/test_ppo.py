@@ -50,6 +50,31 @@ def test_the_kl_penalty_goes_on_each_token_and_whitening_spans_all_responses() -
     assert white[0][0] < white[0][1] < white[1][0]
 
 
+def test_gae_of_a_multi_turn_row_steps_over_the_environments_tokens() -> None:
+    # model, tool output, model, tool output: the reward goes on the last token the model wrote,
+    # and the episode is the model's tokens alone (the tool's have no advantage and no KL).
+    mask = np.array([1, 0, 1, 0], np.uint8)
+    kl = np.array([0.5, 7.0, -1.0, 7.0])
+    rewards = token_rewards(1.0, 4, kl=kl, kl_coef=0.1, mask=mask)
+    np.testing.assert_allclose(rewards, [-0.05, 0.0, 1.1, 0.0])
+    values = np.array([0.5, 9.0, 0.25, 9.0])
+    adv, returns = gae(rewards, values, gamma=0.9, lam=0.5, mask=mask)
+    # delta_2 = 1.1 - 0.25 = 0.85; delta_0 = -0.05 + 0.9 * 0.25 - 0.5 = -0.325;
+    # A_0 = -0.325 + 0.45 * 0.85 = 0.0575
+    np.testing.assert_allclose(adv, [0.0575, 0.0, 0.85, 0.0], atol=1e-12)
+    alone, alone_returns = gae(rewards[[0, 2]], values[[0, 2]], gamma=0.9, lam=0.5)
+    np.testing.assert_allclose(adv[[0, 2]], alone)
+    np.testing.assert_allclose(returns[[0, 2]], alone_returns)
+    # Whitening counts only the model's tokens and leaves the others at 0.
+    white = whiten([adv, np.array([2.0])], [mask, None])
+    np.testing.assert_allclose(white[0][[1, 3]], [0.0, 0.0])
+    expected = whiten([adv[[0, 2]], np.array([2.0])])
+    np.testing.assert_allclose(white[0][[0, 2]], expected[0], atol=1e-6)
+    np.testing.assert_allclose(white[1], expected[1], atol=1e-6)
+    with pytest.raises(ValueError, match="loss mask"):
+        gae(rewards, values, 0.9, 0.5, mask=np.ones(3))
+
+
 def test_the_value_loss_is_clipped_around_the_scoring_values() -> None:
     values = torch.tensor([[1.0, 0.0]], requires_grad=True)
     old = torch.tensor([[0.5, 0.5]])

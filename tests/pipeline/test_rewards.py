@@ -322,6 +322,47 @@ def test_overlong_responses_are_filtered_or_penalised() -> None:
     assert adv[0] == 0.0 and adv[3] == 0.0 and adv[1] < 0 < adv[2]
 
 
+def test_a_trajectorys_length_bound_is_its_budget_and_tool_tokens_carry_no_kl() -> None:
+    ctx = context(
+        "agent.enabled=true",
+        "agent.max_tokens=6",
+        "rollout.max_tokens=3",
+        "algorithm.overlong=filter",
+        "algorithm.advantage=reinforce++",
+        "algorithm.reference=true",
+        "trainer.kl_coef=1",
+    )
+    eos = ctx.tokenizer.eos_id
+    worker = AdvantageWorker(ctx)
+    data = {
+        # a call and its answer, then the answer with its end: longer than a turn, not cut;
+        # a turn cut short; the budget used up; out of turns after a tool's answer.
+        "response_ids": [
+            np.array([5, eos, 9, 9, 6, eos]),
+            np.array([5, 6, 7]),
+            np.array([5, eos, 9, 9, 9, 9]),
+            np.array([5, eos, 9]),
+        ],
+        "loss_mask": [
+            np.array([1, 1, 0, 0, 1, 1], np.uint8),
+            np.ones(3, np.uint8),
+            np.array([1, 1, 0, 0, 0, 0], np.uint8),
+            np.array([1, 1, 0], np.uint8),
+        ],
+        # The tool's tokens have no behaviour log-prob (0) but a reference one: no KL there.
+        "behaviour_logprobs": [np.array([-1.0, -1.0, 0, 0, -1.0, -1.0])] + [np.zeros(3)] * 3,
+        "ref_logprobs": [np.array([-2.0, -1.0, -5.0, -5.0, -1.0, -1.0])] + [np.zeros(3)] * 3,
+    }
+    data["behaviour_logprobs"][2] = data["ref_logprobs"][2] = np.zeros(6)
+    rewards = np.array([1.0, 0.0, 0.0, 0.0])
+    _, cut, bound = worker.truncated(data)
+    assert bound == 6 and cut.tolist() == [False, True, True, False]
+    adv, _ = worker.advantages(rewards, np.array([0, 0, 1, 1]), data)
+    assert adv[1] == 0.0 and adv[2] == 0.0  # cut: no gradient
+    r = np.array([1.0 - 1.0, 0.0, 0.0, 0.0])  # KL 1 on the model's first token only
+    np.testing.assert_allclose(adv[[0, 3]], ((r - r.mean()) / (r.std() + 1e-6))[[0, 3]], atol=1e-5)
+
+
 def test_reinforce_pp_normalises_over_the_batch_with_the_kl_in_the_reward() -> None:
     np.testing.assert_allclose(batch_normalised(np.array([1.0, 3.0])), [-1.0, 1.0], atol=1e-5)
     ctx = context(

@@ -3,7 +3,8 @@ GAE from the critic's per-token ``values``: PPO with a critic).
 
 Groups the trainer must leave out get a NaN advantage: a group with a row no reward source could
 score, and with ``algorithm.filter_groups`` a group whose rewards are all equal (no signal).
-Overlong responses (cut at ``rollout.max_tokens``) are either left out of the loss (advantage 0:
+Overlong responses (cut at ``rollout.max_tokens``; in agent mode, trajectories that used up
+``agent.max_tokens`` or whose last turn was cut) are either left out of the loss (advantage 0:
 no policy gradient) or have their reward lowered before the advantages (soft penalty).
 
 With GAE the worker also reads each sample's ``values`` (written by the critic worker) and writes
@@ -42,6 +43,13 @@ class AdvantageWorker(Worker):
             self.fields += ["behaviour_logprobs", "ref_logprobs"]
         if a.advantage == "gae":
             self.fields += [f for f in ("response_ids", "values") if f not in self.fields]
+        #: Multi-turn rows: which response tokens the model wrote (the others are the
+        #: environment's: no KL, no GAE step, and the end of a trajectory's budget).
+        self.masked = self.config.agent.enabled and (
+            a.advantage == "gae" or self.kl_in_reward or a.overlong != "none"
+        )
+        if self.masked:
+            self.fields.append("loss_mask")
 
     def step(self) -> bool:
         n = self.config.rollout.n
@@ -93,6 +101,7 @@ class AdvantageWorker(Worker):
         are left out of the loss: 0)."""
         a, kl_coef = self.config.algorithm, self.config.trainer.kl_coef
         values = [np.asarray(v, np.float64) for v in data["values"]]
+        masks = self.loss_masks(data, len(values))
         keep = np.flatnonzero(np.isfinite(adv))
         raw, returns = [], [np.full(v.size, np.nan, np.float32) for v in values]
         for i in keep.tolist():
@@ -100,11 +109,12 @@ class AdvantageWorker(Worker):
             if self.kl_in_reward:
                 behaviour = np.asarray(data["behaviour_logprobs"][i], np.float64)
                 kl = behaviour - np.asarray(data["ref_logprobs"][i], np.float64)
-            r = token_rewards(float(rewards[i]), values[i].size, kl, kl_coef)
-            advantages, returns[i] = gae(r, values[i], a.gamma, a.lam)
+            r = token_rewards(float(rewards[i]), values[i].size, kl, kl_coef, masks[i])
+            advantages, returns[i] = gae(r, values[i], a.gamma, a.lam, masks[i])
             raw.append(advantages)
         token_adv = [np.zeros(v.size, np.float32) for v in values]
-        for i, white in zip(keep.tolist(), whiten(raw), strict=True):
+        kept_masks = [masks[i] for i in keep.tolist()]
+        for i, white in zip(keep.tolist(), whiten(raw, kept_masks), strict=True):
             # Left out of the loss (overlong filtered): no gradient from its tokens.
             token_adv[i] = white if adv[i] != 0 else np.zeros_like(white)
         mean = np.full(adv.shape, np.nan, np.float32)
@@ -115,21 +125,43 @@ class AdvantageWorker(Worker):
             "returns": [np.asarray(r, np.float32) for r in returns],
         }
 
+    def loss_masks(self, data: dict[str, list[object]], rows: int) -> list[np.ndarray | None]:
+        """Each of the ``rows`` rows' loss mask (multi-turn rows), or None for every row (all
+        tokens written by the model)."""
+        if not self.masked:
+            return [None] * rows
+        return [np.asarray(m).astype(bool) for m in data["loss_mask"]]
+
+    def truncated(self, data: dict[str, list[object]]) -> tuple[np.ndarray, np.ndarray, int]:
+        """Each response's length, whether it was cut short, and the length bound: a response
+        cut at ``rollout.max_tokens`` without its end token; a trajectory that used up
+        ``agent.max_tokens``, or whose last model turn was cut short."""
+        eos = self.ctx.tokenizer.eos_id
+        responses = [np.asarray(r) for r in data["response_ids"]]
+        lengths = np.array([len(r) for r in responses])
+        ended = np.array([len(r) > 0 and int(r[-1]) == eos for r in responses])
+        if not self.config.agent.enabled:
+            bound = self.config.rollout.max_tokens
+            return lengths, (lengths >= bound) & ~ended, bound
+        bound = self.config.agent.max_tokens
+        # Ended: the model's last turn ended (an end token the model wrote, not a tool's).
+        by_model = np.array(
+            [np.asarray(m).size > 0 and bool(np.asarray(m)[-1]) for m in data["loss_mask"]]
+        )
+        ended &= by_model
+        return lengths, ~ended & ((lengths >= bound) | by_model), bound
+
     def advantages(
         self, rewards: np.ndarray, groups: np.ndarray, data: dict[str, list[object]]
     ) -> tuple[np.ndarray, int]:
         """Advantages of a claim's rows (NaN: leave the group out), and the groups filtered."""
-        a, max_tokens = self.config.algorithm, self.config.rollout.max_tokens
+        a = self.config.algorithm
         drop = failed_groups(rewards, groups)
         # Signal is judged on the sources' rewards, before length penalties and KL.
         flat = ~drop & ~informative_groups(np.nan_to_num(rewards), groups)
         truncated = np.zeros(rewards.shape, bool)
         if a.overlong != "none":
-            eos = self.ctx.tokenizer.eos_id
-            responses = [np.asarray(r) for r in data["response_ids"]]
-            lengths = np.array([len(r) for r in responses])
-            ended = np.array([len(r) > 0 and int(r[-1]) == eos for r in responses])
-            truncated = (lengths >= max_tokens) & ~ended
+            lengths, truncated, max_tokens = self.truncated(data)
             if a.overlong == "penalty":
                 rewards = rewards + overlong_penalty(
                     lengths, max_tokens, a.overlong_buffer, a.overlong_penalty
@@ -139,8 +171,16 @@ class AdvantageWorker(Worker):
         if self.kl_in_reward and a.advantage != "gae":
             kl = np.array(
                 [
-                    float(np.sum(np.asarray(b, np.float64) - np.asarray(r, np.float64)))
-                    for b, r in zip(data["behaviour_logprobs"], data["ref_logprobs"], strict=True)
+                    float(np.sum((np.asarray(b, np.float64) - np.asarray(r, np.float64))[m]))
+                    for b, r, m in zip(
+                        data["behaviour_logprobs"],
+                        data["ref_logprobs"],
+                        [
+                            slice(None) if m is None else m
+                            for m in self.loss_masks(data, len(rewards))
+                        ],
+                        strict=True,
+                    )
                 ]
             )
             rewards = rewards - self.config.trainer.kl_coef * kl

@@ -40,6 +40,8 @@ class CriticWorker(Worker):
         self.budget = self.config.trainer.micro_batch_tokens
         self.clip = self.config.critic.value_clip
         self.rows_per_update = self.config.trainer.groups_per_step * self.config.rollout.n
+        #: Multi-turn rows: values are learnt only at the tokens the model wrote.
+        self.train_fields = TRAIN_FIELDS + (["loss_mask"] if self.config.agent.enabled else [])
         #: Mean value loss of each optimiser step, in order.
         self.losses: list[float] = []
 
@@ -81,7 +83,7 @@ class CriticWorker(Worker):
         return True
 
     def train(self) -> bool:
-        batch = self.claim_quietly("critic_train", TRAIN_FIELDS, self.rows_per_update)
+        batch = self.claim_quietly("critic_train", self.train_fields, self.rows_per_update)
         if len(batch) == 0:
             return False
         with self.busy("critic update"):
@@ -89,6 +91,8 @@ class CriticWorker(Worker):
             kept = [i for i, r in enumerate(data["returns"]) if np.isfinite(np.asarray(r)).all()]
             data = {k: [v[i] for i in kept] for k, v in data.items()}
             tokens = sum(len(r) for r in data["response_ids"])
+            if "loss_mask" in data:
+                tokens = sum(int(np.count_nonzero(m)) for m in data["loss_mask"])
             if tokens:
                 loss, shares = self.loss_share(tokens), []
                 for _, tb in self.micro_batches(data, with_targets=True):
@@ -126,11 +130,15 @@ class CriticWorker(Worker):
                     "old_values": [data["values"][i] for i in part],
                     "returns": [data["returns"][i] for i in part],
                 }
+                if "loss_mask" in data:
+                    per_token["loss_mask"] = [data["loss_mask"][i] for i in part]
             tb = to_train_batch(
                 [prompts[i] for i in part],
                 [responses[i] for i in part],
                 self.pad_id,
                 per_token=per_token,
             )
+            if "loss_mask" in tb.extras:
+                tb.response_mask = tb.response_mask * tb.extras.pop("loss_mask")
             out.append((part, tb))
         return out
