@@ -15,7 +15,8 @@ import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow.algorithms.value import gae, token_rewards, value_loss, whiten
 from asyncflow.config import ConfigError, ModelConfig
-from asyncflow.engines.critic import HFCriticEngine
+from asyncflow.engines.base import TrainBatch
+from asyncflow.engines.critic import CriticEngine, HFCriticEngine, ValueLossFn
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.telemetry.trace import Tracer
@@ -128,6 +129,56 @@ def test_the_value_loss_falls_on_a_fixed_batch(tmp_path: Path) -> None:
     assert losses[0] > 0.1  # values start at 0, the returns average 0.5
     assert losses[-1] < 0.3 * losses[0]
     assert worker.engine.version == 40
+
+
+class RecordingCritic(CriticEngine):
+    """Values all 1; ``forward_backward`` records each micro-batch and its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[TrainBatch, float]] = []
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        return torch.ones(batch.input_ids.shape)
+
+    def forward_backward(self, batch: TrainBatch, loss_fn: ValueLossFn) -> dict[str, float]:
+        loss, stats = loss_fn(self.values(batch), batch)
+        self.batches.append((batch, float(loss)))
+        return stats
+
+    def optimizer_step(self) -> dict[str, float]:
+        self.version += 1
+        return {}
+
+
+def test_the_critic_learns_values_only_at_the_tokens_the_model_wrote() -> None:
+    config = critic_config("agent.enabled=true", "run.poll_interval=0.05")
+    store = af.Store()
+    register_tasks(store, reference=False, critic=True)
+    ctx = Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+    engine = RecordingCritic()
+    worker = CriticWorker(ctx, engine)
+    masks = [np.array([1, 0, 0, 1], np.uint8), np.array([1, 1], np.uint8)]
+    store.put(
+        {
+            "prompt_ids": [np.array([1, 2], np.int64)] * 2,
+            "response_ids": [np.array([5, 6, 7, 8], np.int64), np.array([5, 6], np.int64)],
+            "loss_mask": masks,
+            # Values 1 everywhere, returns 0 where the model wrote and 5 at the tool's tokens:
+            # with the tool's tokens masked, every counted token has loss 0.5 * 1^2.
+            "values": [np.ones(4, np.float32), np.ones(2, np.float32)],
+            "returns": [np.array([0, 5, 5, 0], np.float32), np.zeros(2, np.float32)],
+        },
+        partition=step_partition(0),
+        groups=[0, 0],
+        group_size=2,
+    )
+    assert worker.train()
+    ((batch, loss),) = engine.batches
+    # The response mask at each row's response positions is its loss mask.
+    got = [batch.response_mask[i, 2 : 2 + len(m)].tolist() for i, m in enumerate(masks)]
+    assert got == [m.tolist() for m in masks]
+    assert loss == pytest.approx(0.5)  # the mean over the 4 tokens the model wrote
 
 
 def test_the_advantage_worker_reads_the_critics_values_from_the_store() -> None:
