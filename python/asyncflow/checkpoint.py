@@ -3,7 +3,8 @@ the feeder's cursor, and every row still in flight in the store (prompts not yet
 samples not yet trained) with whatever fields they had. A resumed run puts those rows back and
 carries on, so no sample is lost and none is trained twice.
 
-Files: ``trainer/`` (engine), ``rows.parquet`` (rows), ``state.json`` (step, cursor, figures).
+Files: ``trainer/`` (engine), ``critic/`` (PPO's value model, when there is one),
+``rows.parquet`` (rows), ``state.json`` (step, cursor, figures).
 A checkpoint directory is written under a temporary name and renamed when complete.
 """
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 import json
 import shutil
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +26,9 @@ from asyncflow.engines.base import TrainEngine
 from asyncflow.errors import UnknownIndexError
 from asyncflow.store import Store
 from asyncflow.workers.base import PROMPTS, RunState
+
+if TYPE_CHECKING:
+    from asyncflow.workers.critic import CriticWorker
 
 KEEP = 2
 SAMPLE_PREFIX = "step-"
@@ -118,16 +123,21 @@ def save(
     store: Store,
     state: RunState,
     figures: dict[str, Any],
+    critic: CriticWorker | None = None,
 ) -> Path:
-    """Writes the checkpoint of the moment between step ``step - 1`` and ``step``."""
+    """Writes the checkpoint of the moment between step ``step - 1`` and ``step``; with a
+    ``critic``, its state as of the rows kept (no critic update between the two)."""
     final = checkpoints_dir(run_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     engine.save(tmp / "trainer")
-    with state.snapshot_lock:
-        table, count = _in_flight(store)
-        cursor = state.issued_groups
+    with critic.lock if critic is not None else nullcontext():
+        if critic is not None:
+            critic.engine.save(tmp / "critic")
+        with state.snapshot_lock:
+            table, count = _in_flight(store)
+            cursor = state.issued_groups
     pq.write_table(table, tmp / "rows.parquet")
     schemas = {
         name: store.schema(name)[0] for name in table.column_names if not name.startswith("__")

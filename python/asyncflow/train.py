@@ -26,6 +26,7 @@ from asyncflow.agents.evaluation import agent_totals, agent_view
 from asyncflow.agents.loop import check_names
 from asyncflow.config import Config
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
+from asyncflow.errors import ConfigError
 from asyncflow.evaluation import accuracy, pass_at_k, verifier
 from asyncflow.launch.base import Resources, launcher
 from asyncflow.launch.local import run_threads
@@ -224,6 +225,11 @@ class Run:
         evaluator = agent_view(c, resources.evaluator, eval_set, prompts)
         max_tokens = c.rollout.max_tokens
         ckpt = checkpoint.latest(self.run_dir) if self.resume else None
+        if ckpt is not None and c.algorithm.advantage == "gae" and not (ckpt / "critic").is_dir():
+            raise ConfigError(
+                f"{ckpt} has no critic state (written before critics were checkpointed): "
+                "a run with algorithm.advantage gae cannot resume from it"
+            )
         if ckpt is not None:
             saved = checkpoint.read_state(ckpt)
             before, pass_before = saved["accuracy_before"], saved["pass_at_k_before"]
@@ -303,7 +309,9 @@ class Run:
                 # The trainer waits for evaluation: time-to-accuracy figures subtract it.
                 extra |= {"eval_accuracy": acc, "eval_seconds": time.monotonic() - since}
             if step % c.run.checkpoint_every == 0 and step < c.trainer.max_steps:
-                checkpoint.save(self.run_dir, step, trainer_engine, store, state, figures)
+                checkpoint.save(
+                    self.run_dir, step, trainer_engine, store, state, figures, self.critic
+                )
             return extra
 
         register_tasks(
@@ -316,6 +324,8 @@ class Run:
             weights.publish(store, trainer_engine.version, trainer_engine.export_weights())
         middle = resources.middle(ctx)
         self.critic = next((w for w in middle if isinstance(w, CriticWorker)), None)
+        if self.critic is not None and ckpt is not None:
+            self.critic.engine.load(ckpt / "critic")
         trainer = Trainer(ctx, trainer_engine, metrics, ledger, after_step)
         workers = [Feeder(ctx, task, start_group), *middle, trainer]
         try:

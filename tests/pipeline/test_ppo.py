@@ -4,6 +4,7 @@ the advantage worker reading the critic's ``values`` from the store, and a short
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,9 @@ from asyncflow.engines.base import TrainBatch
 from asyncflow.engines.critic import CriticEngine, HFCriticEngine, ValueLossFn
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
+from asyncflow.progress import Reporter
 from asyncflow.telemetry.trace import Tracer
-from asyncflow.train import register_tasks
+from asyncflow.train import register_tasks, train
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import Context, RunState, step_partition
 from asyncflow.workers.critic import CriticWorker
@@ -150,6 +152,12 @@ class RecordingCritic(CriticEngine):
         self.version += 1
         return {}
 
+    def save(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def load(self, directory: Path) -> None:
+        raise NotImplementedError
+
 
 def test_the_critic_learns_values_only_at_the_tokens_the_model_wrote() -> None:
     config = critic_config("agent.enabled=true", "run.poll_interval=0.05")
@@ -179,6 +187,66 @@ def test_the_critic_learns_values_only_at_the_tokens_the_model_wrote() -> None:
     got = [batch.response_mask[i, 2 : 2 + len(m)].tolist() for i, m in enumerate(masks)]
     assert got == [m.tolist() for m in masks]
     assert loss == pytest.approx(0.5)  # the mean over the 4 tokens the model wrote
+
+
+def test_rows_the_critic_has_learnt_from_are_marked_and_not_learnt_from_twice() -> None:
+    config = critic_config("run.poll_interval=0.05")
+    store = af.Store()
+    register_tasks(store, reference=False, critic=True)
+    ctx = Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+    engine = RecordingCritic()
+    worker = CriticWorker(ctx, engine)
+
+    def put(group: int, **extra: list[object]) -> np.ndarray:
+        return store.put(
+            {
+                "prompt_ids": [np.array([1, 2], np.int64)],
+                "response_ids": [np.array([5, 6], np.int64)],
+                "values": [np.ones(2, np.float32)],
+                "returns": [np.zeros(2, np.float32)],
+                **extra,
+            },
+            partition=step_partition(0),
+            groups=[group],
+            group_size=1,
+        )
+
+    # As a resumed run restores them: one row learnt from before the checkpoint, one not.
+    learnt = put(0, critic_trained=[np.uint8(1)])
+    new = put(1)
+    assert worker.train()
+    ((batch, _),) = engine.batches
+    assert batch.input_ids.shape[0] == 1  # only the new row
+    # Both acked; the new one now carries the mark a checkpoint would keep.
+    assert "critic_trained" in store.ready_fields(new)[0]
+    assert "critic_trained" in store.ready_fields(learnt)[0]
+    left = store.claim("critic_train", ["returns"], 2, timeout=0.05, allow_partial=True)
+    assert len(left) == 0
+
+
+def test_a_resumed_ppo_run_carries_on_with_the_critic_it_checkpointed(tmp_path: Path) -> None:
+    first = run(
+        tmp_path,
+        "trainer.max_steps=4",
+        "run.checkpoint_every=2",
+        "trainer.groups_per_step=4",
+        "rollout.n=4",
+        "algorithm.advantage=gae",
+    )
+    ckpt = tmp_path / "checkpoints" / "step-000002"
+    saved = torch.load(ckpt / "critic" / "critic.pt", weights_only=True)
+    assert saved["version"] >= 1 and saved["version"] <= first["critic"]["version"]
+    config = cfg.load(tmp_path / "config.yaml", [])
+    resumed = train(config, resume=tmp_path, reporter=Reporter(enabled=False))
+    critic = resumed["critic"]
+    # The critic went on from its checkpointed state: its optimiser steps continue from there.
+    assert critic["updates"] >= 1
+    assert critic["version"] == saved["version"] + critic["updates"]
+    # A checkpoint without the critic's state cannot resume a run that has a critic.
+    shutil.rmtree(ckpt / "critic")
+    shutil.rmtree(tmp_path / "checkpoints" / "step-000004", ignore_errors=True)
+    with pytest.raises(ConfigError, match="no critic state"):
+        train(config, resume=tmp_path, reporter=Reporter(enabled=False))
 
 
 def test_the_advantage_worker_reads_the_critics_values_from_the_store() -> None:

@@ -43,6 +43,14 @@ class CriticEngine(ABC):
     def optimizer_step(self) -> dict[str, float]:
         """Applies the accumulated gradients (clipped), clears them, bumps ``version``."""
 
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Writes the value model, the optimiser's state and ``version`` into ``directory``."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> None:
+        """Restores what :meth:`save` wrote."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Frees the engine's resources."""
 
@@ -104,3 +112,18 @@ class HFCriticEngine(CriticEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return {"critic_grad_norm": float(norm)}
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+        }
+        torch.save(state, directory / "critic.pt")
+
+    def load(self, directory: Path) -> None:
+        state = torch.load(directory / "critic.pt", weights_only=True, map_location="cpu")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])

@@ -10,10 +10,16 @@
 Scoring comes first in each turn (the advantages wait for it); the critic trains on its own
 schedule, on whatever returns are ready, and scores later samples with its newer weights:
 stale values, like stale samples, are what an asynchronous pipeline works with.
+
+Checkpoints: a row the critic has trained on gets the field ``critic_trained`` before it is
+acked, and a checkpoint takes the critic's state and the store's rows under the worker's
+``lock``, so the two agree: a resumed run's critic skips the rows its weights have already
+learnt from (rows the policy has still to train stay in flight), and learns from all others.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +34,8 @@ from asyncflow.workers.batches import split_micro_batches, to_train_batch
 
 SCORE_FIELDS = ["prompt_ids", "response_ids"]
 TRAIN_FIELDS = ["prompt_ids", "response_ids", "values", "returns"]
+#: Set on each row the critic has trained on (a checkpoint keeps it with the row).
+TRAINED = "critic_trained"
 
 
 class CriticWorker(Worker):
@@ -44,6 +52,8 @@ class CriticWorker(Worker):
         self.train_fields = TRAIN_FIELDS + (["loss_mask"] if self.config.agent.enabled else [])
         #: Mean value loss of each optimiser step, in order.
         self.losses: list[float] = []
+        #: Held from a training claim's read to its ack, and by a checkpoint.
+        self.lock = threading.Lock()
 
     def step(self) -> bool:
         scored = self.score()
@@ -55,6 +65,7 @@ class CriticWorker(Worker):
         """The critic's optimiser steps and its value loss at the first and the last."""
         return {
             "updates": len(self.losses),
+            "version": self.engine.version,
             "value_loss_first": self.losses[0] if self.losses else None,
             "value_loss_last": self.losses[-1] if self.losses else None,
         }
@@ -86,9 +97,14 @@ class CriticWorker(Worker):
         batch = self.claim_quietly("critic_train", self.train_fields, self.rows_per_update)
         if len(batch) == 0:
             return False
-        with self.busy("critic update"):
+        with self.lock, self.busy("critic update"):
             data = batch.read()
-            kept = [i for i, r in enumerate(data["returns"]) if np.isfinite(np.asarray(r)).all()]
+            learnt = [TRAINED in f for f in self.store.ready_fields(batch.indexes)]
+            kept = [
+                i
+                for i, r in enumerate(data["returns"])
+                if np.isfinite(np.asarray(r)).all() and not learnt[i]
+            ]
             data = {k: [v[i] for i in kept] for k, v in data.items()}
             tokens = sum(len(r) for r in data["response_ids"])
             if "loss_mask" in data:
@@ -101,7 +117,10 @@ class CriticWorker(Worker):
                     shares.append(stats["value_loss"] * share)
                 self.engine.optimizer_step()
                 self.losses.append(sum(shares))
-        batch.ack()
+            fresh = batch.indexes[[not seen for seen in learnt]]
+            if len(fresh):
+                self.store.put({TRAINED: np.ones(len(fresh), np.uint8)}, indexes=fresh)
+            batch.ack()
         return True
 
     def loss_share(self, tokens: int) -> ValueLossFn:
