@@ -971,11 +971,12 @@ def _validate_reward_and_algorithm(c: Config) -> None:
     _require(a.overlong_penalty >= 0, "algorithm.overlong_penalty cannot be negative")
     if a.overlong == "penalty":
         # A trajectory's length bound is its budget; a single response's, the turn's.
-        bound = "agent.max_tokens" if c.agent.enabled else "rollout.max_tokens"
-        _require(
-            a.overlong_buffer <= (c.agent.max_tokens if c.agent.enabled else c.rollout.max_tokens),
-            f"algorithm.overlong_buffer cannot exceed {bound}",
+        key, bound = (
+            ("agent.max_tokens", c.agent.max_tokens)
+            if c.agent.enabled
+            else ("rollout.max_tokens", c.rollout.max_tokens)
         )
+        _require(a.overlong_buffer <= bound, f"algorithm.overlong_buffer cannot exceed {key}")
     if a.advantage == "reinforce++" and c.trainer.kl_coef > 0:
         _require(a.reference, "algorithm.advantage reinforce++ with kl_coef needs reference")
     if a.advantage == "gae":

@@ -441,11 +441,34 @@ def test_gspo_clips_the_sequence_ratio_not_each_token() -> None:
         (["algorithm.clip_low=1"], "below 1"),
         (["algorithm.loss_aggregation=mean"], "must be one of"),
         (["algorithm.overlong=penalty", "algorithm.overlong_buffer=99"], "cannot exceed"),
+        (
+            [
+                "agent.enabled=true",
+                "agent.max_tokens=50",
+                "algorithm.overlong=penalty",
+                "algorithm.overlong_buffer=60",
+            ],
+            "cannot exceed agent.max_tokens",
+        ),
     ],
 )
 def test_bad_reward_and_algorithm_settings_are_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         cfg.load(None, overrides)
+
+
+def test_a_trajectorys_overlong_buffer_may_exceed_one_turn() -> None:
+    c = cfg.load(
+        None,
+        [
+            "agent.enabled=true",
+            "agent.max_tokens=200",
+            "rollout.max_tokens=50",
+            "algorithm.overlong=penalty",
+            "algorithm.overlong_buffer=60",
+        ],
+    )
+    assert c.algorithm.overlong_buffer == 60
 
 
 def test_held_out_answers_are_judged_by_async_and_batched_functions_too() -> None:

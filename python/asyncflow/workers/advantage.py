@@ -169,18 +169,21 @@ class AdvantageWorker(Worker):
         #: GAE's rewards: the sources' less length penalties (the KL goes on each token).
         self.shaped_rewards = rewards
         if self.kl_in_reward and a.advantage != "gae":
+            rows = zip(
+                data["behaviour_logprobs"],
+                data["ref_logprobs"],
+                self.loss_masks(data, len(rewards)),
+                strict=True,
+            )
             kl = np.array(
                 [
-                    float(np.sum((np.asarray(b, np.float64) - np.asarray(r, np.float64))[m]))
-                    for b, r, m in zip(
-                        data["behaviour_logprobs"],
-                        data["ref_logprobs"],
-                        [
-                            slice(None) if m is None else m
-                            for m in self.loss_masks(data, len(rewards))
-                        ],
-                        strict=True,
+                    float(
+                        np.sum(
+                            np.asarray(b, np.float64) - np.asarray(r, np.float64),
+                            where=True if m is None else m,
+                        )
                     )
+                    for b, r, m in rows
                 ]
             )
             rewards = rewards - self.config.trainer.kl_coef * kl
