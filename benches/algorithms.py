@@ -155,7 +155,7 @@ def plot(out: Path, png: Path, steps: int) -> None:
             axis.plot([i] * len(values), values, "o", color="black", markersize=4)
         acc.plot([i - 0.4, i + 0.4], [statistics.mean(r["before"] for r in results)] * 2, "r--")
     for axis, title in [(acc, f"held-out accuracy after {steps} RL steps"), (secs, "RL seconds")]:
-        axis.set_xticks(range(len(names)), [n.split()[0] for n in names])
+        axis.set_xticks(range(len(names)), [n.split()[0] for n in names], fontsize=8, rotation=20)
         axis.set_title(title)
     acc.set_ylim(0, 1)
     fig.suptitle("seeds 0-2 (dots), mean (bar), accuracy before RL (dashed)", fontsize=9)
