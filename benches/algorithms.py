@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncflow.bench.e2e_suite import SHARED, copy_warm_start
+
 SEEDS = (0, 1, 2)
 DASH = "\u2013"
 ENGINES_AND_QUIET = [
@@ -55,8 +57,6 @@ TASKS: dict[str, tuple[list[str], int]] = {
         10,
     ),
 }
-#: What a run takes from its seed's first run (the tools task): its model and warm start.
-SHARED = ("model-init", "warm_start")
 ALGORITHMS = {
     "GRPO (PPO-clip)": [],
     "DAPO": [
@@ -124,11 +124,15 @@ def run(
 
 def reuse_warm_start(out: Path, seed: int, run_dir: Path) -> None:
     """Copies the seed's warm-started model from a run of it that has one, if any."""
-    for other in sorted(out.glob(f"*-seed{seed}")):
-        if other != run_dir and all((other / name).is_dir() for name in SHARED):
-            for name in SHARED:
-                shutil.copytree(other / name, run_dir / name)
-            return
+    first = next(
+        (
+            other
+            for other in sorted(out.glob(f"*-seed{seed}"))
+            if other != run_dir and all((other / name).is_dir() for name in SHARED)
+        ),
+        None,
+    )
+    copy_warm_start(first, run_dir)
 
 
 def cell(values: list[float], digits: int) -> str:

@@ -257,7 +257,7 @@ def test_a_seed_run_alone_keeps_the_order_it_has_in_the_full_run(
 
     monkeypatch.setattr(e2e_suite, "train", job)
     monkeypatch.setattr(e2e_suite, "trl", lambda model, out, overrides, quick: job(out, [], quick))
-    monkeypatch.setattr(e2e_suite, "_copy_warm_start", lambda first, run_dir: None)
+    monkeypatch.setattr(e2e_suite, "copy_warm_start", lambda first, run_dir: None)
     monkeypatch.setattr(e2e_suite, "_tools_result", result)
     e2e_suite.run(Report("e2e"), cases=("tools",))
     full = [case for seed, case in order if seed == 1]

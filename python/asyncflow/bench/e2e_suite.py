@@ -205,7 +205,7 @@ def rotated(items: list[Any], i: int) -> list[Any]:
     return items[k:] + items[:k]
 
 
-def _copy_warm_start(first: Path | None, run_dir: Path) -> None:
+def copy_warm_start(first: Path | None, run_dir: Path) -> None:
     if first is not None:
         for name in SHARED:
             shutil.copytree(first / name, run_dir / name)
@@ -219,7 +219,7 @@ def _staleness_runs(
     first: Path | None = None
     for k in order:
         run_dir = workdir / f"seed-{seed}" / f"staleness-{k}"
-        _copy_warm_start(first, run_dir)
+        copy_warm_start(first, run_dir)
         started = time.monotonic()
         train(run_dir, [*settings.overrides(seed, k), "run.eval_deferred=true"], quick)
         first = first or run_dir
@@ -259,7 +259,7 @@ def _peer_runs(
     results: dict[str, PeerResult] = {}
     for case in (jobs[0], "trl", *jobs[1:]):
         run_dir = workdir / f"seed-{seed}" / case
-        _copy_warm_start(first, run_dir)
+        copy_warm_start(first, run_dir)
         if case == "trl":
             assert first is not None
             trl(first / "warm_start", run_dir, overrides, quick)
@@ -301,7 +301,7 @@ def _partial_runs(
     results = {}
     for mode in modes:
         run_dir = workdir / f"seed-{seed}" / f"partial-{mode}"
-        _copy_warm_start(first, run_dir)
+        copy_warm_start(first, run_dir)
         train(run_dir, [*overrides, f"rollout.partial={mode}"], quick)
         first = first or run_dir
         results[mode] = _partial_result(run_dir, seed, mode)
@@ -391,7 +391,7 @@ def _tools_runs(
     results: dict[str, ToolsResult] = {}
     for case in (jobs[0], "tools-trl", *jobs[1:]):
         run_dir = workdir / f"seed-{seed}" / case
-        _copy_warm_start(first, run_dir)
+        copy_warm_start(first, run_dir)
         overrides = [
             *settings.overrides(seed, TOOLS_JOBS.get(case, 0)),
             *TOOLS,

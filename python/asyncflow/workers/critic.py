@@ -106,9 +106,11 @@ class CriticWorker(Worker):
                 if np.isfinite(np.asarray(r)).all() and not learnt[i]
             ]
             data = {k: [v[i] for i in kept] for k, v in data.items()}
-            tokens = sum(len(r) for r in data["response_ids"])
-            if "loss_mask" in data:
-                tokens = sum(int(np.count_nonzero(m)) for m in data["loss_mask"])
+            tokens = (
+                sum(int(np.count_nonzero(m)) for m in data["loss_mask"])
+                if "loss_mask" in data
+                else sum(len(r) for r in data["response_ids"])
+            )
             if tokens:
                 loss, shares = self.loss_share(tokens), []
                 for _, tb in self.micro_batches(data, with_targets=True):
