@@ -64,7 +64,7 @@ class Phase:
     seconds: dict[str, float] = field(default_factory=dict)
 
     def timed(self, name: str, since: float) -> None:
-        self.seconds[name] = round(time.monotonic() - since, 2)
+        self.seconds[name] = round(time.monotonic() - since, 3)
 
 
 def resolve_run_dir(config: Config, run_dir: Path | None) -> Path:

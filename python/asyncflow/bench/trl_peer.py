@@ -275,12 +275,12 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     copies = weight_copies(model, c) if c.run.eval_deferred else None
     if copies is not None:
         trainer.add_callback(copies)
-    phases["start"] = round(time.monotonic() - since, 2)
+    phases["start"] = round(time.monotonic() - since, 3)
     since = time.monotonic()
     if copies is not None:
         copies.started = since
     trainer.train()
-    phases["rl"] = round(time.monotonic() - since, 2)
+    phases["rl"] = round(time.monotonic() - since, 3)
 
     since = time.monotonic()
     final = out / "final"
@@ -305,7 +305,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
         c.rollout.max_tokens,
         verify=verify,
     )
-    phases["eval_after"] = round(time.monotonic() - since, 2)
+    phases["eval_after"] = round(time.monotonic() - since, 3)
     history = trainer.state.log_history
     summary = {
         "peer": f"trl {trl.__version__}",
