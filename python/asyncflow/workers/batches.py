@@ -32,30 +32,50 @@ def to_train_batch(
     per_row: Mapping[str, np.ndarray] | None = None,
     packed: bool = False,
     width: int | None = None,
+    loss_mask: Sequence[Any] | None = None,
 ) -> TrainBatch:
     """``prompt + response`` sequences. ``per_token`` arrays (one value per response token, e.g.
     behaviour log-probs) are placed at the response positions of a ``[B, L]`` tensor; ``per_row``
     arrays become ``[B]`` tensors (packed: ``[rows, width]``, the sample's value on each of its
-    tokens; see :func:`_packed`)."""
+    tokens; see :func:`_packed`). ``loss_mask`` (per response token, 1 where the model wrote it)
+    narrows the response mask to those tokens: environment tokens (tool output) are in the
+    response but not the policy's, so no loss, KL term or normalisation counts them."""
+    if loss_mask is not None:
+        per_token = {**(per_token or {}), "loss_mask": loss_mask}
     if packed:
-        return _packed(prompts, responses, per_token or {}, per_row or {}, pad_id, width)
+        tb = _packed(prompts, responses, per_token or {}, per_row or {}, pad_id, width)
+    else:
+        tb = _padded(prompts, responses, pad_id, per_token or {}, per_row or {})
+    if loss_mask is not None:
+        tb.response_mask = tb.response_mask * tb.extras.pop("loss_mask")
+    return tb
+
+
+def _padded(
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[np.ndarray],
+    pad_id: int,
+    per_token: Mapping[str, Sequence[Any]],
+    per_row: Mapping[str, np.ndarray],
+) -> TrainBatch:
+    """One sample per row, each padded to the longest."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     width = max(lengths)
     rows = len(lengths)
     ids = np.full((rows, width), pad_id, dtype=np.int64)
     attention = np.zeros((rows, width), dtype=np.int64)
     response = np.zeros((rows, width), dtype=np.float32)
-    token_values = {name: np.zeros((rows, width), dtype=np.float32) for name in per_token or {}}
+    token_values = {name: np.zeros((rows, width), dtype=np.float32) for name in per_token}
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n, m = len(p), len(r)
         ids[i, :n] = p
         ids[i, n : n + m] = r
         attention[i, : n + m] = 1
         response[i, n : n + m] = 1
-        for name, per_row_values in (per_token or {}).items():
+        for name, per_row_values in per_token.items():
             token_values[name][i, n : n + m] = per_row_values[i]
     extras = {name: torch.from_numpy(v) for name, v in token_values.items()}
-    for name, column in (per_row or {}).items():
+    for name, column in per_row.items():
         extras[name] = torch.from_numpy(np.array(column, dtype=np.float32))
     return TrainBatch(
         torch.from_numpy(ids), torch.from_numpy(attention), torch.from_numpy(response), extras

@@ -146,20 +146,20 @@ class CriticWorker(Worker):
         out = []
         for part in split_micro_batches(lengths, self.budget, packed=False):
             per_token = None
+            loss_mask = None
             if with_targets:
                 per_token = {
                     "old_values": [data["values"][i] for i in part],
                     "returns": [data["returns"][i] for i in part],
                 }
                 if "loss_mask" in data:
-                    per_token["loss_mask"] = [data["loss_mask"][i] for i in part]
+                    loss_mask = [data["loss_mask"][i] for i in part]
             tb = to_train_batch(
                 [prompts[i] for i in part],
                 [responses[i] for i in part],
                 self.pad_id,
                 per_token=per_token,
+                loss_mask=loss_mask,
             )
-            if "loss_mask" in tb.extras:
-                tb.response_mask = tb.response_mask * tb.extras.pop("loss_mask")
             out.append((part, tb))
         return out

@@ -90,9 +90,7 @@ class StepLoss:
         if "token_advantages" in data:
             per_token["advantage"] = data["token_advantages"]
             per_row = {}
-        if "loss_mask" in data:
-            per_token["loss_mask"] = data["loss_mask"]
-        tb = to_train_batch(
+        return to_train_batch(
             data["prompt_ids"],
             data["response_ids"],
             self.pad_id,
@@ -100,12 +98,8 @@ class StepLoss:
             per_row=per_row,
             packed=self.packed,
             width=width,
+            loss_mask=data.get("loss_mask"),
         )
-        if "loss_mask" in tb.extras:
-            # Environment tokens (tool output) are in the response but not the policy's: the
-            # loss, its KL term and its normalisation count only the tokens the model wrote.
-            tb.response_mask = tb.response_mask * tb.extras.pop("loss_mask")
-        return tb
 
     def parts(self, data: Mapping[str, Sequence[Any]], min_count: int = 1) -> list[list[int]]:
         """The rows of ``data`` in micro-batches within the token budget, by their real token
