@@ -214,6 +214,11 @@ class TrainerConfig:
     device: str = "cpu"
 
 
+#: The advantages that put the KL to the reference (``trainer.kl_coef``) in the reward; their
+#: loss has no KL term.
+KL_IN_REWARD = ("reinforce++", "gae")
+
+
 @dataclass
 class AlgorithmConfig:
     #: ``grpo``/``rloo`` (group baselines), ``reinforce++`` (rewards less ``trainer.kl_coef``

@@ -26,6 +26,7 @@ from asyncflow.train import register_tasks, train
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import Context, RunState, step_partition
 from asyncflow.workers.critic import CriticWorker
+from asyncflow.workers.steps import StepLoss
 
 
 def test_gae_matches_a_hand_computation() -> None:
@@ -90,6 +91,38 @@ def test_the_value_loss_is_clipped_around_the_scoring_values() -> None:
     assert values.grad is not None
     # Token 1's clipped term wins and does not move with the value: no gradient there.
     assert values.grad[0].tolist() == pytest.approx([0.5, 0.0])
+
+
+@pytest.mark.parametrize(("advantage", "kl_in_loss"), [("gae", False), ("grpo", True)])
+def test_the_kl_to_the_reference_is_in_the_reward_or_in_the_loss_never_both(
+    advantage: str, kl_in_loss: bool
+) -> None:
+    # GAE takes kl_coef x KL in its per-token rewards (the advantage worker), so its loss must
+    # not add the KL again; GRPO's loss carries it.
+    config = cfg.load(
+        None,
+        [
+            f"algorithm.advantage={advantage}",
+            "algorithm.reference=true",
+            "trainer.kl_coef=0.5",
+            "trainer.packing=false",
+        ],
+    )
+    loss_fn = StepLoss(config, pad_id=0)
+    logp = torch.full((1, 6), -1.2)
+
+    def loss_with_reference(ref: float) -> float:
+        data = {
+            "prompt_ids": [np.array([5, 6, 7], np.int64)],
+            "response_ids": [np.array([8, 9, 10], np.int64)],
+            "behaviour_logprobs": [np.full(3, -1.0, np.float32)],
+            "ref_logprobs": [np.full(3, ref, np.float32)],
+            "advantage": [1.0],
+            "token_advantages": [np.array([0.5, -0.25, 1.0], np.float32)],
+        }
+        return float(loss_fn(logp, loss_fn.batch(data))[0])
+
+    assert (loss_with_reference(-1.0) != loss_with_reference(-3.0)) == kl_in_loss
 
 
 def critic_config(*overrides: str) -> cfg.Config:

@@ -24,6 +24,7 @@ from asyncflow.algorithms.advantages import (
     overlong_penalty,
 )
 from asyncflow.algorithms.value import gae, token_rewards, whiten
+from asyncflow.config import KL_IN_REWARD
 from asyncflow.workers.base import Context, Worker
 
 
@@ -36,9 +37,7 @@ class AdvantageWorker(Worker):
         self.fields = ["reward"]
         if a.overlong != "none":
             self.fields.append("response_ids")
-        self.kl_in_reward = (
-            a.advantage in ("reinforce++", "gae") and self.config.trainer.kl_coef > 0
-        )
+        self.kl_in_reward = a.advantage in KL_IN_REWARD and self.config.trainer.kl_coef > 0
         if self.kl_in_reward:
             self.fields += ["behaviour_logprobs", "ref_logprobs"]
         if a.advantage == "gae":

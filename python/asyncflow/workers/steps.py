@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from asyncflow.algorithms.losses import ALIASES, LossSettings, policy_loss
-from asyncflow.config import Config
+from asyncflow.config import KL_IN_REWARD, Config
 from asyncflow.engines.base import TrainBatch, TrainEngine
 from asyncflow.workers.batches import pack_width, split_micro_batches, to_train_batch
 
@@ -41,8 +41,7 @@ class StepLoss:
             clip_eps=t.clip_eps,
             correction=t.correction,
             is_cap=t.is_cap,
-            # REINFORCE++ puts the KL in the reward, not in the loss.
-            kl_coef=0.0 if a.advantage == "reinforce++" else t.kl_coef,
+            kl_coef=0.0 if a.advantage in KL_IN_REWARD else t.kl_coef,
             # GSPO's loss is a mean over sequences.
             aggregation="seq-mean-token-mean"
             if a.policy_loss == "gspo"
