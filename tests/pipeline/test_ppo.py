@@ -222,6 +222,25 @@ def test_the_critic_learns_values_only_at_the_tokens_the_model_wrote() -> None:
     assert loss == pytest.approx(0.5)  # the mean over the 4 tokens the model wrote
 
 
+def test_the_critic_claims_its_training_rows_under_the_checkpoints_lock() -> None:
+    # A checkpoint holds the lock while it saves the critic; a batch claimed outside it would
+    # spend that time on its lease.
+    config = critic_config("run.poll_interval=0.05")
+    store = af.Store()
+    register_tasks(store, reference=False, critic=True)
+    ctx = Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+    worker = CriticWorker(ctx, RecordingCritic())
+    held: list[bool] = []
+
+    def claim(task: str, fields: list[str], rows: int) -> af.Batch:
+        held.append(worker.lock.locked())
+        return store.claim(task, fields, rows, timeout=0.0, allow_partial=True)
+
+    worker.claim_quietly = claim  # type: ignore[method-assign]
+    assert not worker.train()  # nothing to learn from yet
+    assert held == [True]
+
+
 def test_rows_the_critic_has_learnt_from_are_marked_and_not_learnt_from_twice() -> None:
     config = critic_config("run.poll_interval=0.05")
     store = af.Store()

@@ -94,36 +94,39 @@ class CriticWorker(Worker):
         return True
 
     def train(self) -> bool:
-        batch = self.claim_quietly("critic_train", self.train_fields, self.rows_per_update)
-        if len(batch) == 0:
-            return False
-        with self.lock, self.busy("critic update"):
-            data = batch.read()
-            learnt = [TRAINED in f for f in self.store.ready_fields(batch.indexes)]
-            kept = [
-                i
-                for i, r in enumerate(data["returns"])
-                if np.isfinite(np.asarray(r)).all() and not learnt[i]
-            ]
-            data = {k: [v[i] for i in kept] for k, v in data.items()}
-            tokens = (
-                sum(int(np.count_nonzero(m)) for m in data["loss_mask"])
-                if "loss_mask" in data
-                else sum(len(r) for r in data["response_ids"])
-            )
-            if tokens:
-                loss, shares = self.loss_share(tokens), []
-                for _, tb in self.micro_batches(data, with_targets=True):
-                    stats = self.engine.forward_backward(tb, loss)
-                    share = float(tb.response_mask.sum()) / tokens
-                    shares.append(stats["value_loss"] * share)
-                self.engine.optimizer_step()
-                self.losses.append(sum(shares))
-            fresh = batch.indexes[[not seen for seen in learnt]]
-            if len(fresh):
-                self.store.put({TRAINED: np.ones(len(fresh), np.uint8)}, indexes=fresh)
-            batch.ack()
-        return True
+        # Claimed under the lock too: a checkpoint saving the critic holds it, and a batch
+        # claimed before it would wait out the checkpoint on its lease.
+        with self.lock:
+            batch = self.claim_quietly("critic_train", self.train_fields, self.rows_per_update)
+            if len(batch) == 0:
+                return False
+            with self.busy("critic update"):
+                data = batch.read()
+                learnt = [TRAINED in f for f in self.store.ready_fields(batch.indexes)]
+                kept = [
+                    i
+                    for i, r in enumerate(data["returns"])
+                    if np.isfinite(np.asarray(r)).all() and not learnt[i]
+                ]
+                data = {k: [v[i] for i in kept] for k, v in data.items()}
+                tokens = (
+                    sum(int(np.count_nonzero(m)) for m in data["loss_mask"])
+                    if "loss_mask" in data
+                    else sum(len(r) for r in data["response_ids"])
+                )
+                if tokens:
+                    loss, shares = self.loss_share(tokens), []
+                    for _, tb in self.micro_batches(data, with_targets=True):
+                        stats = self.engine.forward_backward(tb, loss)
+                        share = float(tb.response_mask.sum()) / tokens
+                        shares.append(stats["value_loss"] * share)
+                    self.engine.optimizer_step()
+                    self.losses.append(sum(shares))
+                fresh = batch.indexes[[not seen for seen in learnt]]
+                if len(fresh):
+                    self.store.put({TRAINED: np.ones(len(fresh), np.uint8)}, indexes=fresh)
+                batch.ack()
+            return True
 
     def loss_share(self, tokens: int) -> ValueLossFn:
         """The value loss of a micro-batch, as its share of the mean over ``tokens`` tokens."""
