@@ -14,18 +14,23 @@ import numpy as np
 import pytest
 import torch
 
+import asyncflow as af
 from asyncflow.agents.calculator import CalculatorError, evaluate
 from asyncflow.agents.env import Latency, Step, ToolEnvironment, register_environment
 from asyncflow.agents.loop import AgentLoop
 from asyncflow.agents.parser import CallError, HermesParser, ToolCall, format_call
+from asyncflow.agents.rollout import AgentRollout
 from asyncflow.agents.tools import Tool, ToolError, calculator_tool, check_arguments, python_tool
+from asyncflow.agents.trajectory import TrajectoryCompletion
 from asyncflow.config import AgentConfig, Config, ConfigError, LatencyConfig, load
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
 from asyncflow.tasks.prompts import PromptEncoder
+from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import train
+from asyncflow.workers.base import Context, RunState
 from asyncflow.workers.steps import StepLoss, sample_fields
 
 TOKENIZER = chatml_tokenizer()
@@ -341,6 +346,37 @@ def test_budgets_end_a_trajectory() -> None:
         engine, [TOKENIZER.encode("q")], [Problem("q", "2")], Sampling(max_tokens=200)
     )
     assert group[0].finish_reason == "length" and len(group[0].response_ids) <= 100
+
+
+def test_a_call_that_uses_the_budget_up_cuts_its_trajectory_and_the_row_says_so() -> None:
+    def always_call(context: str, turn: int) -> str:
+        return format_call(ToolCall("calculator", {"expression": "1+1"}))
+
+    engine = ScriptedEngine(always_call)
+    sampling = Sampling(max_tokens=200)
+    problem = Problem("q", "2")
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=1, max_tokens=1000), TOKENIZER)
+    ((whole,),) = loop.run(engine, [TOKENIZER.encode("q")], [problem], sampling)
+    assert whole.finish_reason == "turns"  # the call, then its result
+    call = list(whole.loss_mask).index(0)  # the call's tokens, its end token included
+    assert whole.response_ids[call - 1] == TOKENIZER.eos_id
+    # A budget the call fills exactly: the call ends with the model's end token, as an answer
+    # does, but its result never comes.
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=3, max_tokens=call), TOKENIZER)
+    (group,) = loop.run(engine, [TOKENIZER.encode("q")], [problem], sampling)
+    cut = group[0]
+    assert cut.response_ids == whole.response_ids[:call] and cut.finish_reason == "length"
+    # The rollout puts what the loop knew into the row: this one was cut, the first was not.
+    config = Config()
+    config.agent.enabled = True
+    config.rollout.n = 2
+    store = af.Store()
+    worker = AgentRollout(Context(store, config, TOKENIZER, Tracer(), RunState()), engine)
+    prompt = np.array(TOKENIZER.encode("q"), np.int64)
+    outputs = [[TrajectoryCompletion.of(whole), TrajectoryCompletion.of(cut)]]
+    worker._put_samples(0, 0, [prompt], [b"2"], np.array([0]), outputs)
+    rows = store.read(np.arange(2), "agent_truncated")
+    assert [int(c) for c in rows["agent_truncated"]] == [0, 1]
 
 
 class _BrokenEnv:

@@ -336,19 +336,22 @@ def test_a_trajectorys_length_bound_is_its_budget_and_tool_tokens_carry_no_kl() 
     worker = AdvantageWorker(ctx)
     data = {
         # a call and its answer, then the answer with its end: longer than a turn, not cut;
-        # a turn cut short; the budget used up; out of turns after a tool's answer.
+        # a turn cut short; a second call that used the budget up, unanswered (its tokens as
+        # an answer's); out of turns after a tool's answer. Only the rollout knew which were
+        # cut, and recorded it.
         "response_ids": [
             np.array([5, eos, 9, 9, 6, eos]),
             np.array([5, 6, 7]),
-            np.array([5, eos, 9, 9, 9, 9]),
+            np.array([5, eos, 9, 9, 5, eos]),
             np.array([5, eos, 9]),
         ],
         "loss_mask": [
             np.array([1, 1, 0, 0, 1, 1], np.uint8),
             np.ones(3, np.uint8),
-            np.array([1, 1, 0, 0, 0, 0], np.uint8),
+            np.array([1, 1, 0, 0, 1, 1], np.uint8),
             np.array([1, 1, 0], np.uint8),
         ],
+        "agent_truncated": np.array([0, 1, 1, 0], np.uint8),
         # The tool's tokens have no behaviour log-prob (0) but a reference one: no KL there.
         "behaviour_logprobs": [np.array([-1.0, -1.0, 0, 0, -1.0, -1.0])] + [np.zeros(3)] * 3,
         "ref_logprobs": [np.array([-2.0, -1.0, -5.0, -5.0, -1.0, -1.0])] + [np.zeros(3)] * 3,

@@ -2,8 +2,8 @@
 routing as :class:`~asyncflow.workers.rollout.Rollout`, with each call's prompt groups run as
 multi-turn trajectories by the :class:`~asyncflow.agents.loop.AgentLoop` (all of a call's
 trajectories in flight at once). A trajectory is one sample row: ``response_ids`` holds model and
-environment tokens in order, ``loss_mask`` tells which the model wrote, and ``agent_reward`` is
-its reward (the reward worker passes it on)."""
+environment tokens in order, ``loss_mask`` tells which the model wrote, ``agent_reward`` is
+its reward (the reward worker passes it on) and ``agent_truncated`` whether a budget cut it."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ class AgentRollout(Rollout):
                 "answer",
             ]
         }
-        rewards, turns, tool_seconds, rows_group = [], [], [], []
-        tokens = truncated = 0
+        rewards, turns, tool_seconds, cut, rows_group = [], [], [], [], []
+        tokens = 0
         for prompt, answer, group, completions in zip(
             prompts, answers, groups, outputs, strict=True
         ):
@@ -93,8 +93,10 @@ class AgentRollout(Rollout):
                 turns.append(t.turns)
                 tool_seconds.append(t.tool_seconds)
                 rows_group.append(int(group))
+                # Cut by a budget (the turn's or the trajectory's): only the loop knows, a
+                # call left unanswered at the budget's end looks like an answer's end.
+                cut.append(t.finish_reason == "length")
                 tokens += sum(t.loss_mask)
-                truncated += t.finish_reason == "length"
         with self.busy("put samples"):
             self.store.put(
                 {
@@ -102,6 +104,7 @@ class AgentRollout(Rollout):
                     "agent_reward": np.array(rewards, np.float32),
                     "agent_turns": np.array(turns, np.int32),
                     "tool_seconds": np.array(tool_seconds, np.float32),
+                    "agent_truncated": np.array(cut, np.uint8),
                 },
                 partition=step_partition(target),
                 groups=np.array(rows_group),
@@ -111,5 +114,5 @@ class AgentRollout(Rollout):
         self.ctx.state.add(
             generated_tokens=tokens,
             generated_samples=len(rewards),
-            truncated_responses=truncated,
+            truncated_responses=sum(cut),
         )

@@ -37,16 +37,16 @@ class AdvantageWorker(Worker):
         self.fields = ["reward"]
         if a.overlong != "none":
             self.fields.append("response_ids")
+            if self.config.agent.enabled:
+                self.fields.append("agent_truncated")
         self.kl_in_reward = a.advantage in KL_IN_REWARD and self.config.trainer.kl_coef > 0
         if self.kl_in_reward:
             self.fields += ["behaviour_logprobs", "ref_logprobs"]
         if a.advantage == "gae":
             self.fields += [f for f in ("response_ids", "values") if f not in self.fields]
         #: Multi-turn rows: which response tokens the model wrote (the others are the
-        #: environment's: no KL, no GAE step, and the end of a trajectory's budget).
-        self.masked = self.config.agent.enabled and (
-            a.advantage == "gae" or self.kl_in_reward or a.overlong != "none"
-        )
+        #: environment's: no KL and no GAE step).
+        self.masked = self.config.agent.enabled and (a.advantage == "gae" or self.kl_in_reward)
         if self.masked:
             self.fields.append("loss_mask")
 
@@ -133,22 +133,18 @@ class AdvantageWorker(Worker):
 
     def truncated(self, data: dict[str, list[object]]) -> tuple[np.ndarray, np.ndarray, int]:
         """Each response's length, whether it was cut short, and the length bound: a response
-        cut at ``rollout.max_tokens`` without its end token; a trajectory that used up
-        ``agent.max_tokens``, or whose last model turn was cut short."""
-        eos = self.ctx.tokenizer.eos_id
+        cut at ``rollout.max_tokens`` without its end token; a trajectory that a budget cut
+        (``agent.max_tokens``, or its last turn's ``rollout.max_tokens``), as its rollout
+        recorded in ``agent_truncated``."""
         responses = [np.asarray(r) for r in data["response_ids"]]
         lengths = np.array([len(r) for r in responses])
+        if self.config.agent.enabled:
+            cut = np.array([bool(c) for c in data["agent_truncated"]], bool)
+            return lengths, cut, self.config.agent.max_tokens
+        eos = self.ctx.tokenizer.eos_id
         ended = np.array([len(r) > 0 and int(r[-1]) == eos for r in responses])
-        if not self.config.agent.enabled:
-            bound = self.config.rollout.max_tokens
-            return lengths, (lengths >= bound) & ~ended, bound
-        bound = self.config.agent.max_tokens
-        # Ended: the model's last turn ended (an end token the model wrote, not a tool's).
-        by_model = np.array(
-            [np.asarray(m).size > 0 and bool(np.asarray(m)[-1]) for m in data["loss_mask"]]
-        )
-        ended &= by_model
-        return lengths, ~ended & ((lengths >= bound) | by_model), bound
+        bound = self.config.rollout.max_tokens
+        return lengths, (lengths >= bound) & ~ended, bound
 
     def advantages(
         self, rewards: np.ndarray, groups: np.ndarray, data: dict[str, list[object]]
