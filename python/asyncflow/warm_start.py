@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from asyncflow.config import Config
+from asyncflow.engines.base import ADAM_BETAS
 from asyncflow.engines.hf import copy_tokenizer, load_model
 from asyncflow.tasks.base import Problem, Task
 from asyncflow.tasks.prompts import PromptEncoder
@@ -38,7 +39,7 @@ def warm_start(
     torch.manual_seed(config.run.seed)
     rng = random.Random(config.run.seed)
     model = load_model(model_dir, config.model.dtype).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=ADAM_BETAS, weight_decay=0.0)
     warmup = max(1, ws.steps // 10)
 
     def lr_at(step: int) -> float:

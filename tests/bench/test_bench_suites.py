@@ -14,8 +14,9 @@ import torch
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.bench import e2e_suite, run_suite
 from asyncflow.bench.emulation.modes import MODES
-from asyncflow.bench.trl_peer import scheduler_settings
-from asyncflow.config import TrainerConfig
+from asyncflow.bench.trl_peer import grpo_arguments, scheduler_settings
+from asyncflow.config import TrainerConfig, load
+from asyncflow.engines.base import ADAM_BETAS
 
 KEYS = {"suite", "case", "metric", "value", "unit", "baseline", "baseline_value", "ratio"}
 
@@ -269,6 +270,22 @@ def test_the_e2e_suite_runs_the_tools_job_at_each_staleness_and_trl_from_one_war
     before = {runs[c][0]["accuracy_before"] for c in e2e_suite.TOOLS_JOBS}
     assert len(before) == 1
     assert metric(rows, "tools-trl", "initial_accuracy", "tools-staleness-0")["value"] in before
+
+
+def test_trl_is_given_the_jobs_work_and_optimiser_settings(tmp_path: Path) -> None:
+    import trl  # noqa: PLC0415  (the bench dependency group's)
+
+    c = load(None, [])
+    args = trl.GRPOConfig(**grpo_arguments(c, tmp_path, tools=False))
+    assert args.max_steps == c.trainer.max_steps and args.num_generations == c.rollout.n
+    assert args.per_device_train_batch_size == c.trainer.groups_per_step * c.rollout.n
+    assert args.gradient_accumulation_steps == 1
+    assert args.max_completion_length == c.rollout.max_tokens
+    assert args.temperature == c.rollout.temperature
+    assert (args.adam_beta1, args.adam_beta2) == ADAM_BETAS  # not TRL's default 0.999
+    assert args.learning_rate == c.trainer.lr and args.weight_decay == c.trainer.weight_decay
+    assert args.max_grad_norm == c.trainer.grad_clip and args.epsilon == c.trainer.clip_eps
+    assert args.beta == c.trainer.kl_coef and args.num_iterations == c.trainer.ppo_epochs
 
 
 @pytest.mark.parametrize(

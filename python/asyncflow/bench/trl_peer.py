@@ -15,7 +15,7 @@ settings where TRL has them:
   ``algorithm.normalize_std``); TRL's default loss, ``dapo`` (token-level, normalised by the
   step's completion tokens: the job's ``token`` aggregation); PPO clip ``trainer.clip_eps``, KL
   ``trainer.kl_coef``, one iteration per batch;
-- AdamW at ``trainer.lr`` on the job's schedule (``cosine_with_min_lr`` to
+- AdamW with the job's betas at ``trainer.lr`` on the job's schedule (``cosine_with_min_lr`` to
   ``trainer.min_lr_ratio`` for ``cosine``, ``constant_with_warmup`` for ``constant``, both over
   ``trainer.warmup_steps``; TRL's default decays linearly to zero), ``trainer.weight_decay``,
   gradient clip ``trainer.grad_clip``, float32 on the CPU;
@@ -43,8 +43,9 @@ with the job's own evaluation and rollout engine, and writes ``summary.json`` be
 ``phase_seconds`` (``start``: building the trainer, model load included; ``rl``: ``train()``;
 ``eval_after``), ``accuracy_after``, ``pass_at_8_after`` and ``tokens_generated``. With
 ``run.eval_deferred``, as the job does, a callback keeps a copy of the weights every
-``run.eval_every`` steps (and at the last), scored greedily after ``train()``:
-``deferred_evaluations`` (step, seconds into ``train()``, held-out accuracy).
+``run.eval_every`` steps (and at the last), scored greedily after ``train()`` on the hf engine,
+as the job scores its own copies: ``deferred_evaluations`` (step, seconds into ``train()``,
+held-out accuracy).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ from asyncflow.agents.env import ToolEnvironment
 from asyncflow.agents.evaluation import agent_view
 from asyncflow.agents.parser import ToolCall
 from asyncflow.agents.tools import create_tool
+from asyncflow.engines.base import ADAM_BETAS
+from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.engines.registry import create_rollout_engine
 from asyncflow.evaluation import accuracy, pass_at_k, verifier
 from asyncflow.models.tokenizer import load_tokenizer
@@ -190,6 +193,48 @@ def weight_copies(model: torch.nn.Module, c: configuration.Config) -> Any:
     return WeightCopies()
 
 
+def grpo_arguments(c: configuration.Config, out: Path, tools: bool) -> dict[str, Any]:
+    """``GRPOConfig``'s arguments for the job's work (see the module documentation)."""
+    batch = c.trainer.groups_per_step * c.rollout.n
+    if tools:
+        lengths = {
+            "max_completion_length": c.agent.max_tokens,
+            "max_tool_calling_iterations": c.agent.max_turns - 1,
+            "generation_kwargs": {"max_new_tokens": c.rollout.max_tokens},
+        }
+    else:
+        lengths = {"max_completion_length": c.rollout.max_tokens}
+    return dict(
+        output_dir=str(out / "trl"),
+        max_steps=c.trainer.max_steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=c.rollout.n,
+        **lengths,
+        temperature=c.rollout.temperature,
+        scale_rewards="group" if c.algorithm.normalize_std else "none",
+        epsilon=c.trainer.clip_eps,
+        beta=c.trainer.kl_coef,
+        num_iterations=c.trainer.ppo_epochs,
+        learning_rate=c.trainer.lr,
+        adam_beta1=ADAM_BETAS[0],
+        adam_beta2=ADAM_BETAS[1],
+        **scheduler_settings(c.trainer),
+        weight_decay=c.trainer.weight_decay,
+        max_grad_norm=c.trainer.grad_clip,
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=c.run.seed,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+
+
 def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     quiet_libraries()
     # Imported here: TRL (bench dependency group) is needed by this peer only.
@@ -226,41 +271,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
 
     reward_fn.__name__ = c.reward.fn
     batch = c.trainer.groups_per_step * c.rollout.n
-    if tools:
-        lengths = {
-            "max_completion_length": c.agent.max_tokens,
-            "max_tool_calling_iterations": c.agent.max_turns - 1,
-            "generation_kwargs": {"max_new_tokens": c.rollout.max_tokens},
-        }
-    else:
-        lengths = {"max_completion_length": c.rollout.max_tokens}
-    settings = trl.GRPOConfig(
-        output_dir=str(out / "trl"),
-        max_steps=c.trainer.max_steps,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        num_generations=c.rollout.n,
-        **lengths,
-        temperature=c.rollout.temperature,
-        scale_rewards="group" if c.algorithm.normalize_std else "none",
-        epsilon=c.trainer.clip_eps,
-        beta=c.trainer.kl_coef,
-        num_iterations=c.trainer.ppo_epochs,
-        learning_rate=c.trainer.lr,
-        **scheduler_settings(c.trainer),
-        weight_decay=c.trainer.weight_decay,
-        max_grad_norm=c.trainer.grad_clip,
-        gradient_checkpointing=False,
-        shuffle_dataset=False,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        seed=c.run.seed,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=1,
-        disable_tqdm=True,
-    )
+    settings = trl.GRPOConfig(**grpo_arguments(c, out, bool(tools)))
     phases: dict[str, float] = {}
     since = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -286,15 +297,18 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     final = out / "final"
     trainer.save_model(str(final))
     tokenizer.save_pretrained(final)
-    scorer = create_rollout_engine(c.rollout.engine, final, c)
     verify = verifier(reward, False)
     eval_set = task.eval_set()
-    scorer = agent_view(c, scorer, eval_set, prompts)  # whole trajectories in agent runs
     deferred = []
-    for step, at, copy in copies.taken if copies is not None else []:
-        scorer.load_weights(step, copy)
-        acc = accuracy(scorer, eval_set, prompts, c.rollout.max_tokens, verify=verify)
-        deferred.append({"step": step, "time": round(at, 3), "eval_accuracy": acc})
+    if copies is not None:
+        # The weight copies are scored as the job scores its own: on the hf engine.
+        evaluator = agent_view(c, HFRolloutEngine(final, c), eval_set, prompts)
+        for step, at, copy in copies.taken:
+            evaluator.load_weights(step, copy)
+            acc = accuracy(evaluator, eval_set, prompts, c.rollout.max_tokens, verify=verify)
+            deferred.append({"step": step, "time": round(at, 3), "eval_accuracy": acc})
+    # The final model, as the job's: on its rollout engine (whole trajectories in agent runs).
+    scorer = agent_view(c, create_rollout_engine(c.rollout.engine, final, c), eval_set, prompts)
     after = accuracy(scorer, eval_set, prompts, c.rollout.max_tokens, verify=verify)
     pass_after = pass_at_k(
         scorer,

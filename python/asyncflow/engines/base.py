@@ -20,6 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
+#: AdamW's betas in every train engine, the critic's and the warm start's (torch's default beta2
+#: is 0.999); a peer given the job's work gets them too.
+ADAM_BETAS = (0.9, 0.99)
+
 
 @dataclass(frozen=True)
 class Sampling:

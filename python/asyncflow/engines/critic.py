@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from asyncflow.config import Config
-from asyncflow.engines.base import TrainBatch
+from asyncflow.engines.base import ADAM_BETAS, TrainBatch
 
 #: Maps the critic's per-token values ``[batch, length]`` and the batch to (loss, stats).
 ValueLossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -92,7 +92,7 @@ class HFCriticEngine(CriticEngine):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=c.lr if c.lr is not None else config.trainer.lr,
-            betas=(0.9, 0.99),
+            betas=ADAM_BETAS,
             weight_decay=0.0,
         )
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config
 from asyncflow.engines import lora
-from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, token_logprobs
+from asyncflow.engines.base import ADAM_BETAS, LossFn, TrainBatch, TrainEngine, token_logprobs
 from asyncflow.engines.errors import EngineStartError
 from asyncflow.engines.hf import copy_tokenizer, load_model, save_merged
 from asyncflow.engines.process_group import Rendezvous, init_process_group, prepare_environment
@@ -83,7 +83,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             optimizer = torch.optim.AdamW(
                 lora.trainable(model),
                 lr=config.trainer.lr,
-                betas=(0.9, 0.99),
+                betas=ADAM_BETAS,
                 weight_decay=config.trainer.weight_decay,
             )
             schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config.trainer))

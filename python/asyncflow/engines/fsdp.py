@@ -33,7 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config
 from asyncflow.engines import lora
-from asyncflow.engines.base import LossFn, TrainBatch, TrainEngine, token_logprobs
+from asyncflow.engines.base import ADAM_BETAS, LossFn, TrainBatch, TrainEngine, token_logprobs
 from asyncflow.engines.errors import EngineStartError
 from asyncflow.engines.hf import copy_tokenizer, load_model, save_merged
 from asyncflow.engines.process_group import Rendezvous, free_port, join_group, on_gpu
@@ -104,7 +104,7 @@ class FSDPTrainEngine(TrainEngine):
             self.optimizer = torch.optim.AdamW(
                 lora.trainable(self.model),
                 lr=config.trainer.lr,
-                betas=(0.9, 0.99),
+                betas=ADAM_BETAS,
                 weight_decay=config.trainer.weight_decay,
             )
             self.schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -20,6 +20,7 @@ from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.config import Config, check_device
 from asyncflow.engines import lora
 from asyncflow.engines.base import (
+    ADAM_BETAS,
     Completion,
     LossFn,
     Request,
@@ -245,7 +246,7 @@ class HFTrainEngine(TrainEngine):
         self.optimizer = torch.optim.AdamW(
             lora.trainable(self.model),
             lr=config.trainer.lr,
-            betas=(0.9, 0.99),
+            betas=ADAM_BETAS,
             weight_decay=config.trainer.weight_decay,
         )
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.trainer))
