@@ -161,7 +161,11 @@ class Watcher(WeightSource):
             try:
                 self._read()
             except StoreError:
-                return  # the store is gone: the run is over
+                # A failed read (the store gone, a daemon restarting) ends this poller; the next
+                # waiter starts another, so that a store that comes back is watched again.
+                with self._changed:
+                    self._poller = None
+                return
             if self._stopped():
                 with self._changed:
                     self._changed.notify_all()

@@ -133,6 +133,32 @@ def test_waiting_workers_see_new_weights_once_they_are_published() -> None:
     publisher.join()
 
 
+def test_waiters_see_new_weights_after_a_store_read_failed_once() -> None:
+    """A failed read (a daemon restarting) ends the poller that made it; the next waiter starts
+    another, so the versions published after it are still seen."""
+    store = af.Store()
+    failures = [af.errors.ConnectionError("the daemon restarts")]
+
+    class FailingOnce:
+        def rows(self, **kwargs: object) -> af.Rows:
+            if failures:
+                raise failures.pop()
+            return store.rows(**kwargs)  # type: ignore[arg-type]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(store, name)
+
+    watcher = weights.Watcher(FailingOnce(), interval=0.01)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 30
+    while failures:  # until the poller's read has failed
+        assert not watcher.wait_for(1, timeout=0.1)
+        assert time.monotonic() < deadline
+    weights.publish(store, 1, [("w", torch.zeros(2))])
+    started = time.monotonic()
+    assert watcher.wait_for(1, timeout=60)
+    assert time.monotonic() - started < 30
+
+
 def test_a_version_is_published_only_once_its_manifest_is_ready() -> None:
     # A store spread over several daemons lists a row once its put is admitted, before its cells
     # are in; a row of the weights partition without its manifest stands for that here.
