@@ -4,6 +4,7 @@ the same weight schedule recomputes them (bit for bit: the hf engine in fp32 on 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -331,6 +332,36 @@ def test_a_group_whose_lease_ran_out_mid_generation_is_generated_once(model_dir:
     run_until_samples(worker, 0, 2, {})
     assert len(ctx.store.rows(partition=step_partition(0))) == 2
     again = ctx.store.claim("rollout", "prompt_ids", 1, timeout=0.1, allow_partial=True)
+    assert len(again) == 0, "its prompt is acked"
+
+
+def test_a_group_in_flight_longer_than_its_lease_keeps_it(model_dir: Path) -> None:
+    """The worker renews the leases of the groups it holds: one in flight past its lease's term
+    (half a lease between two decode steps here) is acked once done, its prompt never handed
+    out again meanwhile."""
+    lease = 2.0
+    store = af.Store(lease_timeout=lease)
+    register_tasks(store, reference=False)
+    # The engine is full with the group's 2 sequences, so this worker claims nothing meanwhile.
+    config = settings(
+        "rollout.partial=continue",
+        "rollout.max_num_seqs=2",
+        "rollout.max_tokens=6",
+        f"store.lease_timeout={lease}",
+    )
+    ctx = Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+    ctx.weights = Watcher(store, 0.0)
+    worker = PartialRollout(ctx, HFRolloutEngine(model_dir, config))
+    put_prompts(store, target=0)
+    worker.step()  # admitted: its lease starts
+    admitted = time.monotonic()
+    while not len(store.rows(partition=step_partition(0))):
+        assert time.monotonic() - admitted < 120, "the samples never came"
+        time.sleep(lease / 2)
+        worker.step()
+    assert time.monotonic() - admitted > lease, "the group was in flight past its first term"
+    assert len(store.rows(partition=step_partition(0))) == 2
+    again = store.claim("rollout", "prompt_ids", 1, timeout=0.1, allow_partial=True)
     assert len(again) == 0, "its prompt is acked"
 
 

@@ -11,12 +11,15 @@ sample's version, by which staleness is judged, is that of its oldest token.
 
 A group's samples go into the store together once all of its sequences have finished, and only
 then are its prompt rows acked: a worker that dies loses only its in-flight sequences, whose
-prompts return to the store (released here, or when their lease expires).
+prompts return to the store (released here, or when their lease expires). A group may stay in
+flight longer than ``store.lease_timeout`` (queued behind others, or long), so the worker renews
+the leases of the groups it holds every third of that timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -59,10 +62,12 @@ class PartialRollout(Rollout):
         self.groups: dict[int, _Group] = {}
         #: Admission waits for this version under the ``wait`` staleness policy.
         self._needs_version = 0
+        self._renewed_at = time.monotonic()
 
     def step(self) -> bool:
         try:
             self._update_weights()
+            self._renew_leases()
             self._admit()
             if self.engine.in_flight():
                 with self.busy(f"decode v{self.engine.version}"):
@@ -107,6 +112,22 @@ class PartialRollout(Rollout):
                 self.engine.add_request(request)
             return
         self.sync_weights()
+
+    def _renew_leases(self) -> None:
+        """Renews the prompt leases of the groups in flight once a third of
+        ``store.lease_timeout`` has passed since the last renewal: a lease that ran out would
+        fail the group's ack once it is done, and hand its prompts to another worker meanwhile."""
+        now = time.monotonic()
+        if now - self._renewed_at < self.config.store.lease_timeout / 3:
+            return
+        self._renewed_at = now
+        leases: dict[int | None, Batch] = {}
+        for entry in self.groups.values():
+            work = entry.work
+            held = [work.batch] if work.assignments is None else [a.batch for a in work.assignments]
+            leases.update((b.lease, b) for b in held if b is not None)
+        for batch in leases.values():
+            batch.renew()
 
     def _room(self) -> int:
         return self.config.rollout.max_num_seqs - self.engine.in_flight()
