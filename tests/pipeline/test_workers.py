@@ -15,6 +15,7 @@ import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow import weights
 from asyncflow.engines.base import Completion, LossFn, RolloutEngine, Sampling, TrainBatch
+from asyncflow.engines.errors import WeightLoadError
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
@@ -23,7 +24,7 @@ from asyncflow.tasks.dataset import DatasetTask
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
-from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
+from asyncflow.workers.base import PROMPTS, Context, RunState, StallError, step_partition
 from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.rollout import Rollout
 from asyncflow.workers.trainer import Ledger, Trainer
@@ -117,6 +118,68 @@ def test_a_rollout_worker_claims_no_prompts_while_its_engine_is_full() -> None:
     Rollout(ctx, Saturated()).step()
     assert len(ctx.store.rows(partition=step_partition(0))) == 0
     assert len(ctx.store.claim("rollout", "prompt_ids", 1, timeout=1)) == 1
+
+
+class Loads(RolloutEngine):
+    """An engine that loads what it is given, or refuses every version (``refuse``)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        return [[Completion([5, 1], [-0.1, -0.1], "2")] * sampling.n for _ in prompts]
+
+    def load_weights(self, version: int, weights: object) -> None:
+        if self.refuse:
+            raise WeightLoadError(f"v{version} refused")
+        self.version = version
+
+
+def test_a_version_the_store_failed_to_deliver_is_loaded_at_the_next_try(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store's trouble (an answer too late, a lost connection) says nothing of the version:
+    it is neither reported nor given up, as a broken publication is."""
+    ctx = context()
+    weights.publish(ctx.store, 1, [("w", torch.zeros(2))])
+    failures = [af.errors.StoreTimeoutError("the daemon answered too late")]
+    load = ctx.weights.load
+
+    def late_once(engine: RolloutEngine, version: int) -> int:
+        if failures:
+            raise failures.pop()
+        return load(engine, version)
+
+    monkeypatch.setattr(ctx.weights, "load", late_once)
+    engine = Loads()
+    worker = Rollout(ctx, engine)
+    assert not worker.sync_weights()
+    assert engine.version == 0 and not failures and ctx.state.weight_failures == []
+    assert worker.sync_weights() and engine.version == 1
+
+
+def test_under_wait_a_needed_version_that_failed_to_load_is_waited_past() -> None:
+    """Step 1's prompt needs version 1 (staleness 0), which the engine refused: the worker waits
+    for a newer version (and names it when the run stalls), rather than claiming and handing
+    back the prompt again and again."""
+    ctx = context("trainer.max_staleness=0", "run.stall_timeout=1")
+    weights.publish(ctx.store, 1, [("w", torch.zeros(2))])
+    ctx.store.put(
+        {
+            "prompt_ids": [np.array([3, 4], np.int64)],
+            "answer": [b"2"],
+            "target_step": np.ones(1, np.int64),
+        },
+        partition=PROMPTS,
+        groups=[0],
+        group_size=1,
+    )
+    worker = Rollout(ctx, Loads(refuse=True))
+    with pytest.raises(StallError, match="policy weights version 2"):
+        worker.step()
+    assert len(ctx.state.weight_failures) == 1 and "v1" in ctx.state.weight_failures[0]
+    assert len(ctx.store.claim("rollout", "prompt_ids", 1, timeout=1)) == 1, "handed back"
 
 
 def test_waiting_workers_see_new_weights_once_they_are_published() -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from asyncflow import errors
 from asyncflow.batch import Batch
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.errors import WeightLoadError
@@ -71,7 +72,7 @@ class Rollout(Worker):
         """Loads the newest weights of the run's weight source if they are newer than the
         engine's; returns whether it did. A version that fails to load (see
         :func:`load_version`) is reported and skipped; the engine goes on with the version it
-        had."""
+        had. One the store failed to deliver is tried again at the next call."""
         newest = self.ctx.weights.latest()
         if newest is None or newest <= self.engine.version or newest in self._unloadable:
             return False
@@ -79,7 +80,10 @@ class Rollout(Worker):
             if newest <= self.engine.version:
                 return False  # another worker sharing the engine loaded it meanwhile
             with self.busy(f"load weights v{newest}"):
-                failure = load_version(self.ctx.weights, self.engine, newest)
+                try:
+                    failure = load_version(self.ctx.weights, self.engine, newest)
+                except TRANSIENT:
+                    return False  # the store's trouble, not the version's: tried again later
         if failure is not None:
             self._unloadable.add(newest)
             self.ctx.state.note_weight_failure(failure)
@@ -130,6 +134,10 @@ class Rollout(Worker):
         """Waits until ``version`` is published or the run stops. Claiming prompts again before
         then would only hand them back: with many workers per engine, that churn costs the store
         and this process more than the generation itself."""
+        newest = self.ctx.weights.latest()
+        if newest is not None and newest >= version and newest in self._unloadable:
+            # Published, but this engine failed to load it: only a newer version can do.
+            version = newest + 1
         with self.waiting(f"weights v{version}"):
             while not self.ctx.stop.is_set():
                 if self.dispatcher is not None:
@@ -309,13 +317,20 @@ def oldest(token_versions: np.ndarray, default: int) -> int:
     return int(token_versions.min()) if len(token_versions) else default
 
 
+#: Store errors that say nothing of a publication: a version they stop is tried again.
+TRANSIENT = (errors.ConnectionError, errors.StoreTimeoutError)
+
+
 def load_version(source: WeightSource, engine: RolloutEngine, version: int) -> str | None:
     """Loads weights ``version`` from ``source`` into ``engine``; returns None, or why they could
     not be loaded (naming the version) while the engine kept the version it had. A publication
     that cannot be read whole (a missing tensor, a truncated one) never reaches the engine. A
-    broken weight-sync group is no such failure: its error propagates and ends the run."""
+    broken weight-sync group is no such failure: its error propagates and ends the run; nor is
+    a store that cannot be reached or answers too late (:data:`TRANSIENT`, raised)."""
     try:
         source.load(engine, version)
+    except TRANSIENT:
+        raise  # the store's, not the publication's: the version may load at the next try
     except (StoreError, LookupError, WeightLoadError) as e:
         return (
             f"{engine.label}: weights v{version} failed to load ({type(e).__name__}: {e}); "
