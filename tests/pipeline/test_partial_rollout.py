@@ -25,6 +25,7 @@ from asyncflow.train import register_tasks, train
 from asyncflow.weights import Watcher
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
 from asyncflow.workers.partial import PartialRollout
+from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 from asyncflow.workers.trainer import Ledger, Trainer
 from partial_replay import PROMPT, SWITCH, generate_with_switch, policy_versions, replay
 from run_outputs import metrics
@@ -363,6 +364,27 @@ def test_a_group_in_flight_longer_than_its_lease_keeps_it(model_dir: Path) -> No
     assert len(store.rows(partition=step_partition(0))) == 2
     again = store.claim("rollout", "prompt_ids", 1, timeout=0.1, allow_partial=True)
     assert len(again) == 0, "its prompt is acked"
+
+
+def test_a_routed_engine_takes_only_the_groups_it_has_room_for(model_dir: Path) -> None:
+    """With a router, as without: of the 3 groups routed to it (3 per call), the engine takes the
+    2 whose sequences fit (4 slots, 2 sequences a group); the third stays for later or for
+    another engine, its lease not running while it queues in this one."""
+    ctx = context("rollout.partial=continue", "rollout.groups_per_call=3")
+    put_prompts(ctx.store, target=0, groups=3)
+    batch = ctx.store.claim("rollout", ["prompt_ids", "answer"], 3, timeout=1)
+    cells = batch.read()
+    routed = [
+        Assignment(batch, int(i), int(g), cells["prompt_ids"][k], cells["answer"][k], 0, 4)
+        for k, (i, g) in enumerate(zip(batch.indexes, batch.groups, strict=True))
+    ]
+    inbox = Inbox()
+    dispatcher = Dispatcher(ctx, {"engine-0": inbox})
+    inbox.put(routed)
+    worker = PartialRollout(ctx, HFRolloutEngine(model_dir, ctx.config), "engine-0", dispatcher)
+    worker.step()
+    assert sorted(worker.groups) == [0, 1] and len(inbox) == 1
+    assert worker.engine.in_flight() <= 4
 
 
 class _Remote:

@@ -147,7 +147,7 @@ class PartialRollout(Rollout):
         if self.inbox is None:
             work = self._claim(groups)
         else:  # with sequences in flight, decoding goes on rather than waiting for groups
-            work = self._take(0.0 if self.engine.in_flight() else None)
+            work = self._take(0.0 if self.engine.in_flight() else None, groups)
         if work is None:
             return
         if self.config.trainer.staleness_policy == "wait":

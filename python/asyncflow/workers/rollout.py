@@ -113,12 +113,13 @@ class Rollout(Worker):
             batch=batch,
         )
 
-    def _take(self, timeout: float | None = None) -> PromptGroups | None:
-        """Groups routed to this engine, waiting up to ``timeout`` (default: the poll interval)."""
+    def _take(self, timeout: float | None = None, groups: int | None = None) -> PromptGroups | None:
+        """Up to ``groups`` (default ``rollout.groups_per_call``) of the groups routed to this
+        engine, waiting up to ``timeout`` (default: the poll interval)."""
         assert self.inbox is not None and self.dispatcher is not None
         self.dispatcher.report(self.role)  # a heartbeat, also while idle
         wait = self.config.run.poll_interval if timeout is None else timeout
-        taken = self.inbox.take(self.config.rollout.groups_per_call, wait)
+        taken = self.inbox.take(groups or self.config.rollout.groups_per_call, wait)
         self.note_progress(bool(taken), f"prompt groups routed to {self.role}")
         if not taken:
             return None
