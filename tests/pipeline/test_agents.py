@@ -3,6 +3,7 @@ the agent loop's token-in/token-out trajectories, and the loss mask in the train
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import random
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import asyncflow as af
+from asyncflow.agents import calculator
 from asyncflow.agents.calculator import CalculatorError, evaluate
 from asyncflow.agents.env import Latency, Step, ToolEnvironment, register_environment
 from asyncflow.agents.loop import AgentLoop
@@ -109,6 +111,12 @@ def test_a_written_call_reads_back_as_itself() -> None:
         ('<tool_call>["calculator"]</tool_call>', "bad_format"),
         ('<tool_call>{"name": "calculator", "arguments": 3}</tool_call>', "bad_arguments"),
         ('<tool_call>{"name": "calculator"', "bad_format"),
+        # Not JSONDecodeError, but as malformed: an integer too long to read, nesting too deep.
+        (
+            '<tool_call>{"name": "calculator", "arguments": {"x": ' + "1" * 5000 + "}}</tool_call>",
+            "bad_json",
+        ),
+        ("<tool_call>" + "[" * 100_000 + "</tool_call>", "bad_json"),
     ],
 )
 def test_a_malformed_call_is_a_call_error(text: str, kind: str) -> None:
@@ -122,6 +130,19 @@ def test_the_calculator_does_arithmetic_without_eval() -> None:
     for bad in ["__import__('os')", "2**99999999", "1/0", "x*2", "[1]*3"]:
         with pytest.raises(CalculatorError):
             evaluate(bad)
+
+
+def test_a_power_too_large_is_refused_before_it_is_computed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 300-digit base to the 999th: seconds of CPU in the agent's event loop if computed."""
+
+    def not_computed(left: object, right: object) -> object:
+        raise AssertionError(f"computed a power of a {len(str(left))}-digit base")
+
+    monkeypatch.setitem(calculator._BINARY, ast.Pow, not_computed)
+    with pytest.raises(CalculatorError, match="too large"):
+        evaluate(f"{10**300}**999")
 
 
 def test_arguments_are_checked_against_the_schema() -> None:

@@ -32,8 +32,12 @@ class CalculatorError(ValueError):
     """The expression is not plain arithmetic, or cannot be computed (the message says why)."""
 
 
+#: Bits an intermediate integer may have.
+MAX_BITS = int(MAX_DIGITS * 3.33)
+
+
 def _check_size(value: Number) -> Number:
-    if isinstance(value, int) and value.bit_length() > MAX_DIGITS * 3.33:
+    if isinstance(value, int) and value.bit_length() > MAX_BITS:
         raise CalculatorError("result too large")
     return value
 
@@ -49,6 +53,14 @@ def _eval(node: ast.AST) -> Number:
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise CalculatorError(f"exponent {right} is larger than {MAX_EXPONENT}")
+        if (
+            isinstance(node.op, ast.Pow)
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and (left.bit_length() - 1) * right > MAX_BITS
+        ):
+            # Refused before computing: a large base to a large power takes seconds of CPU.
+            raise CalculatorError("result too large")
         try:
             return _check_size(_BINARY[type(node.op)](left, right))
         except ZeroDivisionError:

@@ -73,13 +73,15 @@ class HermesParser:
             obj = json.loads(body)
         except json.JSONDecodeError as e:
             return CallError("bad_json", f"the tool call is not valid JSON: {e.msg} at {e.pos}")
+        except (ValueError, RecursionError) as e:  # an integer too long, nesting too deep
+            return CallError("bad_json", f"the tool call is not JSON this parser reads: {e}"[:200])
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return CallError("bad_format", 'a tool call is an object with a string "name"')
         arguments = obj.get("arguments", {})
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 return CallError("bad_json", "the tool call's arguments are not valid JSON")
         if not isinstance(arguments, dict):
             return CallError("bad_arguments", '"arguments" must be an object')
