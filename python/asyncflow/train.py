@@ -103,14 +103,25 @@ def logprob_agreement(
 
 
 def prompt_budget(config: Config, model_dir: Path) -> int | None:
-    """``data.max_prompt_length``, or what the model's positions leave once a response of
-    ``rollout.max_tokens`` is added (None when the model does not say)."""
+    """``data.max_prompt_length``, or what the model's positions leave once a response is added
+    (None when the model does not say): ``rollout.max_tokens``, or in agent runs a whole
+    trajectory's ``agent.max_tokens`` (model and environment turns), should it be the larger."""
     if config.data.max_prompt_length is not None:
         return config.data.max_prompt_length
     hf_config = json.loads((model_dir / "config.json").read_text())
     positions = [hf_config.get("max_position_embeddings"), config.rollout.max_model_len]
     known = [int(p) for p in positions if p is not None]
-    return min(known) - config.rollout.max_tokens if known else None
+    if not known:
+        return None
+    response, name = config.rollout.max_tokens, "rollout.max_tokens"
+    if config.agent.enabled and config.agent.max_tokens > response:
+        response, name = config.agent.max_tokens, "agent.max_tokens"
+    if min(known) <= response:
+        raise ConfigError(
+            f"the model's {min(known)} positions leave no room for a prompt before "
+            f"{name} ({response})"
+        )
+    return min(known) - response
 
 
 def register_tasks(

@@ -31,7 +31,7 @@ from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
 from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.trace import Tracer
-from asyncflow.train import train
+from asyncflow.train import prompt_budget, train
 from asyncflow.workers.base import Context, RunState
 from asyncflow.workers.steps import StepLoss, sample_fields
 
@@ -143,6 +143,18 @@ def test_a_power_too_large_is_refused_before_it_is_computed(
     monkeypatch.setitem(calculator._BINARY, ast.Pow, not_computed)
     with pytest.raises(CalculatorError, match="too large"):
         evaluate(f"{10**300}**999")
+
+
+def test_the_prompt_budget_leaves_room_for_a_whole_trajectory(tmp_path: Path) -> None:
+    """A prompt is kept only if a whole trajectory (``agent.max_tokens``: model and tool turns)
+    fits after it in the model's positions, not merely one model turn."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 192}')
+    sizes = ["model.max_positions=192", "rollout.max_tokens=100", "agent.max_tokens=170"]
+    assert prompt_budget(load(None, sizes), tmp_path) == 92
+    assert prompt_budget(load(None, [*sizes, "agent.enabled=true"]), tmp_path) == 22
+    too_long = load(None, [*sizes, "agent.enabled=true", "agent.max_tokens=192"])
+    with pytest.raises(ConfigError, match=r"192 positions .* agent.max_tokens \(192\)"):
+        prompt_budget(too_long, tmp_path)
 
 
 def test_arguments_are_checked_against_the_schema() -> None:
