@@ -919,6 +919,11 @@ def _validate_agent(c: Config) -> None:
         "agent.enabled and rollout.partial cannot be combined yet: a trajectory's turns are "
         "generated between weight loads",
     )
+    _require(
+        (c.reward.sources or [c.reward.type]) == ["fn"],
+        "agent.enabled scores trajectories with reward.fn (and the environment's rewards) only: "
+        "reward.type / reward.sources model and http are not applied to them",
+    )
     # The environment, parser and tool names are checked by the agents package, which owns their
     # registries, when a run starts (``asyncflow.agents.loop.check_names``): this module stays
     # below everything that reads a configuration.

@@ -26,6 +26,7 @@ from asyncflow.agents.tools import Tool, ToolError, calculator_tool, check_argum
 from asyncflow.agents.trajectory import TrajectoryCompletion
 from asyncflow.config import AgentConfig, Config, ConfigError, LatencyConfig, load
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.evaluation import verifier
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
@@ -381,6 +382,29 @@ def test_budgets_end_a_trajectory() -> None:
     assert group[0].finish_reason == "length" and len(group[0].response_ids) <= 100
 
 
+def test_an_async_reward_function_scores_trajectories_in_the_agent_loop() -> None:
+    """The loop scores a finished trajectory from its own coroutine: an ``async def`` reward is
+    run to its end there (``asyncio.run`` alone refuses inside a running loop: every score 0)."""
+
+    async def matches(text: str, answer: str) -> float:
+        await asyncio.sleep(0)
+        return float(text.strip() == answer)
+
+    def answer(context: str, turn: int) -> str:
+        return "2"
+
+    verify = verifier(matches, extra_keys=False)
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=2, max_tokens=100), TOKENIZER, verify)
+    right, wrong = loop.run(
+        ScriptedEngine(answer),
+        [TOKENIZER.encode("q"), TOKENIZER.encode("r")],
+        [Problem("q", "2"), Problem("r", "3")],
+        Sampling(n=1, max_tokens=20),
+    )
+    assert right[0].final_text == "2" and right[0].reward == 1.0
+    assert wrong[0].reward == 0.0
+
+
 def test_a_call_that_uses_the_budget_up_cuts_its_trajectory_and_the_row_says_so() -> None:
     def always_call(context: str, turn: int) -> str:
         return format_call(ToolCall("calculator", {"expression": "1+1"}))
@@ -494,11 +518,12 @@ def test_held_out_problems_are_never_trained_on() -> None:
         ("agent.max_turns=0", "max_turns"),
         ("agent.observation_template=x", "{observation}"),
         ("launcher=ray", "launcher local"),
+        ("reward.sources=[fn,http] reward.http.url=http://127.0.0.1:9", "model and http"),
     ],
 )
 def test_agent_settings_are_refused_before_the_run(override: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
-        load("examples/tools.yaml", [override])
+        load("examples/tools.yaml", override.split())
 
 
 @pytest.mark.parametrize(
