@@ -87,12 +87,12 @@ class ReloadedMidCall(RolloutEngine):
         self.version = version
 
 
-def put_prompt(store: af.Store) -> None:
+def put_prompt(store: af.Store, target: int = 0) -> None:
     store.put(
         {
             "prompt_ids": [np.array([3, 4], np.int64)],
             "answer": [b"2"],
-            "target_step": np.zeros(1, np.int64),
+            "target_step": np.full(1, target, np.int64),
         },
         partition=PROMPTS,
         groups=[0],
@@ -165,16 +165,7 @@ def test_under_wait_a_needed_version_that_failed_to_load_is_waited_past() -> Non
     back the prompt again and again."""
     ctx = context("trainer.max_staleness=0", "run.stall_timeout=1")
     weights.publish(ctx.store, 1, [("w", torch.zeros(2))])
-    ctx.store.put(
-        {
-            "prompt_ids": [np.array([3, 4], np.int64)],
-            "answer": [b"2"],
-            "target_step": np.ones(1, np.int64),
-        },
-        partition=PROMPTS,
-        groups=[0],
-        group_size=1,
-    )
+    put_prompt(ctx.store, target=1)
     worker = Rollout(ctx, Loads(refuse=True))
     with pytest.raises(StallError, match="policy weights version 2"):
         worker.step()
