@@ -340,7 +340,7 @@ def test_a_group_in_flight_longer_than_its_lease_keeps_it(model_dir: Path) -> No
     """The worker renews the leases of the groups it holds: one in flight past its lease's term
     (half a lease between two decode steps here) is acked once done, its prompt never handed
     out again meanwhile."""
-    lease = 2.0
+    lease = 4.0  # a decode step would have to take 2 s more than its sleep for it to lapse
     store = af.Store(lease_timeout=lease)
     register_tasks(store, reference=False)
     # The engine is full with the group's 2 sequences, so this worker claims nothing meanwhile.
