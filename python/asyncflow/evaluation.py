@@ -7,8 +7,7 @@ import asyncio
 import inspect
 import logging
 import math
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from asyncflow.engines.base import RolloutEngine, Sampling
@@ -41,7 +40,7 @@ def verifier(reward: RewardFn, extra_keys: bool, batched: bool = False) -> Verif
             else:
                 value = reward(text, p.answer, **kwargs)
             if inspect.isawaitable(value):
-                value = run_to_end(_awaited(value))
+                value = asyncio.run(_awaited(value))
             score = float(next(iter(cast(Iterable[Any], value))) if batched else value)
         except Exception as e:  # a user function
             log.warning("the reward function failed on held-out problem %r: %s", p.key[:80], e)
@@ -56,18 +55,6 @@ def verifier(reward: RewardFn, extra_keys: bool, batched: bool = False) -> Verif
 
 async def _awaited(value: Any) -> Any:
     return await value
-
-
-def run_to_end(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """``coroutine``'s result, from synchronous code: on an event loop of its own, in a thread
-    of its own when this thread's loop is running (the agent loop scores trajectories from a
-    coroutine, where ``asyncio.run`` would refuse)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
 
 
 def _completions(

@@ -183,48 +183,53 @@ class AgentLoop:
     async def trajectory(
         self, batcher: TurnBatcher, prompt: list[int], problem: Problem
     ) -> Trajectory:
-        """One trajectory. An environment that raises or hangs ends it with the error counted;
-        only the engine's failures raise (a broken engine is the run's failure)."""
+        """One trajectory, scored. An environment that raises or hangs ends it with the error
+        counted; only the engine's failures raise (a broken engine is the run's failure)."""
+        t = await self._play(batcher, prompt, problem)
+        t.reward = await self._reward(t, problem)
+        return t
+
+    async def _play(self, batcher: TurnBatcher, prompt: list[int], problem: Problem) -> Trajectory:
         t = Trajectory(prompt)
         budget = self.config.max_tokens
         try:
             env: Environment = self.make_env(self.config, self.tools)
         except Exception as e:
-            return self._failed(t, problem, "env_raised", e)
+            return self._failed(t, "env_raised", e)
         ok, first = await self._env_call(t, env.reset, problem)
         if not ok:
-            return self._finish(t, problem, "error")
+            return self._finish(t, "error")
         if first:
             t.add_observation(self.observation_ids(str(first))[:budget])
         while True:
             if t.turns >= self.config.max_turns:
-                return self._finish(t, problem, "turns")
+                return self._finish(t, "turns")
             if len(t.response_ids) >= budget:
-                return self._finish(t, problem, "length")
+                return self._finish(t, "length")
             completion, version = await batcher.generate(t.prompt_ids + t.response_ids)
             room = budget - len(t.response_ids)
             ids, logprobs = completion.token_ids[:room], completion.logprobs[:room]
             t.add_model_turn(ids, logprobs, [version] * len(ids))
             t.final_text = self.tokenizer.decode(ids)
             if not ids or ids[-1] != self.eos:  # cut short by the turn's or the budget's end
-                return self._finish(t, problem, "length")
+                return self._finish(t, "length")
             ok, result = await self._env_call(t, env.step, t.final_text)
             if not ok:
-                return self._finish(t, problem, "error")
+                return self._finish(t, "error")
             try:
                 step = _as_step(result)
             except (TypeError, ValueError) as e:
-                return self._failed(t, problem, "env_bad_step", e)
+                return self._failed(t, "env_bad_step", e)
             t.env_reward += step.reward
             t.tool_calls += step.tool_calls
             t.tool_seconds += step.tool_seconds
             t.errors.update(step.errors)
             if step.done:
-                return self._finish(t, problem, "stop")
+                return self._finish(t, "stop")
             obs = self.observation_ids(step.observation)
             if len(t.response_ids) + len(obs) > budget:
                 t.add_observation(obs[: budget - len(t.response_ids)])
-                return self._finish(t, problem, "length")
+                return self._finish(t, "length")
             t.add_observation(obs)
 
     async def _env_call(
@@ -240,19 +245,20 @@ class AgentLoop:
             t.errors["env_raised"] += 1
         return False, None
 
-    def _failed(self, t: Trajectory, problem: Problem, kind: str, e: Exception) -> Trajectory:
+    def _failed(self, t: Trajectory, kind: str, e: Exception) -> Trajectory:
         log.warning("agent environment failed: %s: %s", type(e).__name__, e)
         t.errors[kind] += 1
-        return self._finish(t, problem, "error")
+        return self._finish(t, "error")
 
-    def _finish(self, t: Trajectory, problem: Problem, reason: str) -> Trajectory:
+    def _finish(self, t: Trajectory, reason: str) -> Trajectory:
         t.finish_reason = reason
-        t.reward = self._reward(t, problem)
         return t
 
-    def _reward(self, t: Trajectory, problem: Problem) -> float:
+    async def _reward(self, t: Trajectory, problem: Problem) -> float:
         mode = self.config.reward
         score = t.env_reward if mode in ("env", "both") else 0.0
         if mode in ("verifier", "both") and self.verify is not None:
-            score += self.verify(t.final_text, problem)
+            # A user's function, off the event loop: a slow one holds up no other trajectory,
+            # and an ``async def`` one gets a loop of its own there.
+            score += await asyncio.to_thread(self.verify, t.final_text, problem)
         return score
