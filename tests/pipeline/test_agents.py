@@ -383,8 +383,8 @@ def test_budgets_end_a_trajectory() -> None:
 
 
 def test_an_async_reward_function_scores_trajectories_in_the_agent_loop() -> None:
-    """The loop scores a finished trajectory from its own coroutine: an ``async def`` reward is
-    run to its end there (``asyncio.run`` alone refuses inside a running loop: every score 0)."""
+    """The loop scores a finished trajectory off its event loop, where an ``async def`` reward
+    runs to its end (on the loop itself, ``asyncio.run`` refused: every score was 0)."""
 
     async def matches(text: str, answer: str) -> float:
         await asyncio.sleep(0)
