@@ -417,7 +417,8 @@ class WeightsConfig:
 class SandboxConfig:
     """Limits of the sandboxed processes the ``python`` tool (and a calculator in a subprocess)
     runs: CPU seconds, address space, wall-clock seconds (then its process group is killed),
-    bytes of output kept, and processes at once (as root, where the child runs as nobody)."""
+    bytes of output kept, and processes at once (as root, where the child runs under a user id of
+    its own)."""
 
     cpu_seconds: int = 5
     memory: str = "512MiB"

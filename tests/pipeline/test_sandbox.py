@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +96,51 @@ def test_there_is_no_network() -> None:
     if not result.network_isolated:
         pytest.skip("no network namespace can be made here (documented limitation)")
     assert result.output.startswith("refused")
+
+
+def isolated_processes(result: SandboxResult) -> SandboxResult:
+    if not result.processes_isolated:
+        pytest.skip("no PID namespace can be made here (documented limitation)")
+    return result
+
+
+def test_the_code_sees_and_signals_only_its_own_processes() -> None:
+    result = isolated_processes(
+        sandboxed(
+            "import os\n"
+            f"try:\n    os.kill({os.getpid()}, 0)\n    print('the caller is visible')\n"
+            "except ProcessLookupError:\n    print('no such process')\n"
+            "print(os.getppid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        )
+    )
+    assert result.ok, result.output
+    # The caller is not there to signal; its parent is the sandbox's init, and /proc holds the
+    # two of them only.
+    assert result.output == "no such process\n1 [1, 2]\n"
+
+
+def test_a_process_that_leaves_the_group_ends_with_the_sandbox() -> None:
+    marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"  # a sleep no one else runs
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        f"    os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+        "time.sleep(0.5)\n"
+    )
+    isolated_processes(sandboxed(code))
+
+    def running() -> bool:
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                pass
+        return False
+
+    # The kill is done when the run returns; a zombie reaped late is the most that may linger.
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running()

@@ -1,19 +1,40 @@
 """The sandbox's launcher, run as ``python -I -S _sandbox_child.py SETTINGS`` with the code on
-stdin: it leaves the network, sets the limits, drops root, writes ``net:0``/``net:1`` as its
-first line of output, then runs the code. Standard library only, so it starts fast."""
+stdin. Standard library only, so it starts fast.
+
+Three processes, so that the code cannot reach the caller:
+
+- the *launcher* (this process, outside) makes new network, PID and mount namespaces (with a user
+  namespace when not root), forks the *init* and, once the init reports, ends with the code's own
+  exit status (the same signal when the code was killed by one);
+- the *init* is PID 1 of the new PID namespace: it mounts a fresh ``/proc`` (only the sandbox's
+  processes are visible), forks the code, reaps whatever the code leaves, and reports the code's
+  wait status. When it ends, the kernel kills every process left in the namespace, including
+  those that left the process group with ``setsid``;
+- the *code* process sets the limits, drops root (as root, to a user id of its own), writes the
+  ``sandbox:net=N,pid=N`` header line and runs the code. It cannot run as PID 1: the kernel does
+  not deliver SIGXCPU (the CPU limit) to a namespace's init.
+"""
 
 import contextlib
 import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
-NOBODY = 65534
-#: Imported before dropping root: the interpreter's files may be unreadable to ``nobody`` (a
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
+PR_SET_PDEATHSIG = 1
+#: As root, the code runs as ``UID_BASE`` plus the launcher's PID: a user id of its own among the
+#: sandboxes running at once (PIDs of live processes are distinct), owning no file, whose
+#: ``RLIMIT_NPROC`` counts only its own processes.
+UID_BASE = 0x40000000
+#: Imported before dropping root: the interpreter's files may be unreadable to the code's user (a
 #: Python under /root), and code that runs in the sandbox mostly wants these.
 PRELOAD = (
     "collections",
@@ -32,48 +53,115 @@ PRELOAD = (
     "time",
 )
 
+libc = ctypes.CDLL(None, use_errno=True)
 
-def leave_network() -> bool:
-    """A fresh network namespace holds only a loopback device that is down: no connection
-    leaves it. Without root, a user namespace grants the right to make one (where allowed)."""
-    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWNET | CLONE_NEWUSER
+
+def unshare(flags: int) -> bool:
     try:
-        return bool(ctypes.CDLL(None, use_errno=True).unshare(flags) == 0)
+        return bool(libc.unshare(flags) == 0)
     except OSError:
         return False
+
+
+def isolate() -> tuple[bool, bool]:
+    """Leaves the caller's network, PID and mount namespaces where it can; ``(network, pid)``.
+    A fresh network namespace holds only a loopback device that is down: no connection leaves
+    it. Without root, a user namespace grants the right to make the others (where allowed)."""
+    user = 0 if os.geteuid() == 0 else CLONE_NEWUSER
+    if unshare(user | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS):
+        return True, True
+    return unshare(user | CLONE_NEWNET), False
+
+
+def mount_proc() -> None:
+    """Inside the new mount namespace (a no-op failure outside one): mounts stay private to it,
+    and ``/proc`` shows the new PID namespace only."""
+    libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
+    libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
 
 
 def limit(kind: int, value: int, slack: int = 0) -> None:
     resource.setrlimit(kind, (value, value + slack))
 
 
+def run_code(code: str, settings: dict[str, int], header: str) -> int:
+    """Sets the limits, drops root and runs the code; its exit status."""
+    try:
+        limit(resource.RLIMIT_CPU, int(settings["cpu"]), 1)  # SIGXCPU at the soft limit, then KILL
+        limit(resource.RLIMIT_AS, int(settings["memory"]))
+        limit(resource.RLIMIT_FSIZE, int(settings["file"]))
+        limit(resource.RLIMIT_CORE, 0)
+        if os.geteuid() == 0:
+            for name in PRELOAD:
+                with contextlib.suppress(ImportError):
+                    __import__(name)
+            uid = UID_BASE + int(settings["launcher"])
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            limit(resource.RLIMIT_NPROC, int(settings["processes"]))
+        sys.stdout.write(header)
+        sys.stdout.flush()
+        sys.argv = ["<tool>"]
+        exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return (e.code or 0) & 0xFF
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException as e:  # the code's traceback, without this launcher's frame
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+def init(code: str, settings: dict[str, int], header: str, report: int) -> None:
+    """PID 1 of the sandbox (or a plain child where no PID namespace could be made)."""
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the launcher killed: so is the sandbox
+    if os.getpid() == 1:
+        mount_proc()
+    child = os.fork()
+    if child == 0:
+        os.close(report)
+        os._exit(run_code(code, settings, header))
+    while True:  # reap orphans too, until the code itself ends
+        pid, status = os.waitpid(-1, 0)
+        if pid == child:
+            break
+    os.write(report, str(status).encode())
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     code = sys.stdin.read()
-    isolated = leave_network()
-    limit(resource.RLIMIT_CPU, int(settings["cpu"]), 1)  # SIGXCPU at the soft limit, then KILL
-    limit(resource.RLIMIT_AS, int(settings["memory"]))
-    limit(resource.RLIMIT_FSIZE, int(settings["file"]))
-    limit(resource.RLIMIT_CORE, 0)
-    if os.geteuid() == 0:
-        for name in PRELOAD:
-            with contextlib.suppress(ImportError):
-                __import__(name)
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        limit(resource.RLIMIT_NPROC, int(settings["processes"]))
-    sys.stdout.write(f"net:{int(isolated)}\n")
-    sys.stdout.flush()
-    sys.argv = ["<tool>"]
-    try:
-        exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
-    except SystemExit:
-        raise
-    except BaseException as e:  # the code's traceback, without this launcher's frame
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
-        sys.stdout.flush()
-        sys.exit(1)
+    settings["launcher"] = os.getpid()
+    network, pid = isolate()
+    header = f"sandbox:net={int(network)},pid={int(pid)}\n"
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(read)
+            init(code, settings, header, write)
+            os._exit(0)
+        except BaseException:  # a launcher failure, not the code's: reported as one
+            traceback.print_exc()
+            os._exit(70)
+    os.close(write)
+    _, init_status = os.waitpid(child, 0)
+    with os.fdopen(read, "rb") as f:
+        reported = f.read()
+    status = int(reported) if reported else init_status
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status))
 
 
 main()

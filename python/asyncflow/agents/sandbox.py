@@ -1,14 +1,15 @@
 """Runs untrusted Python in a child process with limits: CPU seconds and address space
 (``setrlimit``), a wall-clock timeout after which the child's whole process group is killed,
-output truncated to a byte budget, no network (a fresh, empty network namespace), and, when we
-run as root, the child dropped to ``nobody`` with a cap on its processes.
+output truncated to a byte budget, no network (a fresh, empty network namespace), PID and mount
+namespaces of its own (it sees and can signal only its own processes, and none outlives the run),
+and, when we run as root, a user id of its own with a cap on its processes.
 
 The limits are applied by a small launcher (:mod:`asyncflow.agents._sandbox_child`) that the child
 runs before the code, not by a ``preexec_fn``: forking a threaded process and running Python
 between ``fork`` and ``exec`` can deadlock. Limitations, stated plainly: without root the process
-cap counts all of the user's processes (so it is not set), a child that calls ``setsid`` leaves
-the process group that the timeout kills (the process cap bounds how many can), and there is no
-filesystem isolation beyond the working directory and (as root) the unprivileged user.
+cap counts all of the user's processes (so it is not set) and the code keeps the caller's user
+(it can read and write the caller's files), and there is no filesystem isolation beyond the
+working directory and (as root) the unprivileged user.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CHILD = Path(__file__).with_name("_sandbox_child.py")
+HEADER = re.compile(rb"sandbox:net=(?P<net>[01]),pid=(?P<pid>[01])")
 #: Seconds between looks at whether the child has exited.
 POLL = 0.005
 
@@ -38,7 +41,7 @@ class SandboxLimits:
     wall_seconds: float = 10.0
     #: Bytes of output (stdout and stderr together) kept; the rest is counted and dropped.
     output_bytes: int = 16 * 1024
-    #: Processes the child may have at once (applied when running as root, as ``nobody``).
+    #: Processes the child may have at once (applied when running as root, under its own user id).
     processes: int = 8
     #: Largest file the child may write.
     file_bytes: int = 1024 * 1024
@@ -55,6 +58,9 @@ class SandboxResult:
     seconds: float
     #: Whether the network namespace was made (else the child had the host's network).
     network_isolated: bool
+    #: Whether the code ran in PID and mount namespaces of its own (it saw and could signal only
+    #: its own processes, and everything it started was killed with it).
+    processes_isolated: bool
 
     @property
     def ok(self) -> bool:
@@ -101,7 +107,7 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
 
 async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
     workdir = tempfile.mkdtemp(prefix="asyncflow-sandbox-")
-    Path(workdir).chmod(0o777)  # the child may run as nobody
+    Path(workdir).chmod(0o777)  # the child may run under an unprivileged user id
     settings = {
         "cpu": limits.cpu_seconds,
         "memory": limits.memory_bytes,
@@ -149,10 +155,10 @@ async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
         if proc.returncode is None:  # cancelled, or the pipe broke
             _kill_group(proc.pid)
         shutil.rmtree(workdir, ignore_errors=True)
-    # The launcher's first line says whether it made the namespace.
+    # The launcher's first line says which namespaces it made.
     header, _, body = raw.partition(b"\n")
-    isolated = header == b"net:1"
-    if header not in (b"net:0", b"net:1"):
+    made = HEADER.fullmatch(header)
+    if made is None:
         body = raw  # it failed before writing it
     dropped += max(0, len(body) - limits.output_bytes)
     return SandboxResult(
@@ -161,5 +167,6 @@ async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
         timed_out,
         dropped,
         time.monotonic() - started,
-        isolated,
+        bool(made and made["net"] == b"1"),
+        bool(made and made["pid"] == b"1"),
     )
