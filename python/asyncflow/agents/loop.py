@@ -129,6 +129,10 @@ class AgentLoop:
         )
         self.make_env = environment_factory(config.environment)
         self.eos = tokenizer.eos_id
+        # The template's own text around the observation, tokenized once (its special tokens
+        # are the real ones); ``format`` unescapes ``{{``/``}}`` as it would on the whole.
+        head, tail = config.observation_template.split("{observation}", 1)
+        self._wrap = tokenizer.encode(head.format()), tokenizer.encode(tail.format())
         #: Totals over every trajectory run so far (for the run's summary).
         self.totals: Counter[str] = Counter()
 
@@ -178,7 +182,10 @@ class AgentLoop:
             self.totals[f"error_{kind}"] += count
 
     def observation_ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(self.config.observation_template.format(observation=text))
+        """The observation wrapped in the template, as ids; the observation's own text is read
+        without special tokens, so a tool cannot end the turn or write one for the model."""
+        head, tail = self._wrap
+        return head + self.tokenizer.encode(text, special=False) + tail
 
     async def trajectory(
         self, batcher: TurnBatcher, prompt: list[int], problem: Problem

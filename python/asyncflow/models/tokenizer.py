@@ -16,7 +16,7 @@ class Tokenizer(Protocol):
     pad_id: int
     eos_id: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, special: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -51,8 +51,13 @@ class HFTokenizer:
     def __len__(self) -> int:
         return len(self._tok)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """``text``'s ids. With ``special=False`` a special token's string in it (``<|im_end|>``)
+        is read as ordinary characters, never as the token: for text that no one vetted (a tool's
+        output), which could otherwise end a turn or open one in the model's name."""
+        return list(
+            self._tok.encode(text, add_special_tokens=False, split_special_tokens=not special)
+        )
 
     def decode(self, ids: list[int]) -> str:
         """Text up to the first eos token, without special tokens."""

@@ -289,7 +289,7 @@ class EmulatedTokenizer:
     pad_id, eos_id = 0, 1
     has_chat_template = False
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
         return [FILLER_TOKEN + int(c) for c in text]
 
     def decode(self, ids: list[int]) -> str:
