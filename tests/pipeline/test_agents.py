@@ -7,6 +7,7 @@ import ast
 import asyncio
 import os
 import random
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -483,6 +484,53 @@ def test_an_environment_that_raises_ends_only_its_trajectory() -> None:
     )
     assert [t.errors["env_raised"] for t in group] == [1, 1, 1]
     assert all(t.finish_reason == "error" and t.turns == 1 for t in group)
+
+
+class _HangingEnv:
+    """A plain (not async) environment whose step hangs on odd problems until released."""
+
+    release = threading.Event()
+
+    def reset(self, problem: Problem) -> str:
+        self.hangs = int(problem.prompt) % 2 == 1
+        return ""
+
+    def step(self, action: str) -> Step:
+        if self.hangs:
+            self.release.wait()
+        return Step("", 1.0, True)
+
+
+def test_environments_that_hang_starve_neither_the_engine_nor_the_run_end() -> None:
+    # More hanging steps than the event loop's shared thread pool has threads (min(32, cpus+4)):
+    # the engine's call and the end of the run must not wait for any of them.
+    hanging = (os.cpu_count() or 1) + 8
+    register_environment("hanging", lambda config, tools: _HangingEnv())
+    config = AgentConfig(enabled=True, environment="hanging", tool_timeout=0.05)
+    loop = AgentLoop(config, TOKENIZER)
+    engine = ScriptedEngine(lambda context, turn: "x")
+    prompts = [str(k) for k in range(2 * hanging)]
+    done: list[list[Any]] = []
+    runner = threading.Thread(
+        target=lambda: done.append(
+            loop.run(
+                engine,
+                [TOKENIZER.encode(p) for p in prompts],
+                [Problem(p, "") for p in prompts],
+                Sampling(n=1, max_tokens=5),
+            )
+        ),
+        daemon=True,
+    )
+    try:
+        runner.start()
+        runner.join(timeout=60)  # generous: it needs about a second; a starved run never ends
+        assert done, "the run waited on hanging environments"
+    finally:
+        _HangingEnv.release.set()
+    trajectories = [group[0] for group in done[0]]
+    assert [t.errors["env_timeout"] for t in trajectories] == [k % 2 for k in range(2 * hanging)]
+    assert [t.env_reward for t in trajectories] == [1 - k % 2 for k in range(2 * hanging)]
 
 
 def test_an_unknown_environment_or_tool_is_a_config_error() -> None:

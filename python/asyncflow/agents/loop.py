@@ -3,18 +3,25 @@ alternating a model turn and an environment turn until the environment says done
 ``agent.max_turns`` / ``agent.max_tokens`` run out.
 
 Model turns go through :class:`TurnBatcher`: whatever turns are waiting are generated together
-in one engine call (in a thread, so the event loop goes on), and the turns that become ready
-meanwhile make the next call. While one trajectory waits on a tool, the engine generates the
-others' turns: it idles only when every trajectory is waiting on its environment.
+in one engine call (in a thread of the batcher's own, so the event loop goes on), and the turns
+that become ready meanwhile make the next call. While one trajectory waits on a tool, the engine
+generates the others' turns: it idles only when every trajectory is waiting on its environment.
+
+A plain (not ``async``) environment method and the reward function run in a daemon thread per
+call: one that hangs is given up at its timeout and holds no thread that the engine or the other
+trajectories need, nor the run's end (a thread cannot be killed; it is left to finish).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +67,12 @@ class TurnBatcher:
 
     async def run(self) -> None:
         """Serves turns until cancelled."""
+        # The engine's own thread: a call never waits behind other work's threads.
+        with ThreadPoolExecutor(1, thread_name_prefix="agent-engine") as executor:
+            await self._serve(executor)
+
+    async def _serve(self, executor: ThreadPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             for _ in range(GATHER_TICKS):  # turns that become ready meanwhile join this call
@@ -70,8 +83,8 @@ class TurnBatcher:
                 continue
             version = self.engine.version
             try:
-                outputs = await asyncio.to_thread(
-                    self.engine.generate, [ids for ids, _ in batch], self.sampling
+                outputs = await loop.run_in_executor(
+                    executor, self.engine.generate, [ids for ids, _ in batch], self.sampling
                 )
             except Exception as e:
                 for _, future in batch:
@@ -89,8 +102,35 @@ async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, awaited if it is a coroutine function; a plain one runs in a thread."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    result = await asyncio.to_thread(fn, *args)
+    result = await in_thread(fn, *args)
     return await result if inspect.isawaitable(result) else result
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread of its own. Unlike ``asyncio.to_thread`` it takes no
+    thread of the loop's shared pool, and the loop's end does not wait for it: a call that hangs,
+    given up by its caller's timeout, costs one idle thread and nothing else."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # given up already
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, name="agent-call", daemon=True).start()
+    return await future
 
 
 def _as_step(result: Any) -> Step:
@@ -267,5 +307,5 @@ class AgentLoop:
         if mode in ("verifier", "both") and self.verify is not None:
             # A user's function, off the event loop: a slow one holds up no other trajectory,
             # and an ``async def`` one gets a loop of its own there.
-            score += await asyncio.to_thread(self.verify, t.final_text, problem)
+            score += await in_thread(self.verify, t.final_text, problem)
         return score
