@@ -356,6 +356,20 @@ def test_a_tool_cannot_forge_special_tokens_in_its_observation() -> None:
     assert _full_text(observation) == plain.format(observation=_ForgingEnv.FORGED)
 
 
+class _GreetingEnv(_ForgingEnv):
+    def reset(self, problem: Problem) -> str:
+        return "hello"
+
+
+def test_an_observation_before_the_first_turn_has_the_policy_version_in_force() -> None:
+    register_environment("greeting", lambda config, tools: _GreetingEnv())
+    loop = AgentLoop(AgentConfig(enabled=True, environment="greeting", max_turns=1), TOKENIZER)
+    engine = ScriptedEngine(lambda context, turn: "hi")
+    engine.version = 7
+    ((t,),) = loop.run(engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=1))
+    assert t.loss_mask[0] == 0 and set(t.versions) == {7}
+
+
 def test_turns_of_many_trajectories_share_engine_calls() -> None:
     engine = ScriptedEngine(_multiply)
     prompts = [TOKENIZER.encode(f"{1000 + k}*2000=") for k in range(6)]

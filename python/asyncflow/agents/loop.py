@@ -247,7 +247,7 @@ class AgentLoop:
         if not ok:
             return self._finish(t, "error")
         if first:
-            t.add_observation(self.observation_ids(str(first))[:budget])
+            t.add_observation(self.observation_ids(str(first))[:budget], batcher.engine.version)
         while True:
             if t.turns >= self.config.max_turns:
                 return self._finish(t, "turns")

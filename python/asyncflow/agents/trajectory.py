@@ -46,8 +46,12 @@ class Trajectory:
         self.versions += versions
         self.turns += 1
 
-    def add_observation(self, ids: list[int]) -> None:
-        version = self.versions[-1] if self.versions else 0
+    def add_observation(self, ids: list[int], version: int | None = None) -> None:
+        """Environment tokens, of the version of the turn before them (``version`` where there
+        is none: the policy in force when the environment was reset)."""
+        if self.versions:
+            version = self.versions[-1]
+        assert version is not None, "an observation before any model turn needs its version"
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [0] * len(ids)
