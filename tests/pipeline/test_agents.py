@@ -33,8 +33,8 @@ from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
 from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.trace import Tracer
-from asyncflow.train import prompt_budget, train
-from asyncflow.workers.base import Context, RunState
+from asyncflow.train import prompt_budget, register_tasks, train
+from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
 from asyncflow.workers.steps import StepLoss, sample_fields
 
 TOKENIZER = chatml_tokenizer()
@@ -479,6 +479,46 @@ def test_a_call_that_uses_the_budget_up_cuts_its_trajectory_and_the_row_says_so(
     worker._put_samples(0, 0, [prompt], [b"2"], np.array([0]), outputs)
     rows = store.read(np.arange(2), "agent_truncated")
     assert [int(c) for c in rows["agent_truncated"]] == [0, 1]
+
+
+class _StallingEnv(_ForgingEnv):
+    """An environment whose step waits (as on a slow service) far longer than any test."""
+
+    async def step(self, action: str) -> Step:
+        await asyncio.sleep(3600)
+        return Step("", 0.0, True)
+
+
+def test_a_stopped_run_ends_an_agent_call_and_hands_its_prompts_back() -> None:
+    register_environment("stalling", lambda config, tools: _StallingEnv())
+    config = load(None, ["agent.enabled=true", "agent.environment=stalling", "rollout.n=2"])
+    config.agent.tool_timeout = 3600
+    store = af.Store()
+    register_tasks(store, reference=False)
+    ctx = Context(store, config, TOKENIZER, Tracer(), RunState())
+
+    def stop_the_run(context: str, turn: int) -> str:
+        ctx.stop.set()  # while the call's trajectories are under way
+        return "x"
+
+    store.put(
+        {
+            "prompt_ids": [np.array(TOKENIZER.encode("q"), np.int64)],
+            "answer": [b""],
+            "target_step": np.zeros(1, np.int64),
+        },
+        partition=PROMPTS,
+        groups=[0],
+        group_size=1,
+    )
+    worker = AgentRollout(ctx, ScriptedEngine(stop_the_run))
+    done: list[bool] = []
+    runner = threading.Thread(target=lambda: done.append(worker.step()), daemon=True)
+    runner.start()
+    runner.join(timeout=60)  # generous: it takes well under a second; unstopped, an hour
+    assert done == [True], "the call went on after the run stopped"
+    assert len(store.rows(partition=step_partition(0))) == 0  # nothing half-done was put
+    assert len(store.claim("rollout", "prompt_ids", 1, timeout=1)) == 1  # the prompt is back
 
 
 class _BrokenEnv:

@@ -47,6 +47,7 @@ class AgentEvaluator(RolloutEngine):
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         problems = [self._problems.get(tuple(p), Problem("", "")) for p in prompts]
         runs = self.loop.run(self.engine, prompts, problems, sampling)
+        assert runs is not None  # only a stop event ends a run early
         return [[TrajectoryCompletion.of(t) for t in group] for group in runs]
 
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

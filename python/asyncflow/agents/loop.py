@@ -133,6 +133,15 @@ async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await future
 
 
+#: Seconds between looks at the run's stop event while trajectories are under way.
+STOP_POLL = 0.1
+
+
+async def _until_set(event: threading.Event) -> None:
+    while not event.is_set():
+        await asyncio.sleep(STOP_POLL)
+
+
 def _as_step(result: Any) -> Step:
     if isinstance(result, Step):
         return result
@@ -182,9 +191,11 @@ class AgentLoop:
         prompts: Sequence[list[int]],
         problems: Sequence[Problem],
         sampling: Sampling,
-    ) -> list[list[Trajectory]]:
-        """``sampling.n`` trajectories for each prompt, all in flight at once."""
-        return asyncio.run(self.run_async(engine, prompts, problems, sampling))
+        stop: threading.Event | None = None,
+    ) -> list[list[Trajectory]] | None:
+        """``sampling.n`` trajectories for each prompt, all in flight at once; None if ``stop``
+        is set first (the trajectories under way are dropped, their sandboxes killed)."""
+        return asyncio.run(self.run_async(engine, prompts, problems, sampling, stop))
 
     async def run_async(
         self,
@@ -192,19 +203,29 @@ class AgentLoop:
         prompts: Sequence[list[int]],
         problems: Sequence[Problem],
         sampling: Sampling,
-    ) -> list[list[Trajectory]]:
+        stop: threading.Event | None = None,
+    ) -> list[list[Trajectory]] | None:
         batcher = TurnBatcher(engine, sampling)
         server = asyncio.create_task(batcher.run())
-        try:
-            jobs = [
+        jobs = asyncio.gather(
+            *(
                 self.trajectory(batcher, list(prompt), problem)
                 for prompt, problem in zip(prompts, problems, strict=True)
                 for _ in range(sampling.n)
-            ]
-            flat = await asyncio.gather(*jobs)
+            )
+        )
+        waiting: list[asyncio.Future[Any]] = [jobs]
+        if stop is not None:
+            waiting.append(asyncio.create_task(_until_set(stop)))
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not jobs.done():
+                return None
+            flat = jobs.result()
         finally:
-            server.cancel()
-            await asyncio.gather(server, return_exceptions=True)
+            for task in (*waiting, server):
+                task.cancel()
+            await asyncio.gather(*waiting, server, return_exceptions=True)
         for t in flat:
             self._count(t)
         self.totals["engine_calls"] += batcher.calls

@@ -47,12 +47,19 @@ class AgentRollout(Rollout):
             problems.append(Problem(self.ctx.tokenizer.decode(prompt.tolist()), truth, info))
         return problems
 
-    def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]]:
-        """Each prompt's trajectories, as completions whose tokens carry their own masks."""
+    def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]] | None:
+        """Each prompt's trajectories, as completions whose tokens carry their own masks; None
+        when the run stopped first (trajectories wait on tools for long: not for them)."""
         with self.busy(f"agent trajectories v{version}"):
             runs = self.loop.run(
-                self.engine, [p.tolist() for p in work.prompts], self._problems(work), self.sampling
+                self.engine,
+                [p.tolist() for p in work.prompts],
+                self._problems(work),
+                self.sampling,
+                stop=self.ctx.stop,
             )
+        if runs is None:
+            return None
         return [[TrajectoryCompletion.of(t) for t in g] for g in runs]
 
     def _put_samples(

@@ -197,11 +197,15 @@ class Rollout(Worker):
             # wrote it.
             version = self.engine.version
             outputs = self._generate(work, version)
+        if outputs is None:  # the run stopped during the call: the prompts go back
+            self._settle(work, done=False)
+            return True
         self._deliver(work, version, outputs)
         return True
 
-    def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]]:
-        """Each prompt's completions, from ``version`` of the policy."""
+    def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]] | None:
+        """Each prompt's completions, from ``version`` of the policy (None: the run stopped
+        before they were all done)."""
         with self.busy(f"generate v{version}"):
             return self.engine.generate([p.tolist() for p in work.prompts], self.sampling)
 
