@@ -10,8 +10,10 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -26,6 +28,7 @@ from asyncflow import config as cfg
 from asyncflow.bench import weights_suite as ws
 from asyncflow.config import Config, ModelConfig
 from asyncflow.daemon import DaemonProcess
+from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.engines.process_group import free_port
 from asyncflow.models.tiny import create_tiny_model
@@ -563,3 +566,68 @@ def test_bench_weight_sets_are_shaped_like_qwen2_decoder_layers() -> None:
     layer = {n: tuple(p.shape) for n, p in model.named_parameters() if ".layers.0." in n}
     assert dict(ws.layer_shapes(0)) == layer
     assert ws.layers_for(1.0) * ws.layer_bytes() == pytest.approx(1e9, rel=0.1)
+
+
+def test_a_closed_group_frees_its_rendezvous_port() -> None:
+    port = free_port()
+    group = Group(GroupSpec(port=port, world_size=1, backend="gloo"), 0, "alone")
+    group.close()
+    group.close()  # a second close does nothing
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # a member of a new group could serve on it again
+
+
+class GatedEngine(RolloutEngine):
+    """Loads only once ``gate`` opens, then keeps the bytes it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.got: dict[str, bytes] = {}
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        self.entered.set()
+        assert self.gate.wait(REPORT_WAIT)
+        self.got = {name: as_bytes(t).numpy().tobytes() for name, t in weights}
+        self.version = version
+
+
+def test_versions_arrive_while_an_engine_loads_and_never_into_the_buffer_it_reads() -> None:
+    def weights(version: int) -> list[tuple[str, torch.Tensor]]:
+        return [("w", torch.full((4096,), float(version))), ("b", torch.arange(7.0) * version)]
+
+    spec = GroupSpec(port=free_port(), world_size=2, timeout=TIMEOUT, backend="gloo")
+    store = af.Store()
+    joined: list[Group] = []
+    joining = threading.Thread(target=lambda: joined.append(Group(spec, 1, "rollout 1")))
+    joining.start()
+    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0"), 4096)
+    joining.join(REPORT_WAIT)
+    receiver = BroadcastReceiver(store, joined[0], 0.01)
+    engine = GatedEngine()
+    try:
+        publisher.publish(1, weights(1))
+        assert receiver.wait_for(1, REPORT_WAIT)
+        loading = threading.Thread(target=receiver.load, args=(engine,), daemon=True)
+        loading.start()
+        assert engine.entered.wait(REPORT_WAIT)
+        # While the engine is held mid-load on v1: two more versions are received (the
+        # group's closing barrier is passed each time), the second into a fresh buffer.
+        publishing = threading.Thread(
+            target=lambda: [publisher.publish(v, weights(v)) for v in (2, 3)], daemon=True
+        )
+        publishing.start()
+        publishing.join(REPORT_WAIT)
+        assert not publishing.is_alive(), "publishing waited for an engine's load"
+        assert receiver.latest_received() == 3
+    finally:
+        engine.gate.set()
+    loading.join(REPORT_WAIT)
+    assert_bit_exact(engine.got, weights(1))  # what it loaded was v1 whole
+    assert receiver.load(engine) == 3
+    assert_bit_exact(engine.got, weights(3))
+    receiver.close()
+    publisher.close()

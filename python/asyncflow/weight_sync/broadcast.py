@@ -5,14 +5,19 @@ the signal that a version is coming: a receiver enters a broadcast only once one
 an idle receiver never waits inside a collective (whose timeout is then a true fault bound).
 
 Each receiving process receives into a staging buffer and swaps it in only once the whole version
-is there: engines load from the last complete version, never from a half-received one.
+is there: engines load from the last complete version, never from a half-received one. A load
+holds the receiver's lock only to pick its buffer, so a version can arrive (and the group's
+closing barrier pass) while an engine loads; a buffer an engine is still loading from is never
+received into.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -171,6 +176,8 @@ class BroadcastReceiver(Receiver):
         #: The newest complete version, its layout and its bytes.
         self._ready: tuple[Layout, torch.Tensor] | None = None
         self._spare: torch.Tensor | None = None
+        #: Buffers engines are loading from (by ``id``), with how many loads each.
+        self._loading: Counter[int] = Counter()
         self.error: WeightSyncError | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-sync", daemon=True)
@@ -255,10 +262,13 @@ class BroadcastReceiver(Receiver):
         return bytes(self.store.read([rows[version]], field)[field][0])
 
     def _staging(self, total: int) -> torch.Tensor:
-        spare = self._spare
-        if spare is None or spare.numel() != total:
-            spare = torch.empty(total, dtype=torch.uint8, device=self.device)
-        return spare
+        """The buffer to receive into: the one of the version before the newest, unless an
+        engine still loads from it (it cannot start to: loads take the newest)."""
+        with self._lock:
+            spare = self._spare
+            if spare is not None and (spare.numel() != total or self._loading[id(spare)]):
+                spare = None
+        return torch.empty(total, dtype=torch.uint8, device=self.device) if spare is None else spare
 
     # -- the engines' side --------------------------------------------------------------------
 
@@ -286,13 +296,27 @@ class BroadcastReceiver(Receiver):
         newest = self.latest_received()
         return newest is not None and newest >= version
 
-    def load(self, engine: RolloutEngine, version: int | None = None) -> int:
-        with self._lock:  # the receiving thread swaps buffers only between loads
+    @contextlib.contextmanager
+    def _held(self, version: int | None) -> Iterator[tuple[Layout, torch.Tensor]]:
+        """The newest complete version (``version``, if given, must be it) and its buffer, which
+        is not received into while held."""
+        with self._lock:
             if self._ready is None:
                 raise LookupError("no policy weights have been received yet")
             layout, buffer = self._ready
             if version is not None and version != layout.version:
                 raise LookupError(f"weights v{version} is not here (have v{layout.version})")
+            self._loading[id(buffer)] += 1
+        try:
+            yield layout, buffer
+        finally:
+            with self._lock:
+                self._loading[id(buffer)] -= 1
+                if not self._loading[id(buffer)]:
+                    del self._loading[id(buffer)]
+
+    def load(self, engine: RolloutEngine, version: int | None = None) -> int:
+        with self._held(version) as (layout, buffer):
             engine.load_weights(layout.version, layout.views(buffer))
             return layout.version
 
@@ -300,12 +324,7 @@ class BroadcastReceiver(Receiver):
         """``(version, [(name, tensor)])`` of the version held (``version``, if given, must be
         it), as views of one copy of its bytes: the receiving thread reuses the buffer two
         versions later, and the caller may keep these past that."""
-        with self._lock:
-            if self._ready is None:
-                raise LookupError("no policy weights have been received yet")
-            layout, buffer = self._ready
-            if version is not None and version != layout.version:
-                raise LookupError(f"weights v{version} is not here (have v{layout.version})")
+        with self._held(version) as (layout, buffer):
             return layout.version, layout.views(buffer.clone())
 
     def close(self) -> None:

@@ -125,6 +125,9 @@ class Group:
         self.pg.barrier().wait()
 
     def close(self) -> None:
-        shutdown = getattr(self.pg, "shutdown", None)
+        """Ends the process group and lets go of the rendezvous store (the serving member's
+        port is free again); a second call does nothing."""
+        pg, self.pg, self._kv = self.pg, None, None  # the group holds the store: both go
+        shutdown = getattr(pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
