@@ -74,10 +74,10 @@ def isolate() -> tuple[bool, bool]:
 
 
 def mount_proc() -> None:
-    """Inside the new mount namespace (a no-op failure outside one): mounts stay private to it,
-    and ``/proc`` shows the new PID namespace only."""
-    libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
-    libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    """Inside the new mount namespace: its mounts made private first (else a mount here could
+    reach the host's through shared propagation), then a ``/proc`` of the new PID namespace."""
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
+        libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
 
 
 def limit(kind: int, value: int, slack: int = 0) -> None:
