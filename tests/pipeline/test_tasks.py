@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -128,6 +129,32 @@ def test_the_built_in_tokenizer_loads_through_auto_tokenizer_with_a_chatml_templ
     text = tok._tok.decode(chat)
     assert text == "<|im_start|>user\n37+48=<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_id == tok._tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_text_read_without_special_tokens_leaves_other_threads_encodings_alone(
+    tmp_path: Path,
+) -> None:
+    # A tool's output is read as plain text in the agent loop while the feeder encodes prompts
+    # with their special tokens, in another thread, through the same tokenizer.
+    save_chatml_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    text = "<|im_start|>user\n4266*1014=<|im_end|>\n"
+    expected = {True: tok.encode(text), False: tok.encode(text, special=False)}
+    assert len(expected[True]) < len(expected[False])  # the tokens, or their characters
+    wrong: list[bool] = []
+
+    def encode_many(special: bool) -> None:
+        for _ in range(20_000):
+            if tok.encode(text, special=special) != expected[special]:
+                wrong.append(special)
+                return
+
+    threads = [threading.Thread(target=encode_many, args=(s,)) for s in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
 
 
 def encoder(tmp_path: Path, **data: object) -> PromptEncoder:

@@ -4,6 +4,8 @@ model's tokenizer is made by :mod:`asyncflow.models.chatml` and is loaded the sa
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,9 +57,17 @@ class HFTokenizer:
         """``text``'s ids. With ``special=False`` a special token's string in it (``<|im_end|>``)
         is read as ordinary characters, never as the token: for text that no one vetted (a tool's
         output), which could otherwise end a turn or open one in the model's name."""
-        return list(
-            self._tok.encode(text, add_special_tokens=False, split_special_tokens=not special)
-        )
+        tok = self._tok if special else self._plain
+        return list(tok.encode(text, add_special_tokens=False, split_special_tokens=not special))
+
+    @functools.cached_property
+    def _plain(self) -> Any:
+        """A copy of the tokenizer that reads special tokens' strings as text. Not the shared one
+        with ``split_special_tokens``: that flips a flag of the tokenizer itself, so a prompt
+        encoded meanwhile in another thread lost its special tokens."""
+        plain = copy.deepcopy(self._tok)
+        plain.split_special_tokens = True
+        return plain
 
     def decode(self, ids: list[int]) -> str:
         """Text up to the first eos token, without special tokens."""
