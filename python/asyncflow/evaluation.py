@@ -57,6 +57,11 @@ async def _awaited(value: Any) -> Any:
     return await value
 
 
+def host_copy(named: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Named tensors copied to host memory: the weights of a deferred evaluation."""
+    return [(name, t.detach().to("cpu", copy=True)) for name, t in named]
+
+
 def _completions(
     engine: RolloutEngine, problems: Sequence[Problem], prompts: PromptEncoder, sampling: Sampling
 ) -> list[list[str]]:

@@ -27,7 +27,7 @@ from asyncflow.agents.loop import check_names
 from asyncflow.config import Config
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
 from asyncflow.errors import ConfigError
-from asyncflow.evaluation import accuracy, pass_at_k, verifier
+from asyncflow.evaluation import accuracy, host_copy, pass_at_k, verifier
 from asyncflow.launch.base import Resources, launcher
 from asyncflow.launch.local import run_threads
 from asyncflow.models.tiny import create_tiny_model, parameter_count
@@ -301,17 +301,18 @@ class Run:
         ]
         figures = {"accuracy_before": before, "pass_at_k_before": pass_before}
 
-        # run.eval_deferred: (step, RL seconds, weights) of each evaluation, scored after RL.
+        # run.eval_deferred: (step, RL seconds, weights) of each evaluation, scored after RL;
+        # the first, the weights RL starts from (the curve's point at 0 s, on the same engine).
         deferred: list[tuple[int, float, list[tuple[str, torch.Tensor]]]] = []
+        if c.run.eval_deferred:
+            start = host_copy(trainer_engine.export_weights())
+            deferred.append((trainer_engine.version, 0.0, start))
 
         def after_step(step: int) -> dict[str, Any]:
             extra: dict[str, Any] = {}
             due = step % c.run.eval_every == 0 or step == c.trainer.max_steps
             if due and c.run.eval_deferred:
-                copy = [
-                    (n, t.detach().to("cpu", copy=True)) for n, t in trainer_engine.export_weights()
-                ]
-                deferred.append((step, tracer.now(), copy))
+                deferred.append((step, tracer.now(), host_copy(trainer_engine.export_weights())))
             elif due:
                 since = time.monotonic()
                 evaluator.load_weights(step, trainer_engine.export_weights())
@@ -354,10 +355,11 @@ class Run:
         busy = tracer.busy_fraction()
         since = time.monotonic()
         deferred_evals = []
-        for step, at, copy in deferred:
+        for k, (step, at, copy) in enumerate(deferred):
             evaluator.load_weights(step, copy)
             acc = accuracy(evaluator, eval_set, prompts, max_tokens, verify=verify)
-            evals.append((step, acc))
+            if k:  # the figure's step 0 is the accuracy before RL already
+                evals.append((step, acc))
             deferred_evals.append({"step": step, "time": round(at, 3), "eval_accuracy": acc})
         if deferred:
             self.phases.timed("eval_deferred", since)

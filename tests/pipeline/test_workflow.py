@@ -154,12 +154,16 @@ def test_deferred_evaluation_scores_each_steps_weights_after_rl(tmp_path: Path) 
     records = metrics(tmp_path)
     assert not any("eval_accuracy" in r for r in records)  # none during RL
     deferred = summary["deferred_evaluations"]
-    assert [e["step"] for e in deferred] == [2, 4]
-    # Each copy was taken after its step was logged, and before the next step's record.
-    assert records[1]["time"] <= deferred[0]["time"] <= records[2]["time"]
-    assert records[3]["time"] <= deferred[1]["time"] <= summary["phase_seconds"]["rl"]
-    # The last copy is the final model: the evaluator scores it as the final evaluation does.
-    assert deferred[1]["eval_accuracy"] == summary["accuracy_after"]
+    assert [e["step"] for e in deferred] == [0, 2, 4]
+    # The weights RL started from, at 0 s; each other copy was taken after its step was logged,
+    # and before the next step's record.
+    assert deferred[0]["time"] == 0.0
+    assert records[1]["time"] <= deferred[1]["time"] <= records[2]["time"]
+    assert records[3]["time"] <= deferred[2]["time"] <= summary["phase_seconds"]["rl"]
+    # The first and last copies are the warm start and the final model: the evaluator scores
+    # them as the evaluations before and after RL do.
+    assert deferred[0]["eval_accuracy"] == summary["accuracy_before"]
+    assert deferred[2]["eval_accuracy"] == summary["accuracy_after"]
     assert summary["phase_seconds"]["eval_deferred"] > 0
 
 

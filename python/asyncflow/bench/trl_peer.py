@@ -42,10 +42,10 @@ Everything else is TRL's default. It then scores the trained model on the held-o
 with the job's own evaluation and rollout engine, and writes ``summary.json`` beside it:
 ``phase_seconds`` (``start``: building the trainer, model load included; ``rl``: ``train()``;
 ``eval_after``), ``accuracy_after``, ``pass_at_8_after`` and ``tokens_generated``. With
-``run.eval_deferred``, as the job does, a callback keeps a copy of the weights every
-``run.eval_every`` steps (and at the last), scored greedily after ``train()`` on the hf engine,
-as the job scores its own copies: ``deferred_evaluations`` (step, seconds into ``train()``,
-held-out accuracy).
+``run.eval_deferred``, as the job does, a callback keeps a copy of the weights as training
+starts and every ``run.eval_every`` steps (and at the last), scored greedily after ``train()`` on
+the hf engine, as the job scores its own copies: ``deferred_evaluations`` (step, seconds into
+``train()``, held-out accuracy).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from asyncflow.agents.tools import create_tool
 from asyncflow.engines.base import ADAM_BETAS
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.engines.registry import create_rollout_engine
-from asyncflow.evaluation import accuracy, pass_at_k, verifier
+from asyncflow.evaluation import accuracy, host_copy, pass_at_k, verifier
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.quiet import quiet_libraries
 from asyncflow.tasks.loader import load_task
@@ -171,24 +171,22 @@ Copy = tuple[int, float, list[tuple[str, torch.Tensor]]]
 
 
 def weight_copies(model: torch.nn.Module, c: configuration.Config) -> Any:
-    """A TRL callback that keeps a host copy of the model's weights after each
-    ``run.eval_every``-th step and the last, in its ``taken`` (a list of :data:`Copy`); set its
-    ``started`` as ``train()`` starts."""
+    """A TRL callback that keeps a host copy of the model's weights as training starts and
+    after each ``run.eval_every``-th step and the last, in its ``taken`` (a list of
+    :data:`Copy`); set its ``started`` as ``train()`` starts."""
     from transformers import TrainerCallback
 
     class WeightCopies(TrainerCallback):  # type: ignore[misc]  # transformers: untyped here
         def __init__(self) -> None:
             self.started = time.monotonic()
-            self.taken: list[Copy] = []
+            # The weights training starts from: the curve's point at 0 s, as in the job.
+            self.taken: list[Copy] = [(0, 0.0, host_copy(model.named_parameters()))]
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             step = state.global_step
             if step % c.run.eval_every == 0 or step == c.trainer.max_steps:
                 at = time.monotonic() - self.started
-                named = model.named_parameters()
-                self.taken.append(
-                    (step, at, [(n, p.detach().to("cpu", copy=True)) for n, p in named])
-                )
+                self.taken.append((step, at, host_copy(model.named_parameters())))
 
     return WeightCopies()
 
