@@ -5,12 +5,17 @@ that the file runs in seconds."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from asyncflow.agents import sandbox
 from asyncflow.agents.sandbox import SandboxLimits, SandboxResult, run_python
 
 LIMITS = SandboxLimits(
@@ -144,3 +149,67 @@ def test_a_process_that_leaves_the_group_ends_with_the_sandbox() -> None:
     while running() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running()
+
+
+def test_the_code_cannot_unmount_its_proc_to_see_the_host_processes() -> None:
+    result = isolated_processes(
+        sandboxed(
+            "import ctypes, os\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.umount2(b'/proc', 2), ctypes.get_errno())\n"  # 2: MNT_DETACH
+            "print(len([p for p in os.listdir('/proc') if p.isdigit()]))\n"
+        )
+    )
+    assert result.ok, result.output
+    refused, processes = result.output.splitlines()
+    assert refused.split()[0] == "-1"  # EPERM: no capability over its own mounts
+    assert processes == "2"
+
+
+UNPRIVILEGED = 4321  # a user id no file here belongs to
+SYSTEM_PYTHON = Path("/usr/bin/python3")  # readable by any user, unlike an interpreter in /root
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not SYSTEM_PYTHON.exists(),
+    reason="runs the sandbox as another user: needs root, setpriv and a system Python",
+)
+def test_without_root_the_code_gets_no_capability_and_cannot_see_its_caller() -> None:
+    # The sandbox's two modules use the standard library only: copied where that user can read
+    # (pytest's own temporary directories are the owner's only).
+    with tempfile.TemporaryDirectory(prefix="asyncflow-sandbox-test-") as where:
+        Path(where).chmod(0o755)
+        check_unprivileged(Path(where))
+
+
+def check_unprivileged(tmp_path: Path) -> None:
+    package = tmp_path / "asyncflow" / "agents"
+    package.mkdir(parents=True)
+    for name in ("__init__.py",):
+        (tmp_path / "asyncflow" / name).write_text("")
+        (package / name).write_text("")
+    for module in (sandbox.__file__, sandbox.CHILD):
+        shutil.copy(module, package)
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.umount2(b'/proc', 2))\n"  # 2: MNT_DETACH
+        f"try:\n    os.kill({os.getpid()}, 0)\nexcept ProcessLookupError:\n    print('gone')\n"
+        "print(os.getuid() == 0, len([p for p in os.listdir('/proc') if p.isdigit()]))\n"
+    )
+    driver = (
+        "import asyncio, json\n"
+        "from asyncflow.agents.sandbox import run_python\n"
+        f"r = asyncio.run(run_python({code!r}))\n"
+        "print(json.dumps([r.output, r.exit_code, r.processes_isolated]))\n"
+    )
+    done = subprocess.run(
+        ["setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups",
+         str(SYSTEM_PYTHON), "-c", driver],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    output, exit_code, isolated = json.loads(done.stdout)
+    if not isolated:
+        pytest.skip("no user namespace can be made here (documented limitation)")
+    assert exit_code == 0, output
+    assert output == "-1\ngone\nFalse 2\n"

@@ -30,6 +30,7 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 PR_SET_PDEATHSIG = 1
+PR_SET_NO_NEW_PRIVS = 38
 #: As root, the code runs as ``UID_BASE`` plus the launcher's PID: a user id of its own among the
 #: sandboxes running at once (PIDs of live processes are distinct), owning no file, whose
 #: ``RLIMIT_NPROC`` counts only its own processes.
@@ -80,6 +81,19 @@ def mount_proc() -> None:
         libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
 
 
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
+
+
+def drop_capabilities() -> None:
+    """Empties this process's capability sets (``capset(2)``, version 3: two words each)."""
+    libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), (CapData * 2)())
+
+
 def limit(kind: int, value: int, slack: int = 0) -> None:
     resource.setrlimit(kind, (value, value + slack))
 
@@ -98,8 +112,12 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
             uid = UID_BASE + int(settings["launcher"])
             os.setgroups([])
             os.setgid(uid)
-            os.setuid(uid)
+            os.setuid(uid)  # from root: every capability goes too
             limit(resource.RLIMIT_NPROC, int(settings["processes"]))
+        # Without root, the user namespace made for the sandbox gave this process every
+        # capability over the sandbox's namespaces (it could unmount its /proc): dropped.
+        drop_capabilities()
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # and no program it runs gains any
         sys.stdout.write(header)
         sys.stdout.flush()
         sys.argv = ["<tool>"]
