@@ -185,9 +185,8 @@ def test_without_root_the_code_gets_no_capability_and_cannot_see_its_caller() ->
 def check_unprivileged(tmp_path: Path) -> None:
     package = tmp_path / "asyncflow" / "agents"
     package.mkdir(parents=True)
-    for name in ("__init__.py",):
-        (tmp_path / "asyncflow" / name).write_text("")
-        (package / name).write_text("")
+    (tmp_path / "asyncflow" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
     for module in (sandbox.__file__, sandbox.CHILD):
         shutil.copy(module, package)
     code = (
