@@ -51,16 +51,16 @@ def _eval(node: ast.AST) -> Number:
         return _check_size(_UNARY[type(node.op)](_eval(node.operand)))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise CalculatorError(f"exponent {right} is larger than {MAX_EXPONENT}")
-        if (
-            isinstance(node.op, ast.Pow)
-            and isinstance(left, int)
-            and isinstance(right, int)
-            and (left.bit_length() - 1) * right > MAX_BITS
-        ):
+        if isinstance(node.op, ast.Pow):
+            if abs(right) > MAX_EXPONENT:
+                raise CalculatorError(f"exponent {right} is larger than {MAX_EXPONENT}")
             # Refused before computing: a large base to a large power takes seconds of CPU.
-            raise CalculatorError("result too large")
+            if (
+                isinstance(left, int)
+                and isinstance(right, int)
+                and (left.bit_length() - 1) * right > MAX_BITS
+            ):
+                raise CalculatorError("result too large")
         try:
             return _check_size(_BINARY[type(node.op)](left, right))
         except ZeroDivisionError:
