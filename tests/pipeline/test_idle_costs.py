@@ -156,3 +156,25 @@ def test_a_single_group_claim_waits_longer_than_the_poll_interval_for_its_group(
     # there is one, so only an idle worker's wait is longer.
     assert store.claim_timeouts[0] == 0.0
     assert store.claim_timeouts[1] is not None and store.claim_timeouts[1] > 0.05
+
+
+def test_a_worker_waits_for_weights_in_one_stretch_up_to_its_stall_timeout() -> None:
+    """Without a dispatcher to report to, a worker waiting for new weights does not wake every
+    second to find nothing changed: the weight source wakes it when the version comes."""
+    ctx = context(af.Store(), "run.stall_timeout=300")
+    waits: list[float] = []
+
+    class Recording:
+        def latest(self) -> int | None:
+            return 0
+
+        def wait_for(self, version: int, timeout: float) -> bool:
+            waits.append(timeout)
+            return len(waits) == 2  # the first wait ends without the version
+
+    ctx.weights = Recording()  # type: ignore[assignment]
+    worker = Rollout(ctx, Shared())
+    worker._wait_for_weights(1)
+    assert len(waits) == 2
+    assert 299 < waits[0] <= 300
+    assert waits[1] <= waits[0]  # what is left of the same stall budget

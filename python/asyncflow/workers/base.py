@@ -203,6 +203,12 @@ class Worker(ABC):
         except StoreTimeoutError:
             return None
 
+    def stall_left(self) -> float:
+        """Seconds of waiting left before :meth:`note_progress` calls this worker stalled."""
+        if self._idle_since is None:
+            return self.config.run.stall_timeout
+        return self.config.run.stall_timeout - (time.monotonic() - self._idle_since)
+
     def note_progress(self, progressed: bool, waiting_for: str) -> None:
         if progressed:
             self._idle_since = None

@@ -141,13 +141,17 @@ class Rollout(Worker):
             version = newest + 1
         with self.waiting(f"weights v{version}"):
             while not self.ctx.stop.is_set():
+                self.note_progress(False, f"policy weights version {version}")
                 if self.dispatcher is not None:
                     self.dispatcher.report(self.role)  # waiting is not falling silent
-                # The dispatcher hears from a waiting worker every poll interval.
-                wait = self._idle_wait if self.dispatcher is None else self.config.run.poll_interval
+                    # The dispatcher hears from a waiting worker every poll interval.
+                    wait = self.config.run.poll_interval
+                else:
+                    # Nobody else needs to hear from it: it sleeps until the version comes, the
+                    # run stops (the weight source wakes its waiters) or it would be stalled.
+                    wait = max(self._idle_wait, self.stall_left())
                 if self.ctx.weights.wait_for(version, wait):
                     return
-                self.note_progress(False, f"policy weights version {version}")
 
     def _settle(self, work: PromptGroups, done: bool) -> None:
         """Acks the prompt rows (``done``) or hands them back to the store."""

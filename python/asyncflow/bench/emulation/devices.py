@@ -25,6 +25,8 @@ from asyncflow.bench.costs import Rollout
 
 #: Busy spans closer than this (real seconds) are merged into one.
 _MERGE_GAP = 1e-4
+#: Seconds between a waiting caller's checks that the serving thread is still alive.
+_CALLER_CHECK = 10.0
 
 
 class BusyMeter:
@@ -211,9 +213,7 @@ class DecodeDevice:
             self._report_work()
             if len(self._active) < self._cost.max_batch:
                 self._cond.notify_all()
-        while not call.done.wait(1.0):
-            if self._closed:
-                return False
+        self._wait(call.done)
         return not self._closed
 
     def start(self, length: int, prompt_tokens: int, on_done: Callable[[], None]) -> _Sequence:
@@ -252,9 +252,14 @@ class DecodeDevice:
             self._pauses.append(pause)
             self._report_work()
             self._cond.notify_all()
-        while not pause.done.wait(1.0):
-            if self._closed:
-                return
+        self._wait(pause.done)
+
+    def _wait(self, done: threading.Event) -> None:
+        """Waits for ``done``, which the serving thread sets, also for everything left when the
+        device closes. Each of the many callers' wake-ups costs the GIL: they wake early only if
+        that thread has died."""
+        while not done.wait(_CALLER_CHECK) and self._thread.is_alive():
+            pass
 
     def close(self) -> None:
         with self._cond:
