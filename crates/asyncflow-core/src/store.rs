@@ -121,7 +121,28 @@ impl fmt::Debug for Clock {
 type FreeHook = Box<dyn Fn(&[u64]) + Send + Sync>;
 
 /// Called whenever rows may have become claimable (see [`Store::on_change`]).
-type ChangeHook = Box<dyn Fn() + Send + Sync>;
+type ChangeHook = Box<dyn Fn(Claimable<'_>) + Send + Sync>;
+
+/// Why rows may have become claimable, as told to [`Store::on_change`]'s hook: a claim that
+/// asks for none of the fields that became ready cannot have gained rows.
+#[derive(Debug, Clone, Copy)]
+pub enum Claimable<'a> {
+    /// These fields became ready on some rows; nothing else changed.
+    Fields(&'a [String]),
+    /// Anything may have: leases released or run out, a shared batch claimed, a lease's
+    /// deadline moved.
+    Any,
+}
+
+impl Claimable<'_> {
+    /// Whether a claim asking for `fields` may have gained rows.
+    pub fn concerns(&self, fields: &[String]) -> bool {
+        match self {
+            Claimable::Fields(ready) => fields.iter().any(|f| ready.contains(f)),
+            Claimable::Any => true,
+        }
+    }
+}
 
 #[derive(Debug)]
 pub struct Store {
@@ -238,14 +259,18 @@ impl Store {
     /// leases, a shared batch claimed), after waking the claims blocked in [`Store::claim`]. A
     /// caller that waits without a thread tries again when called, or at
     /// [`Store::next_lease_deadline`]. Only the first hook set counts.
-    pub fn on_change(&self, hook: impl Fn() + Send + Sync + 'static) {
+    pub fn on_change(&self, hook: impl Fn(Claimable<'_>) + Send + Sync + 'static) {
         let _ = self.on_change.0.set(Box::new(hook));
     }
 
     fn notify_changed(&self) {
+        self.notify(Claimable::Any);
+    }
+
+    fn notify(&self, what: Claimable<'_>) {
         self.changed.notify_all();
         if let Some(hook) = self.on_change.0.get() {
-            hook();
+            hook(what);
         }
     }
 
@@ -367,8 +392,13 @@ impl Store {
         let mut index = self.index.lock();
         let gone = index.commit_ready(rows, fields);
         let at = self.append(&mut index, receipt);
+        let names: Vec<String> = if self.on_change.0.get().is_some() {
+            fields.iter().map(|&f| index.field_name(f).to_owned()).collect()
+        } else {
+            Vec::new()
+        };
         drop(index);
-        self.notify_changed();
+        self.notify(Claimable::Fields(&names));
         self.free_payloads(&gone);
         self.sync(at)
     }

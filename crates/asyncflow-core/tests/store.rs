@@ -6,8 +6,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use asyncflow_core::{
-    ClaimSpec, Clock, Column, DType, FieldSchema, NewRows, PutTarget, Store, StoreConfig,
-    StoreError, Wait,
+    ClaimSpec, Claimable, Clock, Column, DType, FieldSchema, NewRows, PutTarget, Store,
+    StoreConfig, StoreError, Wait,
 };
 
 const NOW: Wait<'static> = Wait { deadline: None, interrupted: &|| false };
@@ -130,6 +130,31 @@ fn a_blocked_claim_wakes_when_a_put_makes_rows_ready() {
     let idx = put_prompts(&s, 4, "p");
     let c = consumer.join().unwrap().unwrap();
     assert_eq!(c.rows, idx);
+}
+
+#[test]
+fn the_change_hook_names_the_fields_a_put_made_ready_and_anything_else_as_any() {
+    let s = store();
+    s.register_task("gen", None).unwrap();
+    let heard: Arc<Mutex<Vec<Option<Vec<String>>>>> = Arc::default();
+    let log = Arc::clone(&heard);
+    s.on_change(move |what| {
+        log.lock().unwrap().push(match what {
+            Claimable::Fields(f) => Some(f.to_vec()),
+            Claimable::Any => None,
+        });
+    });
+    let idx = put_prompts(&s, 2, "p");
+    s.put(vec![scalars(&s, "reward", &[1.0])], &PutTarget::Existing(vec![idx[1]])).unwrap();
+    let c = s.claim(&spec("gen", &["prompt"], 2), false, no_wait()).unwrap();
+    s.release(c.lease.unwrap(), None).unwrap();
+    let heard = heard.lock().unwrap().clone();
+    assert_eq!(heard, vec![Some(vec!["prompt".into()]), Some(vec!["reward".into()]), None]);
+    // A claim for rewards may have gained rows from the second put only.
+    let reward = ["reward".to_string(), "prompt".to_string()];
+    assert!(Claimable::Fields(&["reward".into()]).concerns(&reward));
+    assert!(!Claimable::Fields(&["response".into()]).concerns(&reward));
+    assert!(Claimable::Any.concerns(&reward));
 }
 
 #[test]

@@ -832,7 +832,7 @@ async fn serve_here(
         }
         // Requests still waiting (claims, puts short of memory) stop waiting; the rest finish.
         session.closed.store(true, Ordering::Relaxed);
-        daemon.claims.notify_waiters();
+        daemon.claims.wake_all();
         while tasks.join_next().await.is_some() {}
         daemon.roles.forget_session(&session);
         // A connection closed for being idle keeps its leases until they run out: its client

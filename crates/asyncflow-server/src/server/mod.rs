@@ -54,10 +54,10 @@ pub struct Daemon {
     metrics: Metrics,
     /// Set once a stop is asked for: waiting requests give up, the rest finish.
     stopping: AtomicBool,
-    /// Wakes the claims waiting on the runtime (see `routing::wait_for_claim`): the store may
-    /// have claimable rows, or a waiting request was cancelled, lost its connection or the
+    /// Wakes the claims waiting on the runtime (see `routing::WaitingClaim`): the store may
+    /// have rows for them, or a waiting request was cancelled, lost its connection or the
     /// daemon is stopping.
-    claims: Arc<tokio::sync::Notify>,
+    claims: Arc<routing::ClaimWakes>,
     /// Connections being served, against `--max-connections`.
     connections: AtomicUsize,
     /// Connections that have not said hello yet, oldest first (see `Ungreeted`).
@@ -321,10 +321,10 @@ pub async fn serve(
 
     let holders = Holders::new(config.reconnect_grace);
     let transit = transit::Transit::new(config.max_transit_bytes);
-    let claims = Arc::new(tokio::sync::Notify::new());
+    let claims = Arc::new(routing::ClaimWakes::default());
     if let Some(store) = roles.claim_store() {
         let claims = Arc::clone(&claims);
-        store.on_change(move || claims.notify_waiters());
+        store.on_change(move |what| claims.wake(what));
     }
     let daemon = Arc::new(Daemon {
         config,
@@ -372,7 +372,7 @@ pub async fn serve(
     let reason = stop.await;
     tracing::info!(reason, "stopping: no new connections, finishing in-flight requests");
     daemon.stopping.store(true, Ordering::Relaxed);
-    daemon.claims.notify_waiters();
+    daemon.claims.wake_all();
     let _ = stop_tx.send(true);
     while acceptors.join_next().await.is_some() {}
     let mut conns = std::mem::take(&mut *conns.lock());

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use asyncflow_core::{StoreError, Wait};
+use asyncflow_core::{Claimable, StoreError, Wait};
 use asyncflow_proto::{Failure, PayloadSource, Reply, Request};
+use tokio::sync::Notify;
 use tokio::sync::futures::OwnedNotified;
 use tokio::task::JoinSet;
 
@@ -48,7 +49,7 @@ pub(super) fn dispatch(
         }
         Request::Cancel { request } => {
             session.cancel(request);
-            daemon.claims.notify_waiters();
+            daemon.claims.wake_all();
             return None;
         }
         Request::Hello(_) => {
@@ -90,10 +91,11 @@ pub(super) fn dispatch(
         let outcome = daemon.execute(session, req, frame.payload, wait);
         return answer(outgoing(daemon, session, id, outcome, notice));
     }
-    if matches!(req, Request::Claim { .. }) && daemon.roles.claim_store().is_some() {
+    if let (Request::Claim { spec, .. }, Some(_)) = (&req, daemon.roles.claim_store()) {
+        let wake = daemon.claims.for_fields(&spec.fields);
         // Registered before the first look, so no change after it goes unnoticed.
-        let woken = next_change(daemon);
-        let claim = WaitingClaim { id, req, deadline, started: Instant::now() };
+        let woken = next_change(&wake);
+        let claim = WaitingClaim { id, req, deadline, started: Instant::now(), wake };
         // Most claims find their rows already there: answered on the spot.
         if let Some(outcome) = claim.look(daemon, session) {
             return Some(outgoing(daemon, session, id, outcome, false));
@@ -136,10 +138,48 @@ pub(super) fn dispatch(
     None
 }
 
-/// A future that completes at the next call of `Store::on_change`'s hook (or a wake-up for an
-/// interrupted claim), registered from now on even before it is first polled.
-fn next_change(daemon: &Daemon) -> Pin<Box<OwnedNotified>> {
-    let mut woken = Box::pin(Arc::clone(&daemon.claims).notified_owned());
+/// Wakes the claims waiting on the runtime. Claims asking for the same fields share one
+/// `Notify`; a put wakes only those asking for a field it made ready (with many claims waiting
+/// for prompts, each put of samples would otherwise wake every one of them to look again).
+#[derive(Default)]
+pub(super) struct ClaimWakes {
+    /// One entry per set of fields some waiting claim asks for; an entry no claim holds any
+    /// more is dropped when a new set comes.
+    sets: parking_lot::Mutex<Vec<(Vec<String>, Arc<Notify>)>>,
+}
+
+impl ClaimWakes {
+    /// What wakes a claim asking for `fields`.
+    fn for_fields(&self, fields: &[String]) -> Arc<Notify> {
+        let mut sets = self.sets.lock();
+        if let Some((_, wake)) = sets.iter().find(|(f, _)| f == fields) {
+            return Arc::clone(wake);
+        }
+        sets.retain(|(_, wake)| Arc::strong_count(wake) > 1);
+        let wake = Arc::new(Notify::new());
+        sets.push((fields.to_vec(), Arc::clone(&wake)));
+        wake
+    }
+
+    /// Wakes the claims that may have gained rows (`Store::on_change`'s hook).
+    pub(super) fn wake(&self, what: Claimable<'_>) {
+        for (fields, wake) in self.sets.lock().iter() {
+            if what.concerns(fields) {
+                wake.notify_waiters();
+            }
+        }
+    }
+
+    /// Wakes every waiting claim: one was cancelled, lost its connection, or the daemon stops.
+    pub(super) fn wake_all(&self) {
+        self.wake(Claimable::Any);
+    }
+}
+
+/// A future that completes at the next `wake`, registered from now on even before it is first
+/// polled.
+fn next_change(wake: &Arc<Notify>) -> Pin<Box<OwnedNotified>> {
+    let mut woken = Box::pin(Arc::clone(wake).notified_owned());
     woken.as_mut().enable();
     woken
 }
@@ -152,6 +192,8 @@ struct WaitingClaim {
     req: Request,
     deadline: Option<Instant>,
     started: Instant,
+    /// What wakes it (see [`ClaimWakes`]).
+    wake: Arc<Notify>,
 }
 
 /// Where a waiting claim's reply goes, and what it answers to while it waits. It is counted out
@@ -214,7 +256,7 @@ impl WaitingClaim {
                 },
                 None => (&mut woken).await,
             }
-            woken = next_change(daemon);
+            woken = next_change(&self.wake);
             let interrupted = waiter.cancelled.load(Ordering::Relaxed)
                 || session.closed.load(Ordering::Relaxed)
                 || daemon.stopping.load(Ordering::Relaxed);
@@ -326,5 +368,46 @@ fn outgoing(
             tracing::debug!(peer = %session.peer, error = %e, "request failed");
             Outgoing::failure(id, &Failure::Store(e))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(fields: &[&str]) -> Vec<String> {
+        fields.iter().map(|f| (*f).to_owned()).collect()
+    }
+
+    /// Whether a wake-up registered before `act` has come.
+    fn woken_by(wake: &Arc<Notify>, act: impl FnOnce()) -> bool {
+        let mut woken = next_change(wake);
+        act();
+        let waker = std::task::Waker::noop();
+        woken.as_mut().poll(&mut std::task::Context::from_waker(waker)).is_ready()
+    }
+
+    #[test]
+    fn a_put_wakes_only_the_claims_asking_for_a_field_it_made_ready() {
+        let wakes = ClaimWakes::default();
+        let prompts = wakes.for_fields(&names(&["prompt", "answer"]));
+        let rewards = wakes.for_fields(&names(&["response", "reward"]));
+        assert!(Arc::ptr_eq(&prompts, &wakes.for_fields(&names(&["prompt", "answer"]))));
+        let ready = names(&["reward"]);
+        assert!(!woken_by(&prompts, || wakes.wake(Claimable::Fields(&ready))));
+        assert!(woken_by(&rewards, || wakes.wake(Claimable::Fields(&ready))));
+        assert!(woken_by(&prompts, || wakes.wake_all()));
+        assert!(woken_by(&rewards, || wakes.wake(Claimable::Any)));
+    }
+
+    #[test]
+    fn a_set_of_fields_no_claim_waits_for_is_forgotten() {
+        let wakes = ClaimWakes::default();
+        drop(wakes.for_fields(&names(&["once"])));
+        let kept = wakes.for_fields(&names(&["kept"]));
+        let sets = wakes.sets.lock();
+        assert_eq!(sets.len(), 1);
+        assert_eq!(sets[0].0, names(&["kept"]));
+        drop((sets, kept));
     }
 }
