@@ -8,7 +8,9 @@
 //! a thread asleep in the kernel takes far longer than that to be woken for it. So a local
 //! client's connection has a thread (and event loop) of its own, whose socket wakes no other
 //! thread, and after each frame it keeps reading its socket for a short while before it waits;
-//! one connection at a time does so, to leave the machine's other cores alone.
+//! one connection at a time does so, to leave the machine's other cores alone, and only while
+//! its client's last frame came within that while (a worker that asks now and then would have
+//! each of its requests followed by a spin that finds nothing).
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::pin::Pin;
@@ -151,14 +153,30 @@ struct Incoming {
     /// The connection's activity: while a claim of it waits as a task of this runtime, which
     /// runs only once this read waits, the read does not spin.
     activity: Arc<Activity>,
+    /// How long the next read spins: twice as long as the client's last frame took to come
+    /// after this read asked for it (or three quarters of the last spin, if longer), at most
+    /// `SPIN`, and not at all if it took longer than that. A client
+    /// that sends its requests one after another is read by spinning; one that sends them now
+    /// and then is not, and the spin after a burst's last request (which finds nothing) is
+    /// short (each costs the machine a core while it lasts).
+    spin_for: Duration,
+    /// Since when this read has asked for bytes without getting any.
+    asking_since: Option<Instant>,
+    /// Whether it found none there at once (only then does its wait say how the client sends).
+    waited: bool,
 }
 
 impl Incoming {
-    /// Reads whatever arrives on a local socket within `SPIN`; `None` if nothing did (or
+    fn new(half: Half, local: bool, queued: Arc<AtomicUsize>, activity: Arc<Activity>) -> Self {
+        Self { half, local, queued, activity, spin_for: SPIN, asking_since: None, waited: false }
+    }
+
+    /// Reads whatever arrives on a local socket within `spin_for`; `None` if nothing did (or
     /// another connection is spinning, a reply waits to be written, a claim waits, or this one
     /// is not local).
-    fn spin(&self, buf: &mut ReadBuf<'_>) -> Option<std::io::Result<()>> {
+    fn spin(&mut self, buf: &mut ReadBuf<'_>) -> Option<std::io::Result<()>> {
         if !self.local
+            || self.spin_for.is_zero()
             || self.activity.waiting.load(Ordering::Acquire) > 0
             || SPINNING.swap(true, Ordering::Acquire)
         {
@@ -168,7 +186,7 @@ impl Incoming {
             Half::Tcp(h) => h.as_ref().as_fd(),
             Half::Unix(h) => h.as_ref().as_fd(),
         };
-        let until = Instant::now() + SPIN;
+        let until = Instant::now() + self.spin_for;
         let got = loop {
             match rustix::net::recv(fd, buf.initialize_unfilled(), rustix::net::RecvFlags::DONTWAIT)
             {
@@ -180,6 +198,7 @@ impl Incoming {
                 Err(rustix::io::Errno::AGAIN)
                     if Instant::now() < until && self.queued.load(Ordering::Acquire) == 0 =>
                 {
+                    self.waited = true;
                     std::thread::yield_now();
                 }
                 Err(rustix::io::Errno::AGAIN) => break None,
@@ -191,6 +210,16 @@ impl Incoming {
     }
 }
 
+/// How long to spin after a read that spun for `spun` and got its bytes `took` after asking.
+fn next_spin(spun: Duration, took: Duration) -> Duration {
+    if took >= SPIN {
+        return Duration::ZERO;
+    }
+    // Not below three quarters of the last spin: a client's gaps alternate (a notice right after
+    // its request's reply, then its next request a little later).
+    (2 * took).max(spun * 3 / 4).min(SPIN)
+}
+
 impl AsyncRead for Incoming {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -198,13 +227,24 @@ impl AsyncRead for Incoming {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        if let Some(got) = this.spin(buf) {
-            return Poll::Ready(got);
+        let since = *this.asking_since.get_or_insert_with(Instant::now);
+        let read = match this.spin(buf) {
+            Some(got) => Poll::Ready(got),
+            None => match &mut this.half {
+                Half::Tcp(half) => Pin::new(half).poll_read(cx, buf),
+                Half::Unix(half) => Pin::new(half).poll_read(cx, buf),
+            },
+        };
+        if read.is_pending() {
+            this.waited = true;
+        } else if std::mem::take(&mut this.waited) {
+            let took = since.elapsed();
+            this.spin_for = next_spin(this.spin_for, took);
         }
-        match &mut this.half {
-            Half::Tcp(half) => Pin::new(half).poll_read(cx, buf),
-            Half::Unix(half) => Pin::new(half).poll_read(cx, buf),
+        if read.is_ready() {
+            this.asking_since = None;
         }
+        read
     }
 }
 
@@ -745,8 +785,7 @@ async fn serve_here(
     let (half, writer) = split(socket);
     let queued = Arc::new(AtomicUsize::new(0));
     let activity = Arc::clone(&counted.1);
-    let incoming =
-        Incoming { half, local, queued: Arc::clone(&queued), activity: Arc::clone(&activity) };
+    let incoming = Incoming::new(half, local, Arc::clone(&queued), Arc::clone(&activity));
     let mut reader = BufReader::with_capacity(BUFFER, incoming);
     let (tx, rx) = mpsc::unbounded_channel();
     let counts = Arc::new(ReplyCounts {
@@ -844,4 +883,31 @@ async fn serve_here(
     }
     drop(tx);
     let _ = writer_task.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    #[test]
+    fn a_read_spins_as_long_as_its_client_takes_to_send_and_not_for_a_client_that_sends_now_and_then()
+     {
+        // A client sending one request after another: twice its gap, never more than SPIN.
+        assert_eq!(next_spin(SPIN, us(10)), SPIN * 3 / 4);
+        assert_eq!(next_spin(us(20), us(10)), us(20));
+        assert_eq!(next_spin(us(20), us(200)), SPIN);
+        // Gaps that alternate short and long keep a spin long enough for the long ones.
+        let mut spin = us(20);
+        for took in [us(5), us(40)].repeat(10) {
+            spin = next_spin(spin, took);
+        }
+        assert!(spin >= us(60), "{spin:?}");
+        // A client that took longer than SPIN: no spin until one comes sooner again.
+        assert_eq!(next_spin(SPIN, SPIN), Duration::ZERO);
+        assert_eq!(next_spin(Duration::ZERO, us(30)), us(60));
+    }
 }
