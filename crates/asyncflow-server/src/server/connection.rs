@@ -153,12 +153,10 @@ struct Incoming {
     /// The connection's activity: while a claim of it waits as a task of this runtime, which
     /// runs only once this read waits, the read does not spin.
     activity: Arc<Activity>,
-    /// How long the next read spins: twice as long as the client's last frame took to come
-    /// after this read asked for it (or three quarters of the last spin, if longer), at most
-    /// `SPIN`, and not at all if it took longer than that. A client
-    /// that sends its requests one after another is read by spinning; one that sends them now
-    /// and then is not, and the spin after a burst's last request (which finds nothing) is
-    /// short (each costs the machine a core while it lasts).
+    /// How long the next read spins (see `next_spin`): a client that sends its requests one
+    /// after another is read by spinning; one that sends them now and then is not, and the
+    /// spin after a burst's last request (which finds nothing) is short: each spin costs the
+    /// machine a core while it lasts.
     spin_for: Duration,
     /// Since when this read has asked for bytes without getting any.
     asking_since: Option<Instant>,
@@ -210,7 +208,8 @@ impl Incoming {
     }
 }
 
-/// How long to spin after a read that spun for `spun` and got its bytes `took` after asking.
+/// How long to spin after a read that spun for `spun` and got its bytes `took` after asking:
+/// twice `took`, at most `SPIN`, and not at all if `took` was longer than that.
 fn next_spin(spun: Duration, took: Duration) -> Duration {
     if took >= SPIN {
         return Duration::ZERO;
@@ -237,12 +236,11 @@ impl AsyncRead for Incoming {
         };
         if read.is_pending() {
             this.waited = true;
-        } else if std::mem::take(&mut this.waited) {
-            let took = since.elapsed();
-            this.spin_for = next_spin(this.spin_for, took);
+            return read;
         }
-        if read.is_ready() {
-            this.asking_since = None;
+        this.asking_since = None;
+        if std::mem::take(&mut this.waited) {
+            this.spin_for = next_spin(this.spin_for, since.elapsed());
         }
         read
     }
