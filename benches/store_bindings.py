@@ -13,6 +13,7 @@ from pathlib import Path
 
 from asyncflow.bench import daemon_cases, store_suite
 from asyncflow.bench.records import Report, machine
+from asyncflow.bench.workload import resident_claim_latencies
 
 CLAIM_SAMPLES = 5000
 
@@ -22,8 +23,8 @@ def main(out: Path) -> None:
     report.note(machine())
     for label, size in store_suite.SIZES.items():
         store_suite.throughput(report, label, size, quick=False)
-    base50, base99 = store_suite.claim_latency(1 << 10, CLAIM_SAMPLES)
-    p50, p99 = store_suite.claim_latency(1_000_000, CLAIM_SAMPLES)
+    base50, base99 = resident_claim_latencies(1 << 10, CLAIM_SAMPLES)
+    p50, p99 = resident_claim_latencies(1_000_000, CLAIM_SAMPLES)
     report.add("inproc/1KiB", "claim_p50", p50, "us", "1K-resident", base50)
     report.add("inproc/1KiB", "claim_p99", p99, "us", "1K-resident", base99)
     ours, baseline = store_suite.ready_updates(quick=False)

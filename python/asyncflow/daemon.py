@@ -28,7 +28,7 @@ TOKEN_ENV = "ASYNCFLOW_TOKEN"
 def connect(
     url: str,
     token: str | None = None,
-    transport: Literal["auto", "tcp", "shm"] = "auto",
+    transport: Literal["auto", "tcp", "shm", "shm-socket"] = "auto",
     *,
     request_timeout: float = 60.0,
     reconnect_timeout: float = 30.0,
@@ -40,8 +40,10 @@ def connect(
         token: the daemon's token; defaults to ``$ASYNCFLOW_TOKEN``. A wrong one raises
             :class:`~asyncflow.AuthError`.
         transport: ``"auto"`` uses shared memory when the daemon is on this machine and TCP
-            otherwise; ``"tcp"`` or ``"shm"`` insist on one. ``store.stats()["transport"]`` says
-            which is in use.
+            otherwise; ``"tcp"`` or ``"shm"`` insist on one. On shared memory, requests and
+            replies travel in rings in shared memory too; ``"shm-socket"`` keeps them on the
+            daemon's Unix socket (the path before rings, kept to compare against).
+            ``store.stats()["transport"]`` says which is in use.
         request_timeout: seconds a request waits for its reply beyond its own ``timeout``; a
             daemon that answers nothing (not even the pings sent while requests wait) for this
             long fails them with :class:`~asyncflow.TimeoutError` or

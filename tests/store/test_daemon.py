@@ -188,6 +188,21 @@ def test_a_shared_memory_put_after_the_first_is_one_round_trip(daemons: Daemons)
     assert requests_served(port) - before == 2 + 2 + 2 + 1 + 2 + 1
 
 
+def test_requests_travel_in_rings_unless_the_socket_is_asked_for(daemons: Daemons) -> None:
+    url = daemons().url
+    rings, socket = af.connect(url, transport="shm"), af.connect(url, transport="shm-socket")
+    assert rings.stats()["transport"] == "shm"
+    assert socket.stats()["transport"] == "shm-socket"
+    rings.register_task("t")
+    rows = rings.put({"x": [np.arange(3, dtype=np.int64)] * 2})
+    assert [v.tolist() for v in socket.read(rows, ["x"])["x"]] == [[0, 1, 2]] * 2
+    batch = socket.claim("t", "x", 2, timeout=5)
+    assert [v.tolist() for v in batch.read()["x"]] == [[0, 1, 2]] * 2
+    batch.ack()
+    with pytest.raises(af.BadRequestError, match="'shm-socket'"):
+        af.connect(url, transport="ring")
+
+
 def test_a_shared_memory_claim_brings_its_cells_and_reading_them_asks_nothing(
     daemons: Daemons,
 ) -> None:

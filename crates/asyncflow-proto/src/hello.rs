@@ -43,8 +43,11 @@ pub struct Hello {
     pub host: String,
     /// Leases the client still holds from an earlier connection that broke: the daemon keeps
     /// them for this connection instead of giving them back once its reconnect grace is over.
-    /// Left out of the frame when empty.
+    /// Left out of the frame when empty (and `ring` is 0).
     pub leases: Vec<u64>,
+    /// On the daemon's Unix socket: the capacity of each ring the client asks its requests and
+    /// replies to travel in (see `asyncflow_shm::ring`); 0 for none. Left out when 0.
+    pub ring: u64,
 }
 
 /// The daemon's answer to a [`Hello`].
@@ -61,4 +64,7 @@ pub struct ServerHello {
     /// Drawn at random when the daemon starts: a client that reaches it over TCP and over its
     /// Unix socket checks that both are the same daemon. 0 from a daemon that sends none.
     pub instance: u64,
+    /// The capacity of each ring the daemon set up for this connection (its descriptors come
+    /// with this reply); 0 for none: requests and replies stay on the socket.
+    pub ring: u64,
 }

@@ -291,6 +291,9 @@ impl Reply {
                 });
                 w.strs(&h.storage);
                 w.u64(h.instance);
+                if h.ring != 0 {
+                    w.u64(h.ring);
+                }
             }
             Reply::Done => {
                 w.u8(1);
@@ -391,6 +394,7 @@ impl Reply {
                 shm_socket: r.opt(Reader::string)?,
                 storage: r.strings()?,
                 instance: if r.remaining() > 0 { r.u64()? } else { 0 },
+                ring: if r.remaining() > 0 { r.u64()? } else { 0 },
             }),
             1 => Reply::Done,
             2 => Reply::Rows(r.u64s()?),
@@ -533,6 +537,23 @@ mod tests {
     use asyncflow_core::DType;
 
     use super::*;
+
+    #[test]
+    fn a_servers_hello_round_trips_with_or_without_rings() {
+        for ring in [0, 1 << 20] {
+            let hello = Reply::Hello(ServerHello {
+                version: "v".into(),
+                role: Role::Standalone,
+                host: "h".into(),
+                shm_socket: Some("/s".into()),
+                storage: vec![],
+                instance: 5,
+                ring,
+            });
+            let back = Reply::decode(&hello.encode(), 0).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{hello:?}"));
+        }
+    }
 
     #[test]
     fn every_store_error_survives_the_wire() {

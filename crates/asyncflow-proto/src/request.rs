@@ -294,8 +294,11 @@ impl Request {
                     w.str(t);
                 })
                 .str(&h.host);
-                if !h.leases.is_empty() {
+                if !h.leases.is_empty() || h.ring != 0 {
                     w.u64s(&h.leases);
+                }
+                if h.ring != 0 {
+                    w.u64(h.ring);
                 }
             }
             Request::RegisterTask { name, scope } => {
@@ -394,6 +397,7 @@ impl Request {
                 token: r.opt(Reader::string)?,
                 host: r.string()?,
                 leases: if r.remaining() > 0 { r.u64s()? } else { Vec::new() },
+                ring: if r.remaining() > 0 { r.u64()? } else { 0 },
             }),
             Op::RegisterTask => {
                 Request::RegisterTask { name: r.string()?, scope: r.opt(Reader::strings)? }
@@ -494,6 +498,14 @@ mod tests {
 
     fn round_trip(req: &Request, payload_len: u64) -> Result<Request, ProtoError> {
         Request::decode(req.op(), &req.encode(), payload_len)
+    }
+
+    #[test]
+    fn a_hello_round_trips_with_or_without_leases_and_rings() {
+        for (leases, ring) in [(vec![], 0), (vec![7, 9], 0), (vec![], 1 << 20), (vec![3], 4096)] {
+            let req = Request::Hello(Hello { token: None, host: "h".into(), leases, ring });
+            assert_eq!(format!("{:?}", round_trip(&req, 0).unwrap()), format!("{req:?}"));
+        }
     }
 
     #[test]

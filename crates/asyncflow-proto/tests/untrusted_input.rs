@@ -9,8 +9,12 @@ use asyncflow_proto::{FrameHeader, Hello, Op, Request};
 use proptest::prelude::*;
 
 fn valid_frames() -> Vec<u8> {
-    let hello =
-        Request::Hello(Hello { token: Some("t".into()), host: "h".into(), leases: vec![7, 8] });
+    let hello = Request::Hello(Hello {
+        token: Some("t".into()),
+        host: "h".into(),
+        leases: vec![7, 8],
+        ring: 0,
+    });
     let mut out = Vec::new();
     for req in [hello, Request::Stats, Request::Clear { partition: "p".into() }] {
         let meta = req.encode();

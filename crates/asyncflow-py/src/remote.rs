@@ -63,8 +63,9 @@ pub fn preference(transport: &str) -> PyResult<Preference> {
         "auto" => Ok(Preference::Auto),
         "tcp" => Ok(Preference::Tcp),
         "shm" => Ok(Preference::Shm),
+        "shm-socket" => Ok(Preference::ShmSocket),
         other => Err(BadRequestError::new_err(format!(
-            "transport must be 'auto', 'tcp' or 'shm', not {other:?}"
+            "transport must be 'auto', 'tcp', 'shm' or 'shm-socket', not {other:?}"
         ))),
     }
 }

@@ -30,6 +30,7 @@ fn hello(token: Option<&str>) -> Vec<u8> {
         token: token.map(str::to_owned),
         host: String::new(),
         leases: Vec::new(),
+        ring: 0,
     });
     frame(Op::Hello, 1, &req.encode(), &[])
 }

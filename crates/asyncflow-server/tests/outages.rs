@@ -65,6 +65,7 @@ fn silent_daemon() -> String {
             shm_socket: None,
             storage: Vec::new(),
             instance: 0,
+            ring: 0,
         })
         .encode();
         s.write_all(&FrameHeader::new(Op::Reply, header.request_id, hello.len(), 0).encode())

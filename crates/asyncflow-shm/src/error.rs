@@ -10,4 +10,7 @@ pub enum ShmError {
 
     #[error("segment descriptor holds {actual} bytes, {expected} were announced")]
     SizeMismatch { expected: usize, actual: u64 },
+
+    #[error("{0}")]
+    Ring(String),
 }

@@ -6,11 +6,13 @@
 pub mod error;
 pub mod fd_passing;
 pub mod pool;
+pub mod ring;
 pub mod segment;
 pub mod view;
 
 pub use error::ShmError;
 pub use fd_passing::{MAX_FDS, recv_with_fds, send_with_fds};
 pub use pool::{MIN_SEGMENT, Region, SegmentPool, size_class};
+pub use ring::{CHANNEL_FDS, ClientEnds, Consumer, DaemonEnds, Producer, Watcher};
 pub use segment::Segment;
 pub use view::SegmentView;

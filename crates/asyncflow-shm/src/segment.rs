@@ -41,8 +41,9 @@ fn owner_only() -> Mode {
     Mode::RUSR | Mode::WUSR
 }
 
-fn anonymous_fd(len: usize) -> std::io::Result<OwnedFd> {
-    match fs::memfd_create("asyncflow-segment", fs::MemfdFlags::CLOEXEC) {
+/// A new file of no size, named `name` where the kernel shows it (`/proc/PID/fd`).
+pub(crate) fn anonymous_fd(name: &str, len: usize) -> std::io::Result<OwnedFd> {
+    match fs::memfd_create(name, fs::MemfdFlags::CLOEXEC) {
         Ok(fd) => {
             fs::fchmod(&fd, owner_only())?;
             Ok(fd)
@@ -67,7 +68,7 @@ fn unlinked_shm_file(len: usize) -> std::io::Result<OwnedFd> {
     Ok(fd)
 }
 
-fn map(fd: &OwnedFd, len: usize, prot: ProtFlags) -> Result<NonNull<u8>, ShmError> {
+pub(crate) fn map(fd: &OwnedFd, len: usize, prot: ProtFlags) -> Result<NonNull<u8>, ShmError> {
     // SAFETY: a fresh shared mapping of a file we hold; no existing memory is affected.
     let ptr = unsafe { mm::mmap(std::ptr::null_mut(), len.max(1), prot, MapFlags::SHARED, fd, 0) }
         .map_err(|e| ShmError::Map { len, source: e.into() })?;
@@ -78,7 +79,7 @@ impl Segment {
     /// Creates a zero-filled segment of `len` bytes.
     pub fn create(id: u64, len: usize) -> Result<Self, ShmError> {
         let create = |e: std::io::Error| ShmError::Create { len, source: e };
-        let fd = anonymous_fd(len).map_err(create)?;
+        let fd = anonymous_fd("asyncflow-segment", len).map_err(create)?;
         fs::ftruncate(&fd, len as u64).map_err(|e| create(e.into()))?;
         let ptr = map(&fd, len, ProtFlags::READ | ProtFlags::WRITE)?;
         Ok(Self { id, fd, ptr, writable: OnceLock::from(ptr), len })

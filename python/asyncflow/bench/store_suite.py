@@ -23,11 +23,11 @@ import asyncflow as af
 from asyncflow.bench import daemon_cases, peer_cases, persist_cases, scale_cases
 from asyncflow.bench.records import Report
 from asyncflow.bench.workload import (
-    CLAIM_BATCH,
     Rounds,
     best_of,
     memcpy_seconds,
     repeats,
+    resident_claim_latencies,
     store_seconds,
 )
 
@@ -41,23 +41,6 @@ def throughput(report: Report, label: str, size: int, quick: bool) -> None:
     store = af.Store(shards=8)
     value = work.moved / best_of(times, lambda: store_seconds(store, work)) / 1e9
     report.add(f"inproc/{label}", "throughput", value, "GB/s", "memcpy", base)
-
-
-def claim_latency(resident: int, samples: int) -> tuple[float, float]:
-    """p50 and p99 (µs) of a 64-row claim with ``resident`` rows in the store."""
-    store = af.Store(shards=8)
-    store.register_task("bench")
-    chunk = 1 << 16
-    for start in range(0, resident, chunk):
-        n = min(chunk, resident - start)
-        store.put({"x": np.zeros(n, dtype=np.float32)}, partition="p")
-    lat = np.empty(samples)
-    for i in range(samples):
-        t0 = time.perf_counter()
-        batch = store.claim("bench", "x", CLAIM_BATCH, timeout=1)
-        lat[i] = time.perf_counter() - t0
-        batch.release()
-    return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
 
 
 def ready_updates(quick: bool) -> tuple[float, float]:
@@ -97,9 +80,9 @@ def run(report: Report, quick: bool = False) -> None:
 
     samples = 500 if quick else 5000
     report.progress("claim latency with 1K resident rows (baseline)")
-    base50, base99 = claim_latency(1 << 10, samples)
+    base50, base99 = resident_claim_latencies(1 << 10, samples)
     report.progress("claim latency with 1M resident rows")
-    p50, p99 = claim_latency(1_000_000, samples)
+    p50, p99 = resident_claim_latencies(1_000_000, samples)
     report.add("inproc/1KiB", "claim_p50", p50, "us", "1K-resident", base50)
     report.add("inproc/1KiB", "claim_p99", p99, "us", "1K-resident", base99)
 

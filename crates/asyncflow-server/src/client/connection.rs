@@ -150,6 +150,10 @@ impl Connection {
         self.link.lock().is_shm()
     }
 
+    pub fn has_rings(&self) -> bool {
+        self.link.lock().has_rings()
+    }
+
     pub fn address(&self) -> &str {
         &self.address
     }

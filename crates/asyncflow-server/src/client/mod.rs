@@ -198,14 +198,21 @@ impl Client {
         Ok(Self { primary, storage })
     }
 
-    /// The data path in use: `shm` if every payload connection uses shared memory, else `tcp`.
+    /// The data path in use: `shm` if every payload connection uses shared memory with its
+    /// requests and replies in rings, `shm-socket` if with them on the Unix socket, else `tcp`.
     pub fn transport(&self) -> &'static str {
         let payload_links: Vec<&Connection> = if self.storage.is_empty() {
             vec![&self.primary]
         } else {
             self.storage.iter().collect()
         };
-        if payload_links.iter().all(|c| c.is_shm()) { "shm" } else { "tcp" }
+        if !payload_links.iter().all(|c| c.is_shm()) {
+            "tcp"
+        } else if payload_links.iter().all(|c| c.has_rings()) {
+            "shm"
+        } else {
+            "shm-socket"
+        }
     }
 
     /// How many storage daemons hold the payloads (0 for a standalone daemon).

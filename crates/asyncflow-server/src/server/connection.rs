@@ -23,7 +23,7 @@ use asyncflow_core::{MemoryGuard, StoreError, Wait};
 use asyncflow_proto::{
     Failure, FrameHeader, HEADER_LEN, Limits, ProtoError, Reply, Request, ServerHello,
 };
-use asyncflow_shm::send_with_fds;
+use asyncflow_shm::{DaemonEnds, send_with_fds};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest, ReadBuf};
 use tokio::net::{TcpStream, UnixStream, tcp, unix};
 use tokio::sync::{Mutex, mpsc, watch};
@@ -32,6 +32,7 @@ use tokio::task::JoinSet;
 use super::Daemon;
 use super::cells::Payload;
 use super::outgoing::{Outgoing, Part, ReplyBody};
+use super::ring::{self, RingIn, RingOut};
 use super::routing::dispatch;
 use super::session::{Descriptor, Session, ShmSession};
 use super::transit::{Transit, TransitGuard};
@@ -147,6 +148,8 @@ enum Half {
 /// before it waits on its event loop (see the module documentation).
 struct Incoming {
     half: Half,
+    /// Where requests come from instead of `half`, if the client asked for rings.
+    ring: Option<RingIn>,
     local: bool,
     /// Replies waiting for the writer task, which runs only once this read waits.
     queued: Arc<AtomicUsize>,
@@ -165,13 +168,48 @@ struct Incoming {
 }
 
 impl Incoming {
-    fn new(half: Half, local: bool, queued: Arc<AtomicUsize>, activity: Arc<Activity>) -> Self {
-        Self { half, local, queued, activity, spin_for: SPIN, asking_since: None, waited: false }
+    fn new(
+        half: Half,
+        ring: Option<RingIn>,
+        local: bool,
+        queued: Arc<AtomicUsize>,
+        activity: Arc<Activity>,
+    ) -> Self {
+        Self {
+            half,
+            ring,
+            local,
+            queued,
+            activity,
+            spin_for: SPIN,
+            asking_since: None,
+            waited: false,
+        }
     }
 
-    /// Reads whatever arrives on a local socket within `spin_for`; `None` if nothing did (or
+    /// Reads what has come, without waiting; `None` if nothing has.
+    fn read_now(&mut self, buf: &mut ReadBuf<'_>) -> Option<std::io::Result<()>> {
+        if let Some(ring) = &mut self.ring {
+            return ring.take(buf);
+        }
+        let fd = match &self.half {
+            Half::Tcp(h) => h.as_ref().as_fd(),
+            Half::Unix(h) => h.as_ref().as_fd(),
+        };
+        match rustix::net::recv(fd, buf.initialize_unfilled(), rustix::net::RecvFlags::DONTWAIT) {
+            Ok((n, _)) => {
+                buf.advance(n);
+                Some(Ok(()))
+            }
+            Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => None,
+            Err(e) => Some(Err(e.into())),
+        }
+    }
+
+    /// Reads whatever arrives from a local client within `spin_for`; `None` if nothing did (or
     /// another connection is spinning, a reply waits to be written, a claim waits, or this one
-    /// is not local).
+    /// is not local). Looking at a ring costs no system call, so it yields the core only now
+    /// and then; a socket is read with one, after which it yields every time.
     fn spin(&mut self, buf: &mut ReadBuf<'_>) -> Option<std::io::Result<()>> {
         if !self.local
             || self.spin_for.is_zero()
@@ -180,27 +218,22 @@ impl Incoming {
         {
             return None;
         }
-        let fd = match &self.half {
-            Half::Tcp(h) => h.as_ref().as_fd(),
-            Half::Unix(h) => h.as_ref().as_fd(),
-        };
         let until = Instant::now() + self.spin_for;
+        let yield_every = if self.ring.is_some() { 64 } else { 1 };
+        let mut turns = 0u32;
         let got = loop {
-            match rustix::net::recv(fd, buf.initialize_unfilled(), rustix::net::RecvFlags::DONTWAIT)
-            {
-                Ok((n, _)) => {
-                    buf.advance(n);
-                    break Some(Ok(()));
-                }
-                Err(rustix::io::Errno::INTR) => {}
-                Err(rustix::io::Errno::AGAIN)
-                    if Instant::now() < until && self.queued.load(Ordering::Acquire) == 0 =>
-                {
-                    self.waited = true;
-                    std::thread::yield_now();
-                }
-                Err(rustix::io::Errno::AGAIN) => break None,
-                Err(e) => break Some(Err(e.into())),
+            if let Some(got) = self.read_now(buf) {
+                break Some(got);
+            }
+            if Instant::now() >= until || self.queued.load(Ordering::Acquire) > 0 {
+                break None;
+            }
+            self.waited = true;
+            turns += 1;
+            if turns.is_multiple_of(yield_every) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
             }
         };
         SPINNING.store(false, Ordering::Release);
@@ -229,9 +262,11 @@ impl AsyncRead for Incoming {
         let since = *this.asking_since.get_or_insert_with(Instant::now);
         let read = match this.spin(buf) {
             Some(got) => Poll::Ready(got),
-            None => match &mut this.half {
-                Half::Tcp(half) => Pin::new(half).poll_read(cx, buf),
-                Half::Unix(half) => Pin::new(half).poll_read(cx, buf),
+            None => match (&mut this.ring, &mut this.half) {
+                (Some(ring), Half::Unix(half)) => ring.poll_wait(half, cx, buf),
+                (Some(ring), Half::Tcp(half)) => ring.poll_wait(half, cx, buf),
+                (None, Half::Tcp(half)) => Pin::new(half).poll_read(cx, buf),
+                (None, Half::Unix(half)) => Pin::new(half).poll_read(cx, buf),
             },
         };
         if read.is_pending() {
@@ -249,6 +284,7 @@ impl AsyncRead for Incoming {
 enum FrameWriter {
     Tcp(BufWriter<tcp::OwnedWriteHalf>),
     Unix(BufWriter<unix::OwnedWriteHalf>),
+    Ring(RingOut),
 }
 
 enum ReadError {
@@ -397,6 +433,7 @@ impl FrameWriter {
         match self {
             FrameWriter::Tcp(w) => w.write_all(bytes).await,
             FrameWriter::Unix(w) => w.write_all(bytes).await,
+            FrameWriter::Ring(w) => w.write_all(bytes).await,
         }
     }
 
@@ -404,12 +441,23 @@ impl FrameWriter {
         match self {
             FrameWriter::Tcp(w) => w.flush().await,
             FrameWriter::Unix(w) => w.flush().await,
+            FrameWriter::Ring(w) => {
+                w.flush();
+                Ok(())
+            }
         }
     }
 
     /// Writes the header; on the Unix socket, with the frame's segment descriptors attached.
     async fn write_header(&mut self, out: &Outgoing) -> std::io::Result<()> {
         let header = out.header.encode();
+        if let FrameWriter::Ring(w) = self
+            && !out.fds.is_empty()
+        {
+            let fds: Vec<BorrowedFd<'_>> = out.fds.iter().map(|d| d.segment.fd()).collect();
+            w.send_fds(&fds).await?;
+            out.fds.iter().for_each(Descriptor::written);
+        }
         let FrameWriter::Unix(w) = self else {
             return self.write_all(&header).await;
         };
@@ -491,10 +539,31 @@ async fn write_out(
     Ok(())
 }
 
+/// Writes a frame with no payload straight to the socket, `fds` attached to its first bytes.
+async fn write_with_fds(
+    socket: &mut UnixStream,
+    out: &Outgoing,
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    let mut bytes = out.header.encode().to_vec();
+    bytes.extend_from_slice(&out.meta);
+    let sent = loop {
+        socket.writable().await?;
+        match socket.try_io(Interest::WRITABLE, || send_with_fds(socket.as_fd(), &bytes, fds)) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    };
+    socket.write_all(&bytes[sent..]).await
+}
+
 /// A hello that passed: its request id and the leases the client says it still holds.
 struct Greeted {
     id: u64,
     leases: Vec<u64>,
+    /// The ring capacity it asks for (0: none).
+    ring: u64,
 }
 
 /// Reads the hello within `--hello-timeout` and checks the token, reading no byte past the
@@ -542,11 +611,11 @@ async fn greet(daemon: &Daemon, socket: &mut Socket, cut: &tokio::sync::Notify) 
     {
         return refused(socket, id, Failure::Auth("wrong or missing token".into())).await;
     }
-    Some(Greeted { id, leases: hello.leases })
+    Some(Greeted { id, leases: hello.leases, ring: hello.ring })
 }
 
-/// The answer to a hello that passed.
-fn hello_reply(daemon: &Daemon, id: u64) -> Outgoing {
+/// The answer to a hello that passed; `ring`: the capacity of the connection's rings (0: none).
+fn hello_reply(daemon: &Daemon, id: u64, ring: u64) -> Outgoing {
     let reply = Reply::Hello(ServerHello {
         version: env!("CARGO_PKG_VERSION").into(),
         role: daemon.config.role,
@@ -554,6 +623,7 @@ fn hello_reply(daemon: &Daemon, id: u64) -> Outgoing {
         shm_socket: daemon.config.shm_socket.as_ref().map(|p| p.display().to_string()),
         storage: daemon.config.storage.clone(),
         instance: daemon.instance,
+        ring,
     });
     Outgoing::reply(id, &reply, ReplyBody::default())
 }
@@ -700,12 +770,26 @@ pub async fn serve(
             .await;
         return;
     };
-    if write_raw(&mut socket, &hello_reply(&daemon, greeted.id)).await.is_err() {
+    // A client on the Unix socket that asks for rings gets them, unless they cannot be made:
+    // then it stays on the socket, as the answer says.
+    let rings = match &socket {
+        Socket::Unix(_) if greeted.ring > 0 => ring::create(greeted.ring)
+            .inspect_err(|e| tracing::warn!(peer = %peer, error = %e, "cannot make rings"))
+            .ok(),
+        _ => None,
+    };
+    let capacity = rings.as_ref().map_or(0, |r| r.replies.capacity() as u64);
+    let hello = hello_reply(&daemon, greeted.id, capacity);
+    let sent = match (&mut socket, &rings) {
+        (Socket::Unix(s), Some(r)) => write_with_fds(s, &hello, &r.descriptors()).await,
+        _ => write_raw(&mut socket, &hello).await,
+    };
+    if sent.is_err() {
         return;
     }
     let leases = greeted.leases;
     if !socket.is_local() {
-        return serve_here(daemon, counted, socket, peer, stopping, false, leases).await;
+        return serve_here(daemon, counted, socket, peer, stopping, false, (leases, None)).await;
     }
     let moved = match StdSocket::of(socket) {
         Ok(moved) => moved,
@@ -722,7 +806,9 @@ pub async fn serve(
         let served = runtime.map(|rt| {
             rt.block_on(async move {
                 match moved.into_socket() {
-                    Ok(socket) => serve_here(daemon, counted, socket, p, s, true, leases).await,
+                    Ok(socket) => {
+                        serve_here(daemon, counted, socket, p, s, true, (leases, rings)).await;
+                    }
                     Err(e) => tracing::warn!(peer = %p, error = %e, "cannot serve a connection"),
                 }
             });
@@ -739,19 +825,31 @@ pub async fn serve(
     let _ = finished.await;
 }
 
-/// The connection's reading half and its buffered writer.
-fn split(socket: Socket) -> (Half, FrameWriter) {
-    match socket {
-        Socket::Tcp(s) => {
+/// The connection's reading half, its rings' reading end if it has rings, and its writer;
+/// `None` if its rings cannot be served (logged).
+fn split(
+    socket: Socket,
+    rings: Option<DaemonEnds>,
+    peer: &str,
+) -> Option<(Half, Option<RingIn>, FrameWriter)> {
+    Some(match (socket, rings) {
+        (Socket::Tcp(s), _) => {
             let _ = s.set_nodelay(true);
             let (r, w) = s.into_split();
-            (Half::Tcp(r), FrameWriter::Tcp(BufWriter::with_capacity(BUFFER, w)))
+            (Half::Tcp(r), None, FrameWriter::Tcp(BufWriter::with_capacity(BUFFER, w)))
         }
-        Socket::Unix(s) => {
+        (Socket::Unix(s), None) => {
             let (r, w) = s.into_split();
-            (Half::Unix(r), FrameWriter::Unix(BufWriter::with_capacity(BUFFER, w)))
+            (Half::Unix(r), None, FrameWriter::Unix(BufWriter::with_capacity(BUFFER, w)))
         }
-    }
+        (Socket::Unix(s), Some(rings)) => {
+            let (r, w) = s.into_split();
+            let (input, output) = ring::ends(rings, w)
+                .inspect_err(|e| tracing::warn!(peer, error = %e, "cannot serve rings"))
+                .ok()?;
+            (Half::Unix(r), Some(input), FrameWriter::Ring(output))
+        }
+    })
 }
 
 /// Waits while the connection has too many replies queued (see [`Replies::backed_up`]); false if
@@ -777,13 +875,13 @@ async fn serve_here(
     peer: String,
     mut stopping: watch::Receiver<bool>,
     local: bool,
-    leases: Vec<u64>,
+    (leases, rings): (Vec<u64>, Option<DaemonEnds>),
 ) {
     let shm = matches!(socket, Socket::Unix(_)).then(|| daemon.pool.clone()).flatten();
-    let (half, writer) = split(socket);
+    let Some((half, ring, writer)) = split(socket, rings, &peer) else { return };
     let queued = Arc::new(AtomicUsize::new(0));
     let activity = Arc::clone(&counted.1);
-    let incoming = Incoming::new(half, local, Arc::clone(&queued), Arc::clone(&activity));
+    let incoming = Incoming::new(half, ring, local, Arc::clone(&queued), Arc::clone(&activity));
     let mut reader = BufReader::with_capacity(BUFFER, incoming);
     let (tx, rx) = mpsc::unbounded_channel();
     let counts = Arc::new(ReplyCounts {

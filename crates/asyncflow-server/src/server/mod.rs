@@ -10,6 +10,7 @@ mod holders;
 mod metadata;
 mod metrics;
 mod outgoing;
+mod ring;
 mod roles;
 mod routing;
 mod session;

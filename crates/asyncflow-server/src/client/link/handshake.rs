@@ -1,5 +1,7 @@
 //! The hello a link opens with: the client's token, host and leases; the daemon's answer.
 
+use std::os::fd::OwnedFd;
+
 use asyncflow_proto::{Hello, Limits, Reply, Request, ServerHello, decode_answer};
 
 use super::frames::{read_frame, write_frame};
@@ -8,19 +10,22 @@ use super::{Policy, timed_out};
 use crate::error::{Error, Result};
 use crate::host::host_id;
 
-/// Says hello and returns the daemon's answer; a refused token is [`Error::Auth`]. The socket's
-/// timeouts bound the wait.
+/// Says hello, asking for rings of `ring` bytes (0: none), and returns the daemon's answer with
+/// the descriptors that came with it; a refused token is [`Error::Auth`]. The socket's timeouts
+/// bound the wait.
 pub(super) fn greet(
     stream: &mut Stream,
     token: Option<&str>,
     leases: &[u64],
+    ring: u64,
     address: &str,
     policy: &Policy,
-) -> Result<ServerHello> {
+) -> Result<(ServerHello, Vec<OwnedFd>)> {
     let hello = Request::Hello(Hello {
         token: token.map(str::to_owned),
         host: host_id().into(),
         leases: leases.to_vec(),
+        ring,
     });
     let wait = policy.request_timeout;
     stream.set_timeouts(Some(wait), Some(wait))?;
@@ -39,7 +44,7 @@ pub(super) fn greet(
     let mut refuse_idle = || Err(std::io::ErrorKind::TimedOut.into());
     let frame = read_frame(stream, Limits::DEFAULT, &mut refuse_idle).map_err(silent)?;
     match decode_answer(frame.header.op, &frame.meta, frame.payload.len() as u64)? {
-        Ok(Reply::Hello(h)) => Ok(h),
+        Ok(Reply::Hello(h)) => Ok((h, frame.fds)),
         Ok(other) => Err(Error::connection(format!("unexpected answer to hello: {other:?}"))),
         Err(failure) => Err(failure.into()),
     }

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use asyncflow_core::{StoreError, Wait};
 use asyncflow_proto::{Limits, Reply, Request, Segments, ServerHello, Spare, decode_answer};
-use asyncflow_shm::Segment;
+use asyncflow_shm::{ClientEnds, Segment, Watcher};
 use parking_lot::Mutex;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
@@ -55,7 +55,14 @@ pub enum Preference {
     Tcp,
     /// Shared memory or an error.
     Shm,
+    /// Shared memory for payloads, with requests and replies on the Unix socket instead of in
+    /// rings (the path before rings, kept to compare against), or an error.
+    ShmSocket,
 }
+
+/// The capacity of each ring a link asks for: a request or reply larger than this streams
+/// through it in pieces.
+const RING: u64 = 1 << 20;
 
 static PADDING: [u8; 64] = [0; 64];
 
@@ -95,6 +102,8 @@ pub struct Link {
     spare: Mutex<Option<Spare>>,
     pid: u32,
     shm: bool,
+    /// Whether requests and replies travel in rings (see `Stream::rings`).
+    has_rings: bool,
     hello: ServerHello,
     address: String,
     policy: Policy,
@@ -129,9 +138,10 @@ impl Link {
         leases: &[u64],
     ) -> Result<Arc<Self>> {
         let mut stream = Stream::Tcp(connect_tcp(address, policy.request_timeout)?);
-        let mut hello = greet(&mut stream, token, leases, address, &policy)?;
+        let (mut hello, _) = greet(&mut stream, token, leases, 0, address, &policy)?;
         let same_host = hello.host == host_id() && !hello.host.is_empty();
         let mut shm = false;
+        let mut rings = None;
         if prefer != Preference::Tcp {
             let unix = match (&hello.shm_socket, same_host) {
                 (Some(path), true) => UnixStream::connect(path)
@@ -155,28 +165,50 @@ impl Link {
                 tracing::warn!(error = %e, "not using the shared-memory path");
                 Err(e)
             };
+            let ask = if prefer == Preference::ShmSocket { 0 } else { RING };
             let unix = unix.and_then(|u| {
                 let mut local = Stream::Unix(u);
-                let local_hello = greet(&mut local, token, leases, address, &policy)?;
-                same_daemon(&local_hello).map(|()| (local, local_hello))
+                let (local_hello, fds) = greet(&mut local, token, leases, ask, address, &policy)?;
+                same_daemon(&local_hello)?;
+                // Rings the daemon set up must be used: it reads requests from them only.
+                let ends = match local_hello.ring {
+                    0 => None,
+                    cap => Some(ClientEnds::open(cap as usize, fds).map_err(|e| {
+                        Error::connection(format!("the daemon's shared-memory rings: {e}"))
+                    })?),
+                };
+                Ok((local, local_hello, ends))
             });
             match unix {
-                Ok((local, local_hello)) => {
+                Ok((local, local_hello, ends)) => {
                     hello = local_hello;
                     stream.shutdown();
                     stream = local;
                     shm = true;
+                    rings = ends;
                 }
-                Err(e) if prefer == Preference::Shm => return Err(e),
+                Err(e) if prefer != Preference::Auto => return Err(e),
                 Err(_) => {}
             }
         }
         // Reads wake up every ping interval to check on the daemon; writes give up after a
         // whole request timeout (a daemon that stopped reading has stopped serving).
-        stream.set_timeouts(Some(policy.ping_interval()), Some(policy.request_timeout))?;
-        let reader = Reader { stream: stream.try_clone()?, last_heard: Instant::now() };
+        let timeouts = (Some(policy.ping_interval()), Some(policy.request_timeout));
+        stream.set_timeouts(timeouts.0, timeouts.1)?;
+        let (read, written, replies_watch) = match (rings, &stream) {
+            (Some(ends), Stream::Unix(socket)) => {
+                let replies_watch = ends.replies.watcher()?;
+                let (mut read, mut written) = Stream::rings(ends, socket)?;
+                read.set_timeouts(timeouts.0, None)?;
+                written.set_timeouts(None, timeouts.1)?;
+                (read, written, Some(replies_watch))
+            }
+            _ => (stream.try_clone()?, stream.try_clone()?, None),
+        };
+        let has_rings = replies_watch.is_some();
+        let reader = Reader { stream: read, last_heard: Instant::now() };
         let watched = stream.as_fd().try_clone_to_owned()?;
-        let writer = BufWriter::with_capacity(256 << 10, stream.try_clone()?);
+        let writer = BufWriter::with_capacity(256 << 10, written);
         let (wake_watcher, woken) = UnixStream::pair()?;
         wake_watcher.set_nonblocking(true)?;
         woken.set_nonblocking(true)?;
@@ -194,6 +226,7 @@ impl Link {
             spare: Mutex::new(None),
             pid: std::process::id(),
             shm,
+            has_rings,
             hello,
             address: address.to_owned(),
             policy,
@@ -201,7 +234,7 @@ impl Link {
         let for_watcher = Arc::downgrade(&link);
         std::thread::Builder::new()
             .name("asyncflow-client".into())
-            .spawn(move || watch(&for_watcher, &watched, woken))
+            .spawn(move || watch(&for_watcher, &watched, woken, replies_watch.as_ref()))
             .map_err(|e| Error::connection(format!("cannot start the watcher thread: {e}")))?;
         Ok(link)
     }
@@ -212,6 +245,11 @@ impl Link {
 
     pub fn is_shm(&self) -> bool {
         self.shm
+    }
+
+    /// Whether requests and replies travel in shared-memory rings.
+    pub fn has_rings(&self) -> bool {
+        self.has_rings
     }
 
     pub fn address(&self) -> &str {
@@ -250,7 +288,13 @@ impl Link {
         self.stream.shutdown();
     }
 
-    fn map_segments(&self, segments: &Segments, fds: Vec<OwnedFd>) -> Result<()> {
+    fn map_segments(&self, segments: &Segments, mut fds: Vec<OwnedFd>) -> Result<()> {
+        if self.has_rings {
+            // They were sent on the socket just before the reply went into its ring.
+            self.stream.receive_fds(&mut fds, segments.new.len()).map_err(|e| {
+                Error::connection(format!("the descriptors of a reply did not come: {e}"))
+            })?;
+        }
         if fds.len() != segments.new.len() {
             return Err(Error::connection(format!(
                 "{} segments announced but {} descriptors received",
@@ -494,7 +538,7 @@ impl Link {
 /// wait and it is silent (giving up on it after a request timeout of silence), and notices when
 /// the daemon hangs up. While no caller sleeps it waits for the hang-up only, so replies that
 /// callers read themselves do not wake it.
-fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream) {
+fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Option<&Watcher>) {
     loop {
         let Some((wanted, interval)) = link
             .upgrade()
@@ -502,18 +546,36 @@ fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream) {
         else {
             return;
         };
-        let events = if wanted { PollFlags::IN | PollFlags::RDHUP } else { PollFlags::RDHUP };
-        let mut fds = [PollFd::new(socket, events), PollFd::new(&woken, PollFlags::IN)];
-        let timeout = Timespec {
-            tv_sec: interval.as_secs() as i64,
-            tv_nsec: i64::from(interval.subsec_nanos()),
+        // Replies come on the socket, or in the ring, whose bell rings only if the watcher says
+        // it sleeps (and the ring is empty then).
+        let ring = ring.filter(|_| wanted);
+        let in_ring = ring.is_some_and(|r| !r.sleep_for_bytes());
+        let events = if wanted && ring.is_none() {
+            PollFlags::IN | PollFlags::RDHUP
+        } else {
+            PollFlags::RDHUP
         };
-        let ready = match poll(&mut fds, Some(&timeout)) {
+        let mut fds = vec![PollFd::new(socket, events), PollFd::new(&woken, PollFlags::IN)];
+        if let Some(r) = ring {
+            fds.push(PollFd::new(r.bell(), PollFlags::IN));
+        }
+        let timeout = if in_ring { Duration::ZERO } else { interval };
+        let timeout = Timespec {
+            tv_sec: timeout.as_secs() as i64,
+            tv_nsec: i64::from(timeout.subsec_nanos()),
+        };
+        let polled = poll(&mut fds, Some(&timeout));
+        if let Some(r) = ring {
+            r.bell().silence();
+            r.awake();
+        }
+        let ready = match polled {
             Ok(n) => n,
             Err(rustix::io::Errno::INTR) => continue,
             Err(_) => return,
         };
-        let on_socket = !fds[0].revents().is_empty();
+        let bell_rang = fds.get(2).is_some_and(|f| !f.revents().is_empty());
+        let on_socket = !fds[0].revents().is_empty() || in_ring || bell_rang;
         if !fds[1].revents().is_empty() {
             while woken.read(&mut [0u8; 64]).is_ok_and(|n| n > 0) {}
         }

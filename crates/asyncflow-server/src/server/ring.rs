@@ -1,0 +1,173 @@
+//! A local connection's requests and replies in shared memory (see `asyncflow_shm::ring`): the
+//! client asks for the rings in its hello on the Unix socket, and their descriptors come back
+//! with the daemon's answer. From then on the socket carries only the descriptors of segments a
+//! reply names (each sent, one byte with them, before the reply goes into the ring) and, by
+//! closing, the news that the client is gone.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use asyncflow_shm::ring::{MAX_RING, MIN_RING};
+use asyncflow_shm::{Consumer, DaemonEnds, Producer, ShmError, send_with_fds};
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, Interest, ReadBuf};
+use tokio::net::{UnixStream, unix};
+
+/// How often a daemon waiting for room in a reply ring checks that its client is still there.
+const CHECK_CLIENT: Duration = Duration::from_millis(100);
+
+/// The rings for a client that asked for rings of `asked` bytes: the nearest power of two within
+/// what a ring may hold.
+pub fn create(asked: u64) -> Result<DaemonEnds, ShmError> {
+    let cap = usize::try_from(asked).unwrap_or(MAX_RING).clamp(MIN_RING, MAX_RING);
+    DaemonEnds::create(cap.next_power_of_two().min(MAX_RING))
+}
+
+/// An eventfd of the channel, registered with the runtime this is called on.
+fn registered(bell: BorrowedFd<'_>) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: an `OwnedFd` stays open, and names the same descriptor, for as long as it lives.
+    Ok(unsafe { AsyncFd::register_with_interest(bell.try_clone_to_owned()?, Interest::READABLE) }?)
+}
+
+/// Waits for `bell` to ring, and silences it.
+fn poll_bell(
+    bell: &AsyncFd<OwnedFd>,
+    silence: impl FnOnce() -> bool,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<()>> {
+    let mut guard = ready!(bell.poll_read_ready(cx))?;
+    silence();
+    guard.clear_ready();
+    Poll::Ready(Ok(()))
+}
+
+/// Whether the other end of `socket` has closed (or the socket failed).
+fn hung_up(socket: BorrowedFd<'_>) -> bool {
+    let mut fds = [PollFd::new(&socket, PollFlags::RDHUP)];
+    poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).is_ok_and(|n| n > 0)
+}
+
+/// The reading end: requests.
+pub struct RingIn {
+    requests: Consumer,
+    bell: AsyncFd<OwnedFd>,
+}
+
+impl RingIn {
+    /// Copies what is there into `buf`; `None` if nothing is.
+    pub fn take(&mut self, buf: &mut ReadBuf<'_>) -> Option<io::Result<()>> {
+        match self.requests.pop(buf.initialize_unfilled()) {
+            Ok(0) => None,
+            Ok(n) => {
+                buf.advance(n);
+                Some(Ok(()))
+            }
+            Err(e) => Some(Err(e)),
+        }
+    }
+
+    /// With nothing to read: sleeps until the client rings or `socket` says something, which can
+    /// only be that the client closed it (its end, read as nothing) or broke the protocol.
+    pub fn poll_wait<S: AsyncRead + Unpin>(
+        &mut self,
+        socket: &mut S,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            if let Some(got) = self.take(buf) {
+                self.requests.awake();
+                return Poll::Ready(got);
+            }
+            if !self.requests.sleep_for_bytes()? {
+                continue;
+            }
+            let bell = self.requests.bytes_bell();
+            if poll_bell(&self.bell, || bell.silence(), cx)?.is_ready() {
+                continue;
+            }
+            let mut byte = [0u8; 1];
+            let mut probe = ReadBuf::new(&mut byte);
+            ready!(Pin::new(&mut *socket).poll_read(cx, &mut probe))?;
+            if probe.filled().is_empty() {
+                return Poll::Ready(Ok(()));
+            }
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "bytes on the socket of a connection whose requests come in shared memory",
+            )));
+        }
+    }
+}
+
+/// The writing end: replies.
+pub struct RingOut {
+    replies: Producer,
+    bell: AsyncFd<OwnedFd>,
+    socket: unix::OwnedWriteHalf,
+}
+
+impl RingOut {
+    pub async fn write_all(&mut self, mut bytes: &[u8]) -> io::Result<()> {
+        loop {
+            let n = self.replies.push(bytes)?;
+            bytes = &bytes[n..];
+            if bytes.is_empty() {
+                return Ok(());
+            }
+            self.replies.wake_consumer();
+            self.wait_for_room().await?;
+        }
+    }
+
+    /// Lets the client read what was written.
+    pub fn flush(&self) {
+        self.replies.wake_consumer();
+    }
+
+    async fn wait_for_room(&mut self) -> io::Result<()> {
+        while self.replies.sleep_for_room()? {
+            let bell = self.replies.room_bell();
+            let rang = tokio::time::timeout(
+                CHECK_CLIENT,
+                std::future::poll_fn(|cx| poll_bell(&self.bell, || bell.silence(), cx)),
+            )
+            .await;
+            self.replies.awake();
+            match rang {
+                Ok(r) => return r,
+                Err(_) if hung_up(self.socket.as_ref().as_fd()) => {
+                    return Err(io::ErrorKind::BrokenPipe.into());
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `fds` on the socket, ahead of the reply that names them.
+    pub async fn send_fds(&mut self, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        let stream: &UnixStream = self.socket.as_ref();
+        loop {
+            stream.writable().await?;
+            match stream.try_io(Interest::WRITABLE, || send_with_fds(stream.as_fd(), &[0], fds)) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Both ends, registered with the runtime this is called on; `socket` is the connection's
+/// writing half.
+pub fn ends(rings: DaemonEnds, socket: unix::OwnedWriteHalf) -> io::Result<(RingIn, RingOut)> {
+    let DaemonEnds { requests, replies } = rings;
+    let input = RingIn { bell: registered(requests.bytes_bell().fd())?, requests };
+    let output = RingOut { bell: registered(replies.room_bell().fd())?, replies, socket };
+    Ok((input, output))
+}
