@@ -242,10 +242,13 @@ impl Incoming {
 }
 
 /// How long to spin after a read that spun for `spun` and got its bytes `took` after asking:
-/// twice `took`, at most `SPIN`, and not at all if `took` was longer than that.
+/// twice `took`, at most `SPIN`; after a gap longer than that, half the last spin (a client
+/// that asks now and then soon gets none).
 fn next_spin(spun: Duration, took: Duration) -> Duration {
     if took >= SPIN {
-        return Duration::ZERO;
+        // Not none at once: a client that works a while between bursts (fills a buffer, then
+        // puts, claims and acks it) sends the burst's next request within microseconds.
+        return spun / 2;
     }
     // Not below three quarters of the last spin: a client's gaps alternate (a notice right after
     // its request's reply, then its next request a little later).
@@ -1002,8 +1005,20 @@ mod tests {
             spin = next_spin(spin, took);
         }
         assert!(spin >= us(60), "{spin:?}");
-        // A client that took longer than SPIN: no spin until one comes sooner again.
-        assert_eq!(next_spin(SPIN, SPIN), Duration::ZERO);
+        // A client that took longer than SPIN: half the spin, then less and less.
+        assert_eq!(next_spin(us(80), SPIN), us(40));
+        let mut spin = SPIN;
+        for _ in 0..12 {
+            spin = next_spin(spin, 10 * SPIN);
+        }
+        assert!(spin < us(1), "{spin:?}");
         assert_eq!(next_spin(Duration::ZERO, us(30)), us(60));
+        // A client that works a while, then sends a burst: the spin after the long gap still
+        // catches the burst's next request.
+        let mut spin = Duration::ZERO;
+        for took in [us(400), us(8), us(8)].repeat(10) {
+            spin = next_spin(spin, took);
+        }
+        assert!(next_spin(spin, us(400)) >= us(8), "{spin:?}");
     }
 }
