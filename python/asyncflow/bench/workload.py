@@ -80,15 +80,9 @@ def claim_latencies(store: af.Store, size: int, samples: int) -> tuple[float, fl
     rows = max(1, min(256, (256 << 20) // size))
     store.register_task("latency")
     store.put({"lat": np.zeros((rows, size), dtype=np.uint8)}, partition="latency")
-    batch_size = min(CLAIM_BATCH, rows)
-    lat = np.empty(samples)
-    for i in range(samples):
-        t0 = time.perf_counter()
-        batch = store.claim("latency", "lat", batch_size, timeout=10)
-        lat[i] = time.perf_counter() - t0
-        batch.release()
+    p50_p99 = _claim_percentiles(store, "latency", "lat", min(CLAIM_BATCH, rows), samples, 10)
     store.clear("latency")
-    return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+    return p50_p99
 
 
 def resident_claim_latencies(
@@ -102,11 +96,19 @@ def resident_claim_latencies(
     for start in range(0, resident, chunk):
         n = min(chunk, resident - start)
         store.put({"x": np.zeros(n, dtype=np.float32)}, partition="p")
+    p50_p99 = _claim_percentiles(store, "bench", "x", CLAIM_BATCH, samples, 1)
+    store.clear("p")
+    return p50_p99
+
+
+def _claim_percentiles(
+    store: af.Store, task: str, field: str, batch_size: int, samples: int, timeout: float
+) -> tuple[float, float]:
+    """p50 and p99 (µs) of ``samples`` claims of ``batch_size`` rows, each released at once."""
     lat = np.empty(samples)
     for i in range(samples):
         t0 = time.perf_counter()
-        batch = store.claim("bench", "x", CLAIM_BATCH, timeout=1)
+        batch = store.claim(task, field, batch_size, timeout=timeout)
         lat[i] = time.perf_counter() - t0
         batch.release()
-    store.clear("p")
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)

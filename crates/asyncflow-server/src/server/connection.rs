@@ -7,10 +7,10 @@
 //! A client on this machine usually sends its next request within microseconds of a reply, and
 //! a thread asleep in the kernel takes far longer than that to be woken for it. So a local
 //! client's connection has a thread (and event loop) of its own, whose socket wakes no other
-//! thread, and after each frame it keeps reading its socket for a short while before it waits;
-//! one connection at a time does so, to leave the machine's other cores alone, and only while
-//! its client's last frame came within that while (a worker that asks now and then would have
-//! each of its requests followed by a spin that finds nothing).
+//! thread, and after each frame it keeps reading its socket (or its rings in shared memory, see
+//! `ring.rs`) for a short while before it waits; one connection at a time does so, to leave the
+//! machine's other cores alone, for about as long as its client has lately taken to send (a
+//! worker that asks now and then soon has its requests followed by no spin at all).
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::pin::Pin;
