@@ -169,9 +169,7 @@ pub struct Producer {
 impl Producer {
     /// Copies as much of `bytes` as fits and publishes it; returns how much (0: the ring is full).
     pub fn push(&mut self, bytes: &[u8]) -> io::Result<usize> {
-        let tail = self.ring.word64(TAIL).load(Ordering::Acquire);
-        let free = self.ring.cap - self.ring.used(self.head, tail)?;
-        let n = free.min(bytes.len());
+        let n = self.room()?.min(bytes.len());
         let at = (self.head % self.ring.cap as u64) as usize;
         let first = n.min(self.ring.cap - at);
         // SAFETY: `[at, at + first)` and `[0, n - first)` are inside the data area and free: the
@@ -228,8 +226,7 @@ pub struct Consumer {
 impl Consumer {
     /// Copies out as many bytes as are there and fit in `buf`; returns how many (0: none).
     pub fn pop(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let head = self.ring.word64(HEAD).load(Ordering::Acquire);
-        let n = self.ring.used(head, self.tail)?.min(buf.len());
+        let n = self.available()?.min(buf.len());
         if n == 0 {
             return Ok(0);
         }

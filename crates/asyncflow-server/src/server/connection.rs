@@ -468,17 +468,8 @@ impl FrameWriter {
             return w.write_all(&header).await;
         }
         w.flush().await?;
-        let stream: &UnixStream = w.get_ref().as_ref();
         let fds: Vec<BorrowedFd<'_>> = out.fds.iter().map(|d| d.segment.fd()).collect();
-        let sent = loop {
-            stream.writable().await?;
-            match stream.try_io(Interest::WRITABLE, || send_with_fds(stream.as_fd(), &header, &fds))
-            {
-                Ok(n) => break n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
-            }
-        };
+        let sent = send_fds(w.get_ref().as_ref(), &header, &fds).await?;
         // The descriptors are in the socket ahead of every frame written from now on.
         out.fds.iter().for_each(Descriptor::written);
         w.write_all(&header[sent..]).await
@@ -542,6 +533,22 @@ async fn write_out(
     Ok(())
 }
 
+/// Sends some of `bytes` (returns how many, at least one) with `fds` attached to the first,
+/// once the socket takes them.
+pub(super) async fn send_fds(
+    socket: &UnixStream,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<usize> {
+    loop {
+        socket.writable().await?;
+        match socket.try_io(Interest::WRITABLE, || send_with_fds(socket.as_fd(), bytes, fds)) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            sent => return sent,
+        }
+    }
+}
+
 /// Writes a frame with no payload straight to the socket, `fds` attached to its first bytes.
 async fn write_with_fds(
     socket: &mut UnixStream,
@@ -550,14 +557,7 @@ async fn write_with_fds(
 ) -> std::io::Result<()> {
     let mut bytes = out.header.encode().to_vec();
     bytes.extend_from_slice(&out.meta);
-    let sent = loop {
-        socket.writable().await?;
-        match socket.try_io(Interest::WRITABLE, || send_with_fds(socket.as_fd(), &bytes, fds)) {
-            Ok(n) => break n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    };
+    let sent = send_fds(socket, &bytes, fds).await?;
     socket.write_all(&bytes[sent..]).await
 }
 

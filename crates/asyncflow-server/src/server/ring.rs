@@ -11,11 +11,11 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use asyncflow_shm::ring::{MAX_RING, MIN_RING};
-use asyncflow_shm::{Consumer, DaemonEnds, Producer, ShmError, send_with_fds};
+use asyncflow_shm::{Consumer, DaemonEnds, Producer, ShmError};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, Interest, ReadBuf};
-use tokio::net::{UnixStream, unix};
+use tokio::net::unix;
 
 /// How often a daemon waiting for room in a reply ring checks that its client is still there.
 const CHECK_CLIENT: Duration = Duration::from_millis(100);
@@ -151,15 +151,7 @@ impl RingOut {
 
     /// Sends `fds` on the socket, ahead of the reply that names them.
     pub async fn send_fds(&mut self, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-        let stream: &UnixStream = self.socket.as_ref();
-        loop {
-            stream.writable().await?;
-            match stream.try_io(Interest::WRITABLE, || send_with_fds(stream.as_fd(), &[0], fds)) {
-                Ok(_) => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
-            }
-        }
+        super::connection::send_fds(self.socket.as_ref(), &[0], fds).await.map(drop)
     }
 }
 

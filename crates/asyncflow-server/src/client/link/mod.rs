@@ -36,12 +36,12 @@ use asyncflow_core::{StoreError, Wait};
 use asyncflow_proto::{Limits, Reply, Request, Segments, ServerHello, Spare, decode_answer};
 use asyncflow_shm::{ClientEnds, Segment, Watcher};
 use parking_lot::Mutex;
-use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::event::{PollFd, PollFlags, poll};
 
 use self::frames::{RawFrame, Started, read_rest_of_frame, write_frame};
 use self::handshake::greet;
 use self::segments::mapped;
-use self::stream::{Stream, connect_tcp};
+use self::stream::{Stream, connect_tcp, timespec};
 pub use self::waiter::{Pending, PinToken};
 use super::Policy;
 use crate::error::{Error, Result};
@@ -559,11 +559,7 @@ fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Optio
         if let Some(r) = ring {
             fds.push(PollFd::new(r.bell(), PollFlags::IN));
         }
-        let timeout = if in_ring { Duration::ZERO } else { interval };
-        let timeout = Timespec {
-            tv_sec: timeout.as_secs() as i64,
-            tv_nsec: i64::from(timeout.subsec_nanos()),
-        };
+        let timeout = timespec(if in_ring { Duration::ZERO } else { interval });
         let polled = poll(&mut fds, Some(&timeout));
         if let Some(r) = ring {
             r.bell().silence();

@@ -40,7 +40,7 @@ fn nothing_yet() -> Timespec {
     Timespec { tv_sec: 0, tv_nsec: 0 }
 }
 
-fn timespec(d: Duration) -> Timespec {
+pub(super) fn timespec(d: Duration) -> Timespec {
     Timespec { tv_sec: d.as_secs() as i64, tv_nsec: i64::from(d.subsec_nanos()) }
 }
 
