@@ -1,24 +1,35 @@
-//! A process maps each shared-memory segment of a daemon once, whatever the number of its
-//! connections to that daemon: descriptors and mappings per link would run a process with many
-//! clients out of descriptors (the kernel then drops those a reply carries). Its own test binary,
-//! so that no other test's segments are counted.
+//! Descriptors per connection. A process maps each shared-memory segment of a daemon once,
+//! whatever the number of its connections to that daemon: descriptors and mappings per link would
+//! run a process with many clients out of descriptors (the kernel then drops those a reply
+//! carries). A connection's rings cost the daemon their bells and nothing more. Its own test
+//! binary, so that no other test's descriptors are counted; its tests take turns.
 
 mod support;
 
-use asyncflow_server::client::Preference;
-use support::{Daemon, put_ints, read_ints};
+use std::sync::Mutex;
 
-/// Descriptors this process holds on shared-memory segments (the in-process daemon's included).
-fn segment_descriptors() -> usize {
+use asyncflow_server::client::Preference;
+use support::{Daemon, NOW, put_ints, read_ints};
+
+/// Held by each test while it counts.
+static COUNTING: Mutex<()> = Mutex::new(());
+
+/// Descriptors this process holds whose target names `what` (the in-process daemon's included).
+fn descriptors(what: &str) -> usize {
     std::fs::read_dir("/proc/self/fd")
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|target| target.to_string_lossy().contains("asyncflow-segment"))
+        .filter(|target| target.to_string_lossy().contains(what))
         .count()
+}
+
+fn segment_descriptors() -> usize {
+    descriptors("asyncflow-segment")
 }
 
 #[test]
 fn every_link_to_a_daemon_shares_one_mapping_of_each_segment() {
+    let _turn = COUNTING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let daemon = Daemon::start(&[]);
     let writer = daemon.connect(Preference::Shm);
     assert_eq!(writer.transport(), "shm");
@@ -33,4 +44,23 @@ fn every_link_to_a_daemon_shares_one_mapping_of_each_segment() {
         assert_eq!(read_ints(reader, &rows, "x"), values);
     }
     assert_eq!(segment_descriptors(), with_one_reader, "eight more links mapped their own copies");
+}
+
+#[test]
+fn a_connection_in_rings_keeps_no_descriptor_of_their_memory_and_no_duplicate_bell() {
+    let _turn = COUNTING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let daemon = Daemon::start(&[]);
+    let first = daemon.connect(Preference::Shm);
+    assert_eq!(first.transport(), "shm");
+    let bells = descriptors("eventfd");
+    let more: Vec<_> = (0..8).map(|_| daemon.connect(Preference::Shm)).collect();
+    for client in &more {
+        assert_eq!(client.transport(), "shm");
+        client.register_task("t", None, NOW).unwrap();
+    }
+    assert_eq!(descriptors("asyncflow-ring"), 0, "a ring's memfd stayed open once mapped");
+    // Each side's four bells, the client's watcher's copy of the one it waits on, and the
+    // daemon's connection thread's own waker.
+    let per_connection = (descriptors("eventfd") - bells) / more.len();
+    assert_eq!(per_connection, 4 + 1 + 4 + 1, "eventfds per connection, both sides");
 }

@@ -42,11 +42,11 @@ pub const MAX_RING: usize = 64 << 20;
 /// replies' bytes and room).
 pub const CHANNEL_FDS: usize = 5;
 
-/// The shared mapping of a channel's memfd.
+/// The shared mapping of a channel's memfd (the descriptor itself is not kept: a mapping
+/// outlives it).
 struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
-    fd: OwnedFd,
 }
 
 // SAFETY: plain shared memory owned by this value, touched only through atomics (the header) and
@@ -302,10 +302,13 @@ impl Consumer {
     }
 }
 
-/// The daemon's ends of a channel: it reads requests and writes replies.
+/// The daemon's ends of a channel: it reads requests and writes replies. `memory` is the
+/// channel's memfd, kept only to be sent to the client (see [`DaemonEnds::descriptors`]); drop
+/// it once sent.
 pub struct DaemonEnds {
     pub requests: Consumer,
     pub replies: Producer,
+    pub memory: OwnedFd,
 }
 
 /// The client's ends: it writes requests and reads replies.
@@ -342,19 +345,20 @@ impl DaemonEnds {
         let fd = anonymous_fd("asyncflow-ring", len).map_err(create)?;
         fs::ftruncate(&fd, len as u64).map_err(|e| create(e.into()))?;
         let ptr = map(&fd, len, ProtFlags::READ | ProtFlags::WRITE)?;
-        let map = Arc::new(Mapping { ptr, len, fd });
+        let map = Arc::new(Mapping { ptr, len });
         let (requests, replies) = rings(&map, cap);
         let bell = || Bell::new().map_err(create);
         Ok(Self {
             requests: Consumer { ring: requests, tail: 0, bytes: bell()?, room: bell()? },
             replies: Producer { ring: replies, head: 0, bytes: bell()?, room: bell()? },
+            memory: fd,
         })
     }
 
     /// What the client needs to open its ends, in the order [`ClientEnds::open`] takes them.
     pub fn descriptors(&self) -> [BorrowedFd<'_>; CHANNEL_FDS] {
         [
-            self.requests.ring.map.fd.as_fd(),
+            self.memory.as_fd(),
             self.requests.bytes.fd(),
             self.requests.room.fd(),
             self.replies.bytes.fd(),
@@ -379,7 +383,8 @@ impl ClientEnds {
             return Err(ShmError::SizeMismatch { expected: len, actual: actual as u64 });
         }
         let ptr = map(&fd, len, ProtFlags::READ | ProtFlags::WRITE)?;
-        let map = Arc::new(Mapping { ptr, len, fd });
+        drop(fd);
+        let map = Arc::new(Mapping { ptr, len });
         let (requests, replies) = rings(&map, cap);
         let head = requests.word64(HEAD).load(Ordering::Acquire);
         let tail = replies.word64(TAIL).load(Ordering::Acquire);

@@ -5,7 +5,7 @@
 //! closing, the news that the client is gone.
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
@@ -27,15 +27,29 @@ pub fn create(asked: u64) -> Result<DaemonEnds, ShmError> {
     DaemonEnds::create(cap.next_power_of_two().min(MAX_RING))
 }
 
+/// The number of an eventfd that the ring end beside it owns: registered with the runtime as it
+/// is, not as a duplicate, so that a connection holds no descriptor more than its channel's.
+struct BellFd(RawFd);
+
+impl AsRawFd for BellFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
 /// An eventfd of the channel, registered with the runtime this is called on.
-fn registered(bell: BorrowedFd<'_>) -> io::Result<AsyncFd<OwnedFd>> {
-    // SAFETY: an `OwnedFd` stays open, and names the same descriptor, for as long as it lives.
-    Ok(unsafe { AsyncFd::register_with_interest(bell.try_clone_to_owned()?, Interest::READABLE) }?)
+///
+/// # Safety
+/// `bell` must stay open until the returned value is dropped: it is declared before the ring
+/// end that owns `bell` in `RingIn` and `RingOut`, so it drops first.
+unsafe fn registered(bell: BorrowedFd<'_>) -> io::Result<AsyncFd<BellFd>> {
+    // SAFETY: upheld by the caller; the number always names the same descriptor.
+    Ok(unsafe { AsyncFd::register_with_interest(BellFd(bell.as_raw_fd()), Interest::READABLE) }?)
 }
 
 /// Waits for `bell` to ring, and silences it.
 fn poll_bell(
-    bell: &AsyncFd<OwnedFd>,
+    bell: &AsyncFd<BellFd>,
     silence: impl FnOnce() -> bool,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<()>> {
@@ -53,8 +67,9 @@ fn hung_up(socket: BorrowedFd<'_>) -> bool {
 
 /// The reading end: requests.
 pub struct RingIn {
+    // Declared (so dropped) before the ring end that owns its descriptor.
+    bell: AsyncFd<BellFd>,
     requests: Consumer,
-    bell: AsyncFd<OwnedFd>,
 }
 
 impl RingIn {
@@ -106,8 +121,9 @@ impl RingIn {
 
 /// The writing end: replies.
 pub struct RingOut {
+    // Declared (so dropped) before the ring end that owns its descriptor.
+    bell: AsyncFd<BellFd>,
     replies: Producer,
-    bell: AsyncFd<OwnedFd>,
     socket: unix::OwnedWriteHalf,
 }
 
@@ -156,10 +172,12 @@ impl RingOut {
 }
 
 /// Both ends, registered with the runtime this is called on; `socket` is the connection's
-/// writing half.
+/// writing half. The channel's memory descriptor, sent with the hello, is closed here.
 pub fn ends(rings: DaemonEnds, socket: unix::OwnedWriteHalf) -> io::Result<(RingIn, RingOut)> {
-    let DaemonEnds { requests, replies } = rings;
-    let input = RingIn { bell: registered(requests.bytes_bell().fd())?, requests };
-    let output = RingOut { bell: registered(replies.room_bell().fd())?, replies, socket };
-    Ok((input, output))
+    let DaemonEnds { requests, replies, memory } = rings;
+    drop(memory);
+    // SAFETY: each end owns the bell registered beside it, and drops after it.
+    let (asked, room) =
+        unsafe { (registered(requests.bytes_bell().fd())?, registered(replies.room_bell().fd())?) };
+    Ok((RingIn { bell: asked, requests }, RingOut { bell: room, replies, socket }))
 }
