@@ -23,6 +23,7 @@ import pytest
 
 import asyncflow as af
 from asyncflow import _native
+from asyncflow.daemon import DaemonProcess
 
 #: The conftest's ``daemons`` fixture: starts a daemon with the given flags.
 Daemons = Callable[..., Any]
@@ -153,6 +154,36 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) 
     while not condition():
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.01)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_daemon_out_of_descriptors_waits_without_spinning_and_serves_again_after() -> None:
+    # 64 descriptors at most, hard limit too: connections that never say hello use them up
+    # (--hello-timeout keeps them), and the next ones wait in the listener's backlog.
+    daemon = DaemonProcess("--hello-timeout", "600", prefix=("prlimit", "--nofile=64:64"))
+    host, port = daemon.url.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        idle = [socket.create_connection((host, int(port))) for _ in range(96)]
+        fds = Path(f"/proc/{daemon.proc.pid}/fd")
+        wait_until(lambda: len(list(fds.iterdir())) >= 63, "the daemon ran out of descriptors")
+        before, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
+        time.sleep(2.0)
+        busy = (cpu_seconds(daemon.proc.pid) - before) / (time.monotonic() - t0)
+        # Retrying a failing accept at once keeps a core busy (1.0 s a second here).
+        assert busy < 0.3, f"the daemon used {busy:.2f} s of CPU a second while out of descriptors"
+        for s in idle:
+            s.close()
+        store = af.connect(daemon.url, transport="tcp")
+        store.register_task("t")
+        store.put({"x": np.arange(3)})
+        assert list(store.claim("t", "x", 3, timeout=30).read()["x"]) == [0, 1, 2]
+    finally:
+        assert daemon.stop() == 0
 
 
 def test_a_shared_memory_put_after_the_first_is_one_round_trip(daemons: Daemons) -> None:

@@ -28,6 +28,37 @@ fn init_logging(level: &str, json: bool) {
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }
 
+/// Descriptors one connection may hold in the daemon: its socket, and on the shared-memory path
+/// its rings' four bells and its own event loop (an epoll and its waker).
+const DESCRIPTORS_PER_CONNECTION: u64 = 7;
+
+/// Raises the soft open-file limit to the hard one (as servers commonly do: the soft default,
+/// often 1024, is too small for `--max-connections`' default), and warns if even that is too
+/// small for `max_connections`. A process out of descriptors refuses new connections.
+fn raise_open_file_limit(max_connections: usize) {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    // No hard limit: as far as the kernel lets a process open (fs.nr_open, 1 Mi by default).
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open").ok();
+    let ceiling = limit.maximum.or_else(|| nr_open?.trim().parse().ok()).unwrap_or(1 << 20);
+    if limit.current.is_some_and(|soft| soft < ceiling) {
+        let raised = rustix::process::Rlimit { current: Some(ceiling), maximum: limit.maximum };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => limit = raised,
+            Err(e) => tracing::debug!(error = %e, "cannot raise the open-file limit"),
+        }
+    }
+    let wanted = (max_connections as u64).saturating_mul(DESCRIPTORS_PER_CONNECTION) + 64;
+    if let Some(soft) = limit.current.filter(|&soft| soft < wanted) {
+        tracing::warn!(
+            limit = soft,
+            max_connections,
+            "the open-file limit (ulimit -n) may run out before --max-connections does: new \
+             connections then wait until others close"
+        );
+    }
+}
+
 /// The daemon's command line: parses `args` (without the program name), serves until SIGTERM or
 /// SIGINT, and returns the process exit code. Prints `listening on tcp://ADDR` on stdout once
 /// clients can connect.
@@ -58,6 +89,7 @@ pub fn run_as<I: IntoIterator<Item = String>>(program: &str, args: I) -> i32 {
         }
     };
     init_logging(&config.log_level, config.log_json);
+    raise_open_file_limit(config.max_connections);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().min(4)))
         .thread_name("asyncflow-store")

@@ -113,8 +113,18 @@ impl Metrics {
 
 /// Answers every HTTP request on `listener` with the metrics page.
 pub async fn serve(daemon: Arc<Daemon>, listener: TcpListener) {
+    let mut backoff = super::AcceptBackoff::default();
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let mut stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                backoff.accepted("accepting on the metrics port");
+                stream
+            }
+            Err(e) => {
+                tokio::time::sleep(backoff.failed("accepting on the metrics port", &e)).await;
+                continue;
+            }
+        };
         let daemon = Arc::clone(&daemon);
         tokio::spawn(async move {
             // The request itself does not matter; read what arrived so the client sees a reply.

@@ -240,6 +240,40 @@ impl Listener {
     }
 }
 
+/// Pauses between failed accepts. A listener whose process is out of descriptors (EMFILE) fails
+/// at once and again for as long as a connection waits in its backlog: retried without a pause,
+/// it spins a core and floods the log. 5 ms, doubling to 1 s, until a connection is accepted;
+/// the first failure of a run and the recovery are logged, not each failure.
+#[derive(Default)]
+pub(crate) struct AcceptBackoff {
+    failures: u64,
+    pause: Duration,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(5);
+    const MOST: Duration = Duration::from_secs(1);
+
+    /// After a failed accept: how long to wait before the next.
+    pub(crate) fn failed(&mut self, what: &str, error: &std::io::Error) -> Duration {
+        if self.failures == 0 {
+            tracing::warn!(error = %error, "{what} failed; retrying with pauses up to 1 s");
+        }
+        self.failures += 1;
+        self.pause =
+            if self.pause.is_zero() { Self::FIRST } else { (self.pause * 2).min(Self::MOST) };
+        self.pause
+    }
+
+    /// After an accepted connection.
+    pub(crate) fn accepted(&mut self, what: &str) {
+        if self.failures > 0 {
+            tracing::info!(failures = self.failures, "{what} succeeds again");
+        }
+        *self = Self::default();
+    }
+}
+
 async fn accept_loop(
     daemon: Arc<Daemon>,
     listener: Listener,
@@ -247,6 +281,7 @@ async fn accept_loop(
     conns: Arc<parking_lot::Mutex<JoinSet<()>>>,
 ) {
     let mut stopped = stop.clone();
+    let mut backoff = AcceptBackoff::default();
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -254,6 +289,7 @@ async fn accept_loop(
         };
         match accepted {
             Ok((socket, peer)) => {
+                backoff.accepted("accept");
                 daemon.metrics.connections.fetch_add(1, Ordering::Relaxed);
                 // Until it says hello a connection holds a place of its own kind only, for
                 // --hello-timeout at most; it takes one under --max-connections after.
@@ -262,7 +298,13 @@ async fn accept_loop(
                     connection::serve(Arc::clone(&daemon), socket, peer, stop.clone(), ungreeted);
                 conns.lock().spawn(task);
             }
-            Err(e) => tracing::warn!(error = %e, "accept failed"),
+            Err(e) => {
+                let pause = backoff.failed("accept", &e);
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    _ = stopped.wait_for(|s| *s) => return,
+                }
+            }
         }
     }
 }
@@ -389,4 +431,20 @@ pub async fn serve(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_accepts_pause_longer_each_time_up_to_a_second_until_one_succeeds() {
+        let mut backoff = AcceptBackoff::default();
+        let error = std::io::Error::from_raw_os_error(24);
+        let pauses: Vec<u64> =
+            (0..10).map(|_| backoff.failed("accept", &error).as_millis() as u64).collect();
+        assert_eq!(pauses, [5, 10, 20, 40, 80, 160, 320, 640, 1000, 1000]);
+        backoff.accepted("accept");
+        assert_eq!(backoff.failed("accept", &error), Duration::from_millis(5));
+    }
 }
