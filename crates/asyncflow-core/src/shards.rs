@@ -8,6 +8,7 @@
 //! storage daemon of a cluster of S holds every S-th row) pays a slot for each row it skips.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use parking_lot::Mutex;
 
@@ -69,9 +70,33 @@ impl Page {
     }
 }
 
+/// Hashes a page number with one multiplication. Page numbers come from row indexes the store
+/// hands out, never from a client, so nobody can choose keys that collide; the default hasher's defence
+/// against that costs more than the rest of a lookup.
+#[derive(Default)]
+struct PageHasher(u64);
+
+impl Hasher for PageHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        // Fibonacci hashing: the low bits (the table's bucket) of consecutive page numbers
+        // differ, and the high bits (its tag) are mixed from all of them.
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 #[derive(Debug, Default)]
 struct Shard {
-    pages: HashMap<u64, Page>,
+    pages: HashMap<u64, Page, BuildHasherDefault<PageHasher>>,
     rows: usize,
 }
 
@@ -105,25 +130,23 @@ impl Shards {
         (page * PAGE as u64 + slot as u64) * self.shards.len() as u64 + shard as u64
     }
 
-    /// Positions of `rows` grouped by the shard that owns them, so each shard is locked once.
-    fn by_shard(&self, rows: &[u64]) -> Vec<Vec<usize>> {
-        let mut buckets = vec![Vec::new(); self.shards.len()];
-        for (k, &index) in rows.iter().enumerate() {
-            buckets[self.place(index).0].push(k);
-        }
-        buckets
+    /// `(shard, position)` of each of `rows`, grouped by the shard that owns the row (positions
+    /// ascending within a shard), so each shard is locked once; take the groups with
+    /// `chunk_by(same_shard)`.
+    fn by_shard(&self, rows: &[u64]) -> Vec<(usize, usize)> {
+        let mut order: Vec<(usize, usize)> =
+            rows.iter().enumerate().map(|(k, &index)| (self.place(index).0, k)).collect();
+        order.sort_unstable();
+        order
     }
 
     /// Stores `columns[f].1[k]` as field `columns[f].0` of row `rows[k]`, replacing any cell
     /// the row already had for that field.
     pub fn insert(&self, rows: &[u64], columns: &[(FieldId, Vec<Cell>)]) {
-        for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
-            if positions.is_empty() {
-                continue;
-            }
-            let mut shard = self.shards[shard].lock();
+        for group in self.by_shard(rows).chunk_by(same_shard) {
+            let mut shard = self.shards[group[0].0].lock();
             let Shard { pages, rows: count } = &mut *shard;
-            for k in positions {
+            for &(_, k) in group {
                 let (_, page, slot) = self.place(rows[k]);
                 let page = pages.entry(page).or_insert_with(Page::new);
                 for (field, column) in columns {
@@ -143,14 +166,21 @@ impl Shards {
         field: FieldId,
         mut each: impl FnMut(usize, &Cell),
     ) -> Result<()> {
-        for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
-            if positions.is_empty() {
-                continue;
-            }
-            let shard = self.shards[shard].lock();
-            for k in positions {
-                let (_, page, slot) = self.place(rows[k]);
-                let cell = shard.pages.get(&page).and_then(|p| p.cell(field, slot));
+        for group in self.by_shard(rows).chunk_by(same_shard) {
+            let shard = self.shards[group[0].0].lock();
+            // Rows claimed together mostly share a page: look each page up once in a run.
+            let mut last: Option<(u64, Option<&Page>)> = None;
+            for &(_, k) in group {
+                let (_, page_no, slot) = self.place(rows[k]);
+                let page = match last {
+                    Some((no, page)) if no == page_no => page,
+                    _ => {
+                        let page = shard.pages.get(&page_no);
+                        last = Some((page_no, page));
+                        page
+                    }
+                };
+                let cell = page.and_then(|p| p.cell(field, slot));
                 each(k, cell.ok_or(StoreError::UnknownIndex(rows[k]))?);
             }
         }
@@ -178,12 +208,9 @@ impl Shards {
 
     /// Drops the payloads of `rows`.
     pub fn remove(&self, rows: &[u64]) {
-        for (shard, positions) in self.by_shard(rows).into_iter().enumerate() {
-            if positions.is_empty() {
-                continue;
-            }
-            let mut shard = self.shards[shard].lock();
-            for k in positions {
+        for group in self.by_shard(rows).chunk_by(same_shard) {
+            let mut shard = self.shards[group[0].0].lock();
+            for &(_, k) in group {
                 let (_, page_no, slot) = self.place(rows[k]);
                 let Some(page) = shard.pages.get_mut(&page_no) else { continue };
                 if page.remove(slot) {
@@ -228,6 +255,10 @@ impl Shards {
     pub fn rows(&self) -> usize {
         self.shards.iter().map(|s| s.lock().rows).sum()
     }
+}
+
+fn same_shard(a: &(usize, usize), b: &(usize, usize)) -> bool {
+    a.0 == b.0
 }
 
 #[cfg(test)]
