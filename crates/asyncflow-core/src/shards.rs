@@ -8,7 +8,6 @@
 //! storage daemon of a cluster of S holds every S-th row) pays a slot for each row it skips.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 use parking_lot::Mutex;
 
@@ -70,33 +69,9 @@ impl Page {
     }
 }
 
-/// Hashes a page number with one multiplication. Page numbers come from row indexes the store
-/// hands out, never from a client, so nobody can choose keys that collide; the default hasher's defence
-/// against that costs more than the rest of a lookup.
-#[derive(Default)]
-struct PageHasher(u64);
-
-impl Hasher for PageHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        // Fibonacci hashing: the low bits (the table's bucket) of consecutive page numbers
-        // differ, and the high bits (its tag) are mixed from all of them.
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
 #[derive(Debug, Default)]
 struct Shard {
-    pages: HashMap<u64, Page, BuildHasherDefault<PageHasher>>,
+    pages: HashMap<u64, Page>,
     rows: usize,
 }
 
