@@ -117,8 +117,6 @@ fn view_cells(
     let inline = crate::received::into_chunk(payload, None);
     let token = pin.map(|p| Arc::new(conn.pin_token(p)));
     let mut shared: HashMap<u64, Arc<Chunk>> = HashMap::new();
-    // The segment of the cell before: the next is most often in it too.
-    let mut last: Option<(u64, Arc<Chunk>)> = None;
     let mut out = Vec::with_capacity(columns.len());
     for column in columns {
         let mut cells = Vec::with_capacity(column.cells.len());
@@ -126,23 +124,14 @@ fn view_cells(
             let (chunk, offset) = match c.place {
                 CellPlace::Inline(offset) => (Arc::clone(&inline), offset),
                 CellPlace::Shared(s) => {
-                    let chunk = match &last {
-                        Some((segment, chunk)) if *segment == s.segment => Arc::clone(chunk),
-                        _ => {
-                            let chunk = if let Some(chunk) = shared.get(&s.segment) {
-                                Arc::clone(chunk)
-                            } else {
-                                let segment = conn.segment(s.segment)?;
-                                let keep: Box<dyn std::any::Any + Send + Sync> =
-                                    Box::new(token.clone());
-                                let view = SegmentView::new(segment, keep);
-                                let chunk = Chunk::new(Box::new(view), None);
-                                shared.insert(s.segment, Arc::clone(&chunk));
-                                chunk
-                            };
-                            last = Some((s.segment, Arc::clone(&chunk)));
-                            chunk
-                        }
+                    let chunk = if let Some(chunk) = shared.get(&s.segment) {
+                        Arc::clone(chunk)
+                    } else {
+                        let segment = conn.segment(s.segment)?;
+                        let keep: Box<dyn std::any::Any + Send + Sync> = Box::new(token.clone());
+                        let chunk = Chunk::new(Box::new(SegmentView::new(segment, keep)), None);
+                        shared.insert(s.segment, Arc::clone(&chunk));
+                        chunk
                     };
                     (chunk, s.offset)
                 }

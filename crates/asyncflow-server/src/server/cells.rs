@@ -139,39 +139,29 @@ pub fn outgoing_cells(
     let mut segments = Vec::new();
     let mut introduced = 0;
     let mut wire = Vec::with_capacity(columns.len());
-    // The chunk of the cell before, and its segment: the next cell is most often in it too.
-    let mut last: Option<(*const Chunk, Option<(u64, u64)>)> = None;
     for (name, schema, cells) in columns {
         let mut out = Vec::with_capacity(cells.len());
         for cell in cells {
-            let chunk = Arc::as_ptr(&cell.chunk);
-            // The segment's id and where it starts.
-            let shared = match (&session.shm, last) {
-                (Some(_), Some((before, segment))) if before == chunk && cell.len > 0 => segment,
-                (Some(shm), _) if cell.len > 0 => {
-                    let segment = chunks
-                        .entry(chunk)
-                        .or_insert_with(|| {
-                            let (segment, _) = shm.pool.locate(cell.bytes().as_ptr())?;
-                            let new = !shm.knows(segment.id());
-                            if new && introduced >= MAX_FDS {
-                                return None;
-                            }
-                            introduced += usize::from(new);
-                            pinned.push(Arc::clone(&cell.chunk));
-                            segments.push(Arc::clone(&segment));
-                            Some(segment)
-                        })
-                        .as_ref()
-                        .map(|s| (s.id(), s.as_ptr() as u64));
-                    last = Some((chunk, segment));
-                    segment
-                }
+            let shared = match &session.shm {
+                Some(shm) if cell.len > 0 => chunks
+                    .entry(Arc::as_ptr(&cell.chunk))
+                    .or_insert_with(|| {
+                        let (segment, _) = shm.pool.locate(cell.bytes().as_ptr())?;
+                        let new = !shm.knows(segment.id());
+                        if new && introduced >= MAX_FDS {
+                            return None;
+                        }
+                        introduced += usize::from(new);
+                        pinned.push(Arc::clone(&cell.chunk));
+                        segments.push(Arc::clone(&segment));
+                        Some(segment)
+                    })
+                    .clone(),
                 _ => None,
             };
-            let place = if let Some((segment, start)) = shared {
-                let offset = cell.bytes().as_ptr() as u64 - start;
-                CellPlace::Shared(SharedCell { segment, offset })
+            let place = if let Some(segment) = shared {
+                let offset = cell.bytes().as_ptr() as u64 - segment.as_ptr() as u64;
+                CellPlace::Shared(SharedCell { segment: segment.id(), offset })
             } else {
                 let at = align_payload(cursor);
                 if at > cursor {
