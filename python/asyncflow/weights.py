@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -27,6 +28,8 @@ PREFIX = "weights/"
 MANIFEST = PREFIX + "__manifest__"
 #: Older versions are deleted once this many newer ones exist (readers may still be loading).
 KEEP_VERSIONS = 2
+#: Seconds a watcher's poller waits in the store for a publication before reading again.
+WAKE_WAIT = 1.0
 
 
 def publish(store: Store, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -72,15 +75,30 @@ def latest_version(store: Store) -> int | None:
 class Watcher(WeightSource):
     """The newest published version, as every worker of a process sees it (the weight source of
     ``weights.transport: store``). Workers waiting for new weights share one poller thread, which
-    reads the store every ``interval`` seconds while anyone waits and wakes them only when the
-    version changes."""
+    reads the newest version, then waits in the store for the next publication (a claim of its
+    manifest by a task of this watcher's own), and wakes them only when the version changes.
+    While the poller watches (from a wait until ``10 * wake_wait`` seconds after the last wait
+    or :meth:`latest`), :meth:`latest` answers from what it read; otherwise it reads the store,
+    at most every ``interval`` seconds."""
 
-    def __init__(self, store: Store, interval: float, stop: threading.Event | None = None) -> None:
-        """``stop``: once it is set, waiters return (within about ``interval``) as if their
-        time were up."""
+    def __init__(
+        self,
+        store: Store,
+        interval: float,
+        stop: threading.Event | None = None,
+        wake_wait: float = WAKE_WAIT,
+    ) -> None:
+        """``stop``: once it is set, waiters return (within about ``wake_wait`` seconds) as if
+        their time were up."""
         self.store = store
         self.interval = interval
         self.stop = stop
+        self.wake_wait = wake_wait
+        #: The poller's task: a claim (acked at once) of the manifest of a version newer than
+        #: the newest it read wakes it; registered when the poller first waits, scoped to the
+        #: weights partition (which acks never free), so it keeps no other row.
+        self._task = f"{PARTITION}watcher-{uuid.uuid4().hex[:16]}"
+        self._registered = False
         lock = threading.Lock()
         self._changed = threading.Condition(lock)
         self._wanted = threading.Condition(lock)
@@ -88,6 +106,12 @@ class Watcher(WeightSource):
         self._read_at = -math.inf
         self._waiters = 0
         self._poller: threading.Thread | None = None
+        #: Whether the poller is between a read and the wake-up that will read again: then
+        #: ``_newest`` is the newest version but for a publication of the last moment.
+        self._watching = False
+        #: When a waiter or :meth:`latest` last asked (monotonic seconds): the poller watches
+        #: until ``10 * wake_wait`` seconds after it.
+        self._asked_at = -math.inf
         #: One store read at a time: callers that queued behind it use what it read.
         self._reading = threading.Lock()
         #: ``(row, version)`` of the publications seen whole (their manifest ready): a row's
@@ -125,10 +149,12 @@ class Watcher(WeightSource):
         return newest
 
     def latest(self) -> int | None:
-        """The newest version, read from the store at most ``interval`` seconds ago."""
+        """The newest version: as the poller last read it while it watches, otherwise read
+        from the store at most ``interval`` seconds ago."""
         now = time.monotonic()
         with self._changed:
-            if now - self._read_at < self.interval:
+            self._asked_at = now
+            if self._watching or now - self._read_at < self.interval:
                 return self._newest
         return self._read(fresh_since=now - self.interval)
 
@@ -144,6 +170,7 @@ class Watcher(WeightSource):
 
         with self._changed:
             self._waiters += 1
+            self._asked_at = time.monotonic()
             if self._poller is None:
                 self._poller = threading.Thread(target=self._poll, name="weights", daemon=True)
                 self._poller.start()
@@ -159,7 +186,7 @@ class Watcher(WeightSource):
             with self._wanted:
                 self._wanted.wait_for(lambda: self._waiters > 0)
             try:
-                self._read()
+                self._watch()
             except StoreError:
                 # A failed read (the store gone, a daemon restarting) ends this poller; the next
                 # waiter starts another, so that a store that comes back is watched again.
@@ -169,7 +196,42 @@ class Watcher(WeightSource):
             if self._stopped():
                 with self._changed:
                     self._changed.notify_all()
-            time.sleep(self.interval)
+                time.sleep(self.interval)
+
+    def _watch(self) -> None:
+        """Reads, then waits for the next publication, while anyone asked lately and the run
+        goes on."""
+        try:
+            while True:
+                self._read()
+                with self._changed:
+                    linger = time.monotonic() - self._asked_at < 10 * self.wake_wait
+                    self._watching = not self._stopped() and (self._waiters > 0 or linger)
+                    if not self._watching:
+                        return
+                self._await_publication()
+        finally:
+            with self._changed:
+                self._watching = False
+
+    def _await_publication(self) -> None:
+        """Returns once the manifest of a version newer than the newest read is ready (at once
+        if one became ready during that read), or after ``wake_wait`` seconds. Only a wake-up:
+        the listing that follows says what is newest."""
+        if not self._registered:
+            self.store.register_task(self._task, partitions=[PARTITION])
+            self._registered = True
+        batch = self.store.claim(
+            self._task,
+            [MANIFEST],
+            1,
+            timeout=self.wake_wait,
+            partition=PARTITION,
+            min_version=0 if self._newest is None else self._newest + 1,
+            allow_partial=True,
+        )
+        if len(batch):
+            batch.ack()
 
     def load(self, engine: RolloutEngine, version: int) -> int:
         """Loads exactly ``version`` (the store keeps the last few) into ``engine``."""

@@ -110,6 +110,35 @@ def test_a_publication_s_readiness_is_asked_for_once() -> None:
     assert watcher.latest() == weights.latest_version(store) == 3
 
 
+def test_a_wait_for_weights_waits_in_the_store_not_listing_it_again_and_again() -> None:
+    store = Counting()
+    watcher = weights.Watcher(store, interval=0.001, wake_wait=5)
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(watcher.wait_for(1, timeout=60)))
+    waiter.start()
+    time.sleep(0.2)  # a poller listing the partition every interval would list ~200 times here
+    weights.publish(store, 1, [("w", torch.ones(2))])
+    waiter.join()
+    assert got == [True]
+    # The poller's listing before it waited, the one after the publication woke it, and the
+    # publisher's own (another only if this machine stalled for longer than ``wake_wait``).
+    assert store.calls["rows"] <= 4, store.calls
+
+
+def test_while_the_poller_watches_the_newest_version_is_known_without_a_store_read() -> None:
+    store = Counting()
+    watcher = weights.Watcher(store, interval=0.0, wake_wait=5)  # latest() alone: every call
+    weights.publish(store, 1, [("w", torch.ones(2))])
+    assert watcher.wait_for(1, timeout=60)  # starts the poller, which goes on watching
+    listed = store.calls["rows"]
+    assert [watcher.latest() for _ in range(20)] == [1] * 20
+    assert store.calls["rows"] == listed
+    weights.publish(store, 2, [("w", torch.ones(2))])  # one listing of its own
+    assert watcher.wait_for(2, timeout=60)  # the poller woke, read once
+    assert watcher.latest() == 2
+    assert store.calls["rows"] <= listed + 2 + 1, store.calls  # (+1: a stall over wake_wait)
+
+
 def test_a_wait_for_weights_ends_when_the_run_stops() -> None:
     store = af.Store()
     stop = threading.Event()

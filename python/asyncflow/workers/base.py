@@ -127,10 +127,12 @@ class Context:
         self.prompts = prompt_encoder or PromptEncoder.for_data(
             self.tokenizer, data, data.max_prompt_length
         )
-        # A tenth of the claim wait: new weights are seen promptly, for one store read.
-        interval = self.config.run.poll_interval / 10
+        # A tenth of the claim wait: new weights are seen promptly, for one store read. A wait
+        # for weights waits in the store, noticing the run's stop within a claim's wait.
+        poll = self.config.run.poll_interval
+        interval = poll / 10
         self.weights = (
-            Watcher(self.store, interval, self.stop)
+            Watcher(self.store, interval, self.stop, wake_wait=poll)
             if weight_receiver is None
             else ReceivedWeights(weight_receiver, interval, self.stop)
         )
