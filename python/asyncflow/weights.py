@@ -189,8 +189,10 @@ class Watcher(WeightSource):
                 self._watch()
             except StoreError:
                 # A failed read (the store gone, a daemon restarting) ends this poller; the next
-                # waiter starts another, so that a store that comes back is watched again.
+                # waiter starts another, so that a store that comes back is watched again (its
+                # task registered again: a daemon that kept no journal has forgotten it).
                 with self._changed:
+                    self._registered = False
                     self._poller = None
                 return
             if self._stopped():

@@ -16,6 +16,7 @@ import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow import weights
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.errors import UnknownTaskError
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
@@ -137,6 +138,39 @@ def test_while_the_poller_watches_the_newest_version_is_known_without_a_store_re
     assert watcher.wait_for(2, timeout=60)  # the poller woke, read once
     assert watcher.latest() == 2
     assert store.calls["rows"] <= listed + 2 + 1, store.calls  # (+1: a stall over wake_wait)
+
+
+def test_a_watcher_registers_its_task_again_with_a_store_that_forgot_it() -> None:
+    class Forgetful(Counting):
+        """Forgets the watcher's task once, as a daemon restarted without a journal does."""
+
+        forget = 1
+
+        def register_task(self, name: str, partitions: Any = None) -> None:
+            self.calls["register_task"] += 1
+            super().register_task(name, partitions)
+
+        def claim(self, task: str, *args: Any, **kwargs: Any) -> Any:
+            if task.startswith(weights.PARTITION) and self.forget:
+                self.forget -= 1
+                raise UnknownTaskError(f"unknown task {task!r}")
+            return super().claim(task, *args, **kwargs)
+
+    store = Forgetful()
+    watcher = weights.Watcher(store, interval=0.001, wake_wait=5)
+    assert not watcher.wait_for(1, timeout=0.2)
+    deadline = time.monotonic() + 60
+    while watcher._poller is not None:  # the failed claim ended the first poller
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    weights.publish(store, 1, [("w", torch.ones(2))])
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(watcher.wait_for(2, timeout=60)))
+    waiter.start()
+    assert watcher.wait_for(1, timeout=60)
+    weights.publish(store, 2, [("w", torch.ones(2))])
+    waiter.join()
+    assert got == [True] and store.calls["register_task"] == 2
 
 
 def test_a_wait_for_weights_ends_when_the_run_stops() -> None:
