@@ -8,6 +8,9 @@
 
 UV := python3 -m uv
 PYTEST_ARGS ?=
+# Test processes, each running whole test files (a file's module fixtures are shared by its
+# tests). Most tests wait on subprocesses, daemons and engines: two keep a 2-core machine busy.
+PYTEST_WORKERS ?= 2
 # ENGINES=gpu installs vLLM's CUDA build instead of its CPU build (see the README).
 ENGINES ?= cpu
 ENGINE_GROUPS := $(if $(filter gpu,$(ENGINES)),--no-group engines-cpu --group engines-gpu,)
@@ -48,7 +51,7 @@ test-rust:
 	cargo test --workspace --locked
 
 test-python:
-	$(RUN) pytest $(PYTEST_ARGS)
+	$(RUN) pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Benchmarks (not tests): each writes bench-out/SUITE.json, .md and .png; see benches/RESULTS.md.
 BENCHES := store sched pipeline sim e2e weights

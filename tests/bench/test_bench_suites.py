@@ -14,7 +14,7 @@ import torch
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.bench import e2e_suite, run_suite
 from asyncflow.bench.emulation.modes import MODES
-from asyncflow.bench.trl_peer import grpo_arguments, scheduler_settings
+from asyncflow.bench.trl_peer import grpo_config, scheduler_settings
 from asyncflow.config import TrainerConfig, load
 from asyncflow.engines.base import ADAM_BETAS
 
@@ -274,10 +274,8 @@ def test_the_e2e_suite_runs_the_tools_job_at_each_staleness_and_trl_from_one_war
 
 
 def test_trl_is_given_the_jobs_work_and_optimiser_settings(tmp_path: Path) -> None:
-    import trl  # noqa: PLC0415  (the bench dependency group's)
-
     c = load(None, [])
-    args = trl.GRPOConfig(**grpo_arguments(c, tmp_path, tools=False))
+    args = grpo_config(c, tmp_path, tools=False)
     assert args.max_steps == c.trainer.max_steps and args.num_generations == c.rollout.n
     assert args.per_device_train_batch_size == c.trainer.groups_per_step * c.rollout.n
     assert args.gradient_accumulation_steps == 1

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,7 @@ from asyncflow.agents.parser import ToolCall
 from asyncflow.agents.tools import create_tool
 from asyncflow.engines.base import ADAM_BETAS
 from asyncflow.engines.hf import HFRolloutEngine
+from asyncflow.engines.process_group import free_port
 from asyncflow.engines.registry import create_rollout_engine
 from asyncflow.evaluation import accuracy, host_copy, pass_at_k, verifier
 from asyncflow.models.tokenizer import load_tokenizer
@@ -191,6 +193,18 @@ def weight_copies(model: torch.nn.Module, c: configuration.Config) -> Any:
     return WeightCopies()
 
 
+def grpo_config(c: configuration.Config, out: Path, tools: bool) -> Any:
+    """TRL's ``GRPOConfig`` for the job's work. Building it sets up accelerate's process group
+    (a group of one): on a free loopback port, not on an inherited ``MASTER_PORT`` (which a
+    process group of the parent's may still hold) nor on accelerate's fixed default (29500,
+    which another TRL process on the machine may hold)."""
+    import trl  # noqa: PLC0415
+
+    if not torch.distributed.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return trl.GRPOConfig(**grpo_arguments(c, out, tools))
+
+
 def grpo_arguments(c: configuration.Config, out: Path, tools: bool) -> dict[str, Any]:
     """``GRPOConfig``'s arguments for the job's work (see the module documentation)."""
     batch = c.trainer.groups_per_step * c.rollout.n
@@ -269,7 +283,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
 
     reward_fn.__name__ = c.reward.fn
     batch = c.trainer.groups_per_step * c.rollout.n
-    settings = trl.GRPOConfig(**grpo_arguments(c, out, bool(tools)))
+    settings = grpo_config(c, out, bool(tools))
     phases: dict[str, float] = {}
     since = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
