@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
@@ -81,10 +81,17 @@ class Rows:
     partitions: list[str]
     groups: np.ndarray
     versions: np.ndarray
-    tags: list[dict[str, str]]
+    #: Each row's tags as the store sent them, ``(key, value)`` pairs (see ``tags``).
+    tag_pairs: list[list[tuple[str, str]]] = field(repr=False)
 
     def __len__(self) -> int:
         return len(self.indexes)
+
+    @functools.cached_property
+    def tags(self) -> list[dict[str, str]]:
+        """Each row's tags as a dict, made when first asked for: most listings look only at
+        indexes and groups, and a dict per row costs as much as the rest of a listing."""
+        return [dict(t) for t in self.tag_pairs]
 
 
 def _index_array(indexes: Indexes) -> np.ndarray:
@@ -218,7 +225,7 @@ class Store:
         """Metadata of ``indexes``, or of every live row (of ``partition``), oldest first."""
         idx = None if indexes is None else _index_array(indexes)
         i, parts, groups, versions, tags = self._native.rows(idx, partition=partition)
-        return Rows(i, parts, groups, versions, [dict(t) for t in tags])
+        return Rows(i, parts, groups, versions, tags)
 
     @_arguments
     def ready_fields(self, indexes: Indexes) -> list[list[str]]:
