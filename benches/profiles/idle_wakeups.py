@@ -4,7 +4,8 @@ request costs after its client has been busy a while, against one daemon::
     .venv/bin/python benches/profiles/idle_wakeups.py [ROUNDS]
 
 First the suite's round (put 4 rows of 1 MiB, claim them, read, ack; ``store_seconds``), timed
-call by call, beside a copy of the same 4 MiB into a warm buffer (the suite's memcpy baseline).
+call by call, beside the suite's memcpy baseline (``memcpy_seconds``: the same 4 MiB copied
+into a warm buffer, per round).
 Then the smallest request (``register_task`` of a task that exists) twice in a row, after the
 client has spun for 0 or 330 µs (about one 4 MiB copy) since its last request, and after a put
 of 4 MiB: the first request after a busy spell finds the daemon's connection thread asleep, and
@@ -19,7 +20,7 @@ import time
 import numpy as np
 
 import asyncflow as af
-from asyncflow.bench.workload import Rounds
+from asyncflow.bench.workload import Rounds, memcpy_seconds
 from asyncflow.daemon import DaemonProcess
 
 clock = time.perf_counter
@@ -44,13 +45,9 @@ def throughput_round(store: af.Store, rounds: int) -> None:
         batch.read()
         t3 = clock()
         batch.ack()
-        spent += [t1 - t0, t2 - t1, clock() - t3, t3 - t2]
-    dst = np.empty_like(work.block)
-    t0 = clock()
-    for _ in range(rounds):
-        np.copyto(dst, work.block)
-    copy = (clock() - t0) / rounds * 1e6
-    put, claim, ack, read = spent / rounds * 1e6
+        spent += [t1 - t0, t2 - t1, t3 - t2, clock() - t3]
+    copy = memcpy_seconds(work) / work.rounds * 1e6
+    put, claim, read, ack = spent / rounds * 1e6
     print("| put | claim | read | ack | round | memcpy of the same 4 MiB | memcpy / round |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     total = put + claim + read + ack
