@@ -1,5 +1,6 @@
 """Runs one mode of the ``pipeline`` suite as the suite runs it (same split, processes and
-measurement) and prints its framework CPU per sample, process by process, for profiling::
+measurement) and prints its framework CPU per sample, process by process (the emulated devices' serving
+threads apart), for profiling::
 
     py-spy record --subprocesses --gil --nonblocking -r 50 --format speedscope -o OUT.json -- \\
         .venv/bin/python benches/profiles/one_mode.py streaming [COSTS.yaml]
@@ -28,7 +29,9 @@ def main(mode_name: str, costs_path: str | None) -> None:
 
     def reporting(*args: Any, **kwargs: Any) -> suite.ModeRun:
         run = run_mode(*args, **kwargs)
-        cpu = {r["name"]: r["cpu_s"] for r in run.reports} | {"daemon": run.daemon_cpu_s}
+        cpu = {r["name"]: r["cpu_s"] - r["emulator_cpu_s"] for r in run.reports}
+        cpu |= {"daemon": run.daemon_cpu_s}
+        cpu |= {"(emulator)": sum(r["emulator_cpu_s"] for r in run.reports)}
         for name, seconds in cpu.items():
             print(f"  {name}: {seconds:.2f} s CPU = {1e3 * seconds / samples:.3f} ms/sample")
         return run
@@ -37,7 +40,8 @@ def main(mode_name: str, costs_path: str | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = suite.measure(mode, costs, Path(tmp), Report("pipeline"))
     print(
-        f"{mode_name}: framework overhead {result.overhead_ms:.3f} ms/sample, "
+        f"{mode_name}: framework overhead {result.overhead_ms:.3f} ms/sample "
+        f"(emulator apart: {result.emulator_ms:.3f}), "
         f"{result.samples_per_s:.2f} samples/s (simulated {result.simulated:.2f})"
     )
 

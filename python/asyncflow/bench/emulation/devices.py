@@ -199,6 +199,9 @@ class DecodeDevice:
         self._closed = False
         #: Whether the pool has been told this device has work.
         self._reported = False
+        #: CPU seconds the serving thread spent, once it has ended: the emulator's own work, not
+        #: the framework's.
+        self.cpu_s = 0.0
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -271,6 +274,12 @@ class DecodeDevice:
     # -- the serving thread -----------------------------------------------------------------------
 
     def _serve(self) -> None:
+        try:
+            self._serve_until_closed()
+        finally:
+            self.cpu_s = time.thread_time()
+
+    def _serve_until_closed(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._pauses or self._queue or self._active):

@@ -2,7 +2,8 @@
 
 It connects to the store daemon, builds its device pool, the emulated engines and the real
 workers of its roles, runs them in threads until its trainer finishes (or, without one, until
-SIGTERM), and writes a report: busy spans per role, CPU seconds, and the trainer's clock.
+SIGTERM), and writes a report: busy spans per role, CPU seconds (and of them, those of the emulated
+devices' serving threads), and the trainer's clock.
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ def trainer_worker(
     return Trainer(ctx, engine, metrics, Ledger(run_dir / "ledger.jsonl")), metrics
 
 
-def build(spec: ProcessSpec, ctx: Context, meter: BusyMeter) -> tuple[list[Worker], list[Any]]:
-    """The workers of this process, and what to close afterwards."""
+def build(
+    spec: ProcessSpec, ctx: Context, meter: BusyMeter
+) -> tuple[list[Worker], list[Any], list[DecodeDevice]]:
+    """The workers of this process, what to close afterwards, and its emulated decode devices."""
     costs = cost_model.from_dict(spec.costs)
     mode = ALL_MODES[spec.mode]
     place = placement(mode, costs)
@@ -98,6 +101,7 @@ def build(spec: ProcessSpec, ctx: Context, meter: BusyMeter) -> tuple[list[Worke
     pool = DevicePool(spec.name, devices, meter, c, moves.to_train_s, moves.to_generate_s)
     workers: list[Worker] = []
     closing: list[Any] = []
+    decode_devices: list[DecodeDevice] = []
     if "rollout" in spec.roles:
         rollouts, decode_devices = rollout_workers(ctx, costs, mode, pool, meter)
         workers += rollouts
@@ -116,7 +120,7 @@ def build(spec: ProcessSpec, ctx: Context, meter: BusyMeter) -> tuple[list[Worke
         trainer, metrics = trainer_worker(ctx, costs, mode, pool, Path(spec.run_dir))
         workers.append(trainer)
         closing.append(metrics)
-    return workers, closing
+    return workers, closing, decode_devices
 
 
 def cpu_seconds() -> float:
@@ -134,7 +138,7 @@ def main(argv: list[str]) -> int:
     ctx = Context(store, config, EmulatedTokenizer(), tracer, RunState())
     signal.signal(signal.SIGTERM, lambda *_: ctx.stop.set())
     meter = BusyMeter()
-    workers, closing = build(spec, ctx, meter)
+    workers, closing, decode_devices = build(spec, ctx, meter)
     finisher = next((w for w in workers if isinstance(w, Trainer)), workers[0])
     cpu_at_start = cpu_seconds()
     print("ready", flush=True)
@@ -153,6 +157,8 @@ def main(argv: list[str]) -> int:
                 if s.kind == "busy"
             ],
             "cpu_s": cpu_seconds() - cpu_at_start,
+            # The serving threads of the emulated devices: counted apart, as the emulator's.
+            "emulator_cpu_s": sum(d.cpu_s for d in decode_devices),
         }
         Path(spec.report).write_text(json.dumps(report))
     return 0
