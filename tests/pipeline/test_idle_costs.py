@@ -1,6 +1,6 @@
 """What idle workers ask of the store: new weights fetched once per engine, a publication's
-readiness asked for once, waits that end when the run stops, and claims that take a full batch
-without waiting."""
+readiness asked for once, waits that end when the run stops, claims that take a full batch
+without waiting, and the workers of one engine claiming prompts one at a time."""
 
 from __future__ import annotations
 
@@ -241,3 +241,23 @@ def test_a_worker_waits_for_weights_in_one_stretch_up_to_its_stall_timeout() -> 
     assert len(waits) == 2
     assert 299 < waits[0] <= 300
     assert waits[1] <= waits[0]  # what is left of the same stall budget
+
+
+def test_the_workers_of_an_engine_claim_prompts_one_at_a_time() -> None:
+    store = Counting()
+    ctx = context(store, "rollout.groups_per_call=1", "run.stall_timeout=0.2")
+    engine = Shared()
+    first, second = Rollout(ctx, engine, "rollout-0.0"), Rollout(ctx, engine, "rollout-0.1")
+    other = Rollout(ctx, Shared(), "rollout-1.0")
+    for w in (first, second, other):
+        w._idle_wait = 0.05  # a claim waits this long for prompts
+    assert first._claim_lock is second._claim_lock is not other._claim_lock
+    with first._claim_lock:  # as while the first waits in the store for prompts
+        assert second.step()  # waited its turn (up to its stall timeout here) and gave up
+        assert store.calls["claim"] == 0
+        assert other.step()  # another engine's worker claims meanwhile
+        assert store.calls["claim"] > 0
+    claims = store.calls["claim"]
+    second.note_progress(True, "")  # (else its next wait is past its stall timeout)
+    assert second.step()  # its turn: it claims
+    assert store.calls["claim"] > claims

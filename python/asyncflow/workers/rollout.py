@@ -13,6 +13,8 @@ what it has and the trainer discards samples that turn out too stale.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +34,11 @@ FIELDS = ["prompt_ids", "answer", "target_step"]
 #: stop (weights: not even that, the watcher wakes its waiters on stop). Many workers share one
 #: engine, and each wake-up to find nothing changed costs this process and the GIL.
 IDLE_WAIT = 1.0
+
+
+#: The claim lock of each engine, shared by the workers that drive it (see ``Rollout.step``).
+_CLAIM_LOCKS: weakref.WeakKeyDictionary[RolloutEngine, threading.Lock] = weakref.WeakKeyDictionary()
+_CLAIM_LOCKS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -67,6 +74,8 @@ class Rollout(Worker):
         #: Versions whose weights failed to load; newer ones are still tried.
         self._unloadable: set[int] = set()
         self._idle_wait = max(self.config.run.poll_interval, IDLE_WAIT)
+        with _CLAIM_LOCKS_LOCK:
+            self._claim_lock = _CLAIM_LOCKS.setdefault(engine, threading.Lock())
 
     def sync_weights(self) -> bool:
         """Loads the newest weights of the run's weight source if they are newer than the
@@ -135,10 +144,7 @@ class Rollout(Worker):
         """Waits until ``version`` is published or the run stops. Claiming prompts again before
         then would only hand them back: with many workers per engine, that churn costs the store
         and this process more than the generation itself."""
-        newest = self.ctx.weights.latest()
-        if newest is not None and newest >= version and newest in self._unloadable:
-            # Published, but this engine failed to load it: only a newer version can do.
-            version = newest + 1
+        version = self._loadable(version)
         with self.waiting(f"weights v{version}"):
             while not self.ctx.stop.is_set():
                 self.note_progress(False, f"policy weights version {version}")
@@ -152,6 +158,64 @@ class Rollout(Worker):
                     wait = max(self._idle_wait, self.stall_left())
                 if self.ctx.weights.wait_for(version, wait):
                     return
+
+    def _sync_when_awake(self) -> bool:
+        """Loads newer weights if any (:meth:`sync_weights`); a version published while the
+        engine slept is loaded once it is awake again. False if the run stopped meanwhile."""
+        with self._engine_awake() as awake:
+            if awake:
+                self.sync_weights()
+            return awake
+
+    def _needs_newer(self, work: PromptGroups) -> int | None:
+        """Under ``staleness_policy: wait``, the oldest policy version that may generate
+        ``work`` if the engine's is older; else None."""
+        if self.config.trainer.staleness_policy != "wait":
+            return None
+        oldest_allowed = work.target - self.config.trainer.max_staleness
+        return oldest_allowed if self.engine.version < oldest_allowed else None
+
+    def _has_room(self) -> bool:
+        """Waits (at most the idle wait) until the engine has room for another call."""
+        with self.waiting("engine room"):
+            return self.engine.wait_for_room(self._idle_wait)
+
+    def _take_when_room(self) -> PromptGroups | None:
+        return self._take() if self._has_room() else None
+
+    def _claim_in_turn(self) -> PromptGroups | None:
+        """:meth:`_claim`, with the newest weights loaded and once the engine has room, by one
+        worker of the engine at a time: with many workers per engine, each waiting in the store
+        for prompts that have not come (and all waking at once when a few do), or each claiming
+        a prompt too new for the engine only to hand it back, costs the store and this process
+        more than the generation itself. The others wait here in one stretch, without a wake-up
+        until the claim before theirs is done; the claims of workers that find prompts follow
+        each other at once."""
+        with self.waiting("claim turn"):
+            self.note_progress(False, "prompt groups (another worker of the engine claims)")
+            if not self._claim_lock.acquire(timeout=max(self._idle_wait, self.stall_left())):
+                return None
+        try:
+            if self.ctx.stop.is_set() or not self._sync_when_awake() or not self._has_room():
+                return None
+            work = self._claim()
+            if work is None or (needed := self._needs_newer(work)) is None:
+                return work
+            # The prompt goes back, and this worker waits for the weights it needs holding the
+            # turn: the others would only claim the same prompt to hand it back.
+            self._settle(work, done=False)
+            self._wait_for_weights(needed)
+            return None
+        finally:
+            self._claim_lock.release()
+
+    def _loadable(self, version: int) -> int:
+        """The oldest version at least ``version`` that this engine may still load: if the
+        newest published is at least that old but failed to load here, only a newer one."""
+        newest = self.ctx.weights.latest()
+        if newest is not None and newest >= version and newest in self._unloadable:
+            return newest + 1
+        return version
 
     def _settle(self, work: PromptGroups, done: bool) -> None:
         """Acks the prompt rows (``done``) or hands them back to the store."""
@@ -175,23 +239,18 @@ class Rollout(Worker):
         return self.ctx.engine_sleep.awake(self.ctx.stop, self._idle_wait)
 
     def step(self) -> bool:
-        # A version published while the engine slept is loaded once it is awake again.
-        with self._engine_awake() as awake:
-            if not awake:
-                return True
-            self.sync_weights()
-        with self.waiting("engine room"):
-            if not self.engine.wait_for_room(self._idle_wait):
-                return True
-        work = self._claim() if self.inbox is None else self._take()
+        if self.inbox is None:
+            work = self._claim_in_turn()
+        elif self._sync_when_awake():
+            work = self._take_when_room()
+        else:
+            return True
         if work is None:
             return True
-        if self.config.trainer.staleness_policy == "wait":
-            oldest_allowed = work.target - self.config.trainer.max_staleness
-            if self.engine.version < oldest_allowed:
-                self._settle(work, done=False)
-                self._wait_for_weights(oldest_allowed)
-                return True
+        if (needed := self._needs_newer(work)) is not None:
+            self._settle(work, done=False)
+            self._wait_for_weights(needed)
+            return True
         with self._engine_awake() as awake:
             if not awake:
                 self._settle(work, done=False)
