@@ -5,6 +5,8 @@ are not tests."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,9 @@ import pytest
 import torch
 
 from asyncflow.algorithms.lr_schedule import lr_factor
-from asyncflow.bench import e2e_suite, run_suite
+from asyncflow.bench import costs, e2e_suite, pipeline_suite, run_suite
 from asyncflow.bench.emulation.modes import MODES
+from asyncflow.bench.records import Report
 from asyncflow.bench.trl_peer import grpo_config, scheduler_settings
 from asyncflow.config import TrainerConfig, load
 from asyncflow.engines.base import ADAM_BETAS
@@ -314,3 +317,26 @@ def test_trl_gets_the_jobs_learning_rate_at_every_step_after_the_warm_up(
         trl_schedule.step()
     ours = [lr_factor(t)(step) for step in range(t.max_steps)]
     assert theirs[t.warmup_steps :] == pytest.approx(ours[t.warmup_steps :])
+
+
+def test_a_pipeline_mode_fails_as_soon_as_one_of_its_processes_fails(tmp_path: Path) -> None:
+    """Not after the trainer, waiting for that process's samples, has stalled."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    procs = {
+        "train": subprocess.Popen(sleeper, text=True),
+        "rollout": subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], text=True),
+    }
+    try:
+        with pytest.raises(RuntimeError, match=r"streaming: processes \['rollout'\] failed"):
+            pipeline_suite._follow(
+                procs,
+                "train",
+                tmp_path / "metrics.jsonl",
+                MODES["streaming"],
+                costs.load(None),
+                Report("pipeline"),
+            )
+        assert procs["train"].poll() is None, "the trainer had not finished"
+    finally:
+        procs["train"].kill()
+        procs["train"].wait()

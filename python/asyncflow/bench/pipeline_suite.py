@@ -118,7 +118,7 @@ def run_mode(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mod
             )
         trainer = next(n for n, roles in processes(mode).items() if "trainer" in roles)
         try:
-            _follow(procs[trainer], run_dir / "metrics.jsonl", mode, costs, report)
+            _follow(procs, trainer, run_dir / "metrics.jsonl", mode, costs, report)
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
@@ -137,12 +137,21 @@ def run_mode(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mod
 
 
 def _follow(
-    trainer: subprocess.Popen[str], metrics: Path, mode: Mode, costs: CostModel, report: Report
+    procs: dict[str, subprocess.Popen[str]],
+    trainer: str,
+    metrics: Path,
+    mode: Mode,
+    costs: CostModel,
+    report: Report,
 ) -> None:
-    """Waits for the trainer's process, reporting its steps as they complete."""
+    """Waits for the trainer's process, reporting its steps as they complete. Fails as soon as
+    another process of the mode fails: the trainer would only wait for it until it stalled."""
     total = costs.emulation.warmup_steps + costs.emulation.steps
     started, seen = time.monotonic(), 0
-    while trainer.poll() is None:
+    while procs[trainer].poll() is None:
+        failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"{mode.name}: processes {failed} failed; see their stderr above")
         if time.monotonic() - started > MODE_TIMEOUT:
             raise TimeoutError(f"{mode.name} did not finish within {MODE_TIMEOUT:.0f}s")
         time.sleep(0.5)

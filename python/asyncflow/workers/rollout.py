@@ -36,7 +36,7 @@ FIELDS = ["prompt_ids", "answer", "target_step"]
 IDLE_WAIT = 1.0
 
 
-#: The claim lock of each engine, shared by the workers that drive it (see ``Rollout.step``).
+#: The claim lock of each engine, shared by the workers that drive it (``Rollout._claim_in_turn``).
 _CLAIM_LOCKS: weakref.WeakKeyDictionary[RolloutEngine, threading.Lock] = weakref.WeakKeyDictionary()
 _CLAIM_LOCKS_LOCK = threading.Lock()
 
@@ -144,7 +144,10 @@ class Rollout(Worker):
         """Waits until ``version`` is published or the run stops. Claiming prompts again before
         then would only hand them back: with many workers per engine, that churn costs the store
         and this process more than the generation itself."""
-        version = self._loadable(version)
+        newest = self.ctx.weights.latest()
+        if newest is not None and newest >= version and newest in self._unloadable:
+            # Published, but this engine failed to load it: only a newer version can do.
+            version = newest + 1
         with self.waiting(f"weights v{version}"):
             while not self.ctx.stop.is_set():
                 self.note_progress(False, f"policy weights version {version}")
@@ -180,9 +183,6 @@ class Rollout(Worker):
         with self.waiting("engine room"):
             return self.engine.wait_for_room(self._idle_wait)
 
-    def _take_when_room(self) -> PromptGroups | None:
-        return self._take() if self._has_room() else None
-
     def _claim_in_turn(self) -> PromptGroups | None:
         """:meth:`_claim`, with the newest weights loaded and once the engine has room, by one
         worker of the engine at a time: with many workers per engine, each waiting in the store
@@ -209,14 +209,6 @@ class Rollout(Worker):
         finally:
             self._claim_lock.release()
 
-    def _loadable(self, version: int) -> int:
-        """The oldest version at least ``version`` that this engine may still load: if the
-        newest published is at least that old but failed to load here, only a newer one."""
-        newest = self.ctx.weights.latest()
-        if newest is not None and newest >= version and newest in self._unloadable:
-            return newest + 1
-        return version
-
     def _settle(self, work: PromptGroups, done: bool) -> None:
         """Acks the prompt rows (``done``) or hands them back to the store."""
         if work.assignments is None:
@@ -241,8 +233,8 @@ class Rollout(Worker):
     def step(self) -> bool:
         if self.inbox is None:
             work = self._claim_in_turn()
-        elif self._sync_when_awake():
-            work = self._take_when_room()
+        elif self._sync_when_awake() and self._has_room():
+            work = self._take()
         else:
             return True
         if work is None:
