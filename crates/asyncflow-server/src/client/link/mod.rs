@@ -43,7 +43,6 @@ use self::handshake::greet;
 use self::segments::mapped;
 use self::stream::{Stream, connect_tcp, timespec};
 pub use self::waiter::{Pending, PinToken};
-use self::waiter::{SPIN, SPIN_MAY_WAIT};
 use super::Policy;
 use crate::error::{Error, Result};
 use crate::host::host_id;
@@ -421,8 +420,7 @@ impl Link {
             return Err(e);
         }
         let deadline = self.policy.deadline(req);
-        let spin = if may_wait(req) { SPIN_MAY_WAIT } else { SPIN };
-        Ok(Pending { link: Arc::clone(self), id, rx, what: op_name(req), deadline, spin })
+        Ok(Pending { link: Arc::clone(self), id, rx, what: op_name(req), deadline })
     }
 
     /// Sends a request that gets no reply.
@@ -448,16 +446,6 @@ impl Link {
         if !pins.is_empty() {
             let _ = self.write(0, &Request::Unpin { pins }, &[]);
         }
-    }
-}
-
-/// Whether the daemon may hold `req` before it answers: a claim or a staging allowed to wait.
-fn may_wait(req: &Request) -> bool {
-    match req {
-        Request::Claim { timeout, .. } | Request::Stage { timeout, .. } => {
-            *timeout != Some(Duration::ZERO)
-        }
-        _ => false,
     }
 }
 
@@ -642,26 +630,4 @@ impl Drop for Link {
 /// Zero bytes to pad a payload part up to the next cell boundary.
 pub fn padding(len: usize) -> &'static [u8] {
     &PADDING[..len]
-}
-
-#[cfg(test)]
-mod tests {
-    use asyncflow_core::index::ClaimSpec;
-
-    use super::*;
-
-    fn claim(timeout: Option<Duration>) -> Request {
-        Request::Claim { spec: ClaimSpec::default(), allow_partial: true, timeout, read: true }
-    }
-
-    #[test]
-    fn only_a_request_the_daemon_may_hold_spins_briefly() {
-        assert!(may_wait(&claim(None)));
-        assert!(may_wait(&claim(Some(Duration::from_secs(1)))));
-        assert!(!may_wait(&claim(Some(Duration::ZERO))));
-        let stage = |timeout| Request::Stage { bytes: 1, timeout, give_back: None };
-        assert!(may_wait(&stage(None)));
-        assert!(!may_wait(&stage(Some(Duration::ZERO))));
-        assert!(!may_wait(&Request::Stats));
-    }
 }

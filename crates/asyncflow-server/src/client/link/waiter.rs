@@ -17,10 +17,6 @@ use crate::error::{Error, Result};
 /// How long a caller reads the socket for its reply before it sleeps until the watcher hands it
 /// over.
 pub(super) const SPIN: Duration = Duration::from_micros(200);
-/// The same for a request the daemon may hold until rows come or memory frees (a claim or a
-/// staging that may wait): long enough to catch an answer given at once, and no longer, since
-/// every microsecond spun on one that waits is CPU spent on nothing.
-pub(super) const SPIN_MAY_WAIT: Duration = Duration::from_micros(40);
 
 /// A request sent and not yet answered.
 pub struct Pending {
@@ -31,8 +27,6 @@ pub struct Pending {
     pub(super) what: &'static str,
     /// When to give up on the reply (see `Policy::deadline`).
     pub(super) deadline: Option<Instant>,
-    /// How long the caller reads for the reply itself before it sleeps.
-    pub(super) spin: Duration,
 }
 
 /// Keeps a read's shared cells pinned on the daemon until the last view of them is dropped.
@@ -54,7 +48,7 @@ impl Pending {
     /// the caller interrupts or the deadline passes, tells the daemon to stop working on it.
     pub fn wait(self, wait: Wait<'_>) -> Result<Answer> {
         let started = Instant::now();
-        let answer = if let Some(delivery) = self.read_for_itself(started + self.spin) {
+        let answer = if let Some(delivery) = self.read_for_itself(started + SPIN) {
             delivery
         } else {
             self.link.sleeping.fetch_add(1, Ordering::AcqRel);
