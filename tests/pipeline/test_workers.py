@@ -321,38 +321,3 @@ def test_the_feeder_puts_prompts_rendered_by_the_chat_template_with_the_system_p
         f"{system}<|im_start|>user\n1+1={opened}",
         f"{system}<|im_start|>user\n2+2={opened}",
     ]
-
-
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_the_feeder_puts_a_step_s_prompts_once_a_policy_that_may_generate_them_exists(
-    staleness: int,
-) -> None:
-    """Step t's prompts go in once the trainer has made version t - k: sooner, rollout workers
-    could only claim them to hand them back. The feeder is woken by the trainer's step."""
-    ctx = context(f"trainer.max_staleness={staleness}", "trainer.max_steps=4")
-    task = DatasetTask([Problem(f"{i}+1=", str(i + 1)) for i in range(8)], [], {})
-    feeder = Feeder(ctx, task)
-
-    def targets() -> list[int]:
-        listed = ctx.store.rows(partition=PROMPTS).indexes
-        return sorted(int(t) for t in ctx.store.read(listed, "target_step")["target_step"])
-
-    for _ in range(4):
-        assert feeder.step()
-    assert targets() == [s for s in range(staleness + 1) for _ in range(2)]
-    stepped = threading.Event()
-
-    def train_a_step() -> None:
-        with ctx.state.lock:
-            ctx.state.trained_steps = 1
-            ctx.state.stepped.notify_all()
-        stepped.set()
-
-    trainer = threading.Timer(0.05, train_a_step)
-    trainer.start()
-    assert feeder.step()  # waits, and is woken by the step
-    if not stepped.is_set():  # (its wait ended first on this machine: it looks again)
-        trainer.join()
-        assert feeder.step()
-    trainer.join()
-    assert targets() == [s for s in range(staleness + 2) for _ in range(2)]

@@ -72,11 +72,6 @@ class RunState:
     #: Held while prompt rows are added (feeder) or turned into samples (rollout), and while a
     #: checkpoint snapshots the store: the snapshot then sees each prompt group exactly once.
     snapshot_lock: threading.Lock = field(default_factory=threading.Lock)
-    #: Notified, under ``lock``, when ``trained_steps`` grows.
-    stepped: threading.Condition = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.stepped = threading.Condition(self.lock)
 
     def add(self, **deltas: int) -> None:
         with self.lock:

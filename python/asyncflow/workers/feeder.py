@@ -1,8 +1,5 @@
 """Prompt feeder: dataset -> prompt rows, one GRPO group per prompt, one training step's worth at
-a time. The prompts of step ``t`` go in as soon as the trainer has made policy version ``t - k``
-(``k``: ``trainer.max_staleness``), the oldest that may generate them: no sooner, when rollout
-workers could only claim them to hand them back (``staleness_policy: wait``) or generate samples
-too stale to train on (``drop``)."""
+a time, never more than the staleness bound allows ahead of the trainer."""
 
 from __future__ import annotations
 
@@ -76,22 +73,6 @@ class Feeder(Worker):
             group_size=1,
         )
 
-    def _may_feed(self, target: int) -> bool:
-        """Whether the prompts of step ``target`` may go in: once the trainer has made the
-        oldest policy version that may generate them. Waits a moment for its next step if not
-        (woken by it, and seeing the run stop meanwhile)."""
-        state = self.ctx.state
-        k = self.config.trainer.max_staleness
-
-        def allowed() -> bool:
-            return target - k <= state.trained_steps
-
-        with state.lock:
-            if allowed():
-                return True
-        with self.waiting("trainer progress"), state.lock:
-            return state.stepped.wait_for(allowed, 0.05)
-
     def step(self) -> bool:
         per_step = self.config.trainer.groups_per_step
         if self._replacements():
@@ -103,7 +84,10 @@ class Feeder(Worker):
                 self.ctx.stop.wait(0.05)
             return True
         target = self.next_group // per_step
-        if not self._may_feed(target):
+        ahead = self.config.trainer.max_staleness + 1
+        if target > self.ctx.state.trained_steps + ahead:
+            with self.waiting("trainer progress"):
+                self.ctx.stop.wait(0.05)
             return True
         with self.ctx.state.snapshot_lock, self.busy("feed"):
             count = min(per_step - self.next_group % per_step, self.total_groups - self.next_group)
