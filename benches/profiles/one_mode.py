@@ -1,6 +1,6 @@
 """Runs one mode of the ``pipeline`` suite as the suite runs it (same split, processes and
-measurement) and prints its framework CPU per sample, process by process (the emulated devices' serving
-threads apart), for profiling::
+measurement) and prints its framework CPU per sample, process by process (the emulated devices'
+serving threads apart), for profiling::
 
     py-spy record --subprocesses --gil --nonblocking -r 50 --format speedscope -o OUT.json -- \\
         .venv/bin/python benches/profiles/one_mode.py streaming [COSTS.yaml]
