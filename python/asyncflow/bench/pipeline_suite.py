@@ -124,7 +124,11 @@ def run_mode(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mod
                 if proc.poll() is None:
                     proc.terminate()
             for proc in procs.values():
-                proc.wait(timeout=120)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:  # deaf to SIGTERM: it fails the mode below
+                    proc.kill()
+                    proc.wait()
                 if proc.stdout is not None:
                     proc.stdout.close()
         daemon_cpu = _proc_cpu_seconds(daemon.proc.pid) - daemon_cpu

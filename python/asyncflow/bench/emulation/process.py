@@ -12,6 +12,7 @@ import json
 import resource
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,9 @@ def main(argv: list[str]) -> int:
     store = af.connect(spec.store_url)
     tracer = Tracer()
     ctx = Context(store, config, EmulatedTokenizer(), tracer, RunState())
-    signal.signal(signal.SIGTERM, lambda *_: ctx.stop.set())
+    # Set from a thread of its own: the handler runs in the main thread, which may be inside
+    # ``stop.wait`` holding the event's lock, where ``Event.set`` would wait for it for ever.
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=ctx.stop.set).start())
     meter = BusyMeter()
     workers, closing, decode_devices = build(spec, ctx, meter)
     finisher = next((w for w in workers if isinstance(w, Trainer)), workers[0])
