@@ -35,20 +35,6 @@ def daemon_flags(
     return flags if limit is None else [*flags, "--memory-limit", str(limit)]
 
 
-@pytest.fixture(autouse=True)
-def environment_restored() -> Iterator[None]:
-    """Each test leaves the process environment as it found it. A process group made in the
-    test's own process (a training engine's group of one) sets RANK, LOCAL_RANK, MASTER_PORT
-    and the like, as its ranks need; left behind, they change what later tests in the same
-    worker do: accelerate, seeing LOCAL_RANK, makes a process group of its own whose store
-    listens on every interface."""
-    saved = dict(os.environ)
-    yield
-    if dict(os.environ) != saved:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 @pytest.fixture
 def daemons() -> Iterator[Callable[..., DaemonProcess]]:
     """Starts daemons with the given flags; each is stopped, and must exit 0, at teardown."""
