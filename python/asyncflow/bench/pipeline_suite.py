@@ -132,12 +132,17 @@ def run_mode(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mod
                 if proc.stdout is not None:
                     proc.stdout.close()
         daemon_cpu = _proc_cpu_seconds(daemon.proc.pid) - daemon_cpu
-    failed = [n for n, p in procs.items() if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"{mode.name}: processes {failed} failed; see their stderr above")
+    _fail_if_any_failed(mode, procs)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reports = [json.loads((run_dir / f"{n}.report.json").read_text()) for n in procs]
     return ModeRun(metrics, reports, daemon_cpu)
+
+
+def _fail_if_any_failed(mode: Mode, procs: dict[str, subprocess.Popen[str]]) -> None:
+    """Raises if any of the mode's processes has exited with an error."""
+    failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+    if failed:
+        raise RuntimeError(f"{mode.name}: processes {failed} failed; see their stderr above")
 
 
 def _follow(
@@ -153,9 +158,7 @@ def _follow(
     total = costs.emulation.warmup_steps + costs.emulation.steps
     started, seen = time.monotonic(), 0
     while procs[trainer].poll() is None:
-        failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
-        if failed:
-            raise RuntimeError(f"{mode.name}: processes {failed} failed; see their stderr above")
+        _fail_if_any_failed(mode, procs)
         if time.monotonic() - started > MODE_TIMEOUT:
             raise TimeoutError(f"{mode.name} did not finish within {MODE_TIMEOUT:.0f}s")
         time.sleep(0.5)
