@@ -5,6 +5,7 @@ are not tests."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -290,6 +291,26 @@ def test_trl_is_given_the_jobs_work_and_optimiser_settings(tmp_path: Path) -> No
     assert args.learning_rate == c.trainer.lr and args.weight_decay == c.trainer.weight_decay
     assert args.max_grad_norm == c.trainer.grad_clip and args.epsilon == c.trainer.clip_eps
     assert args.beta == c.trainer.kl_coef and args.num_iterations == c.trainer.ppo_epochs
+
+
+def test_trl_trains_in_one_process_whatever_rank_variables_a_group_left_behind(
+    tmp_path: Path,
+) -> None:
+    # DeepSpeed's group of one leaves these in its process; seeing them, accelerate would make
+    # a process group of its own, listening on every address of the machine.
+    build = (
+        "import sys, torch; from pathlib import Path;"
+        "from asyncflow.bench.trl_peer import grpo_config; from asyncflow.config import load;"
+        "grpo_config(load(None, []), Path(sys.argv[1]), tools=False);"
+        "print(torch.distributed.is_initialized())"
+    )
+    left = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, **left, "MASTER_PORT": "29500"}
+    out = subprocess.run(
+        [sys.executable, "-c", build, str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"]
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,6 @@ from asyncflow.agents.parser import ToolCall
 from asyncflow.agents.tools import create_tool
 from asyncflow.engines.base import ADAM_BETAS
 from asyncflow.engines.hf import HFRolloutEngine
-from asyncflow.engines.process_group import free_port
 from asyncflow.engines.registry import create_rollout_engine
 from asyncflow.evaluation import accuracy, host_copy, pass_at_k, verifier
 from asyncflow.models.tokenizer import load_tokenizer
@@ -193,15 +192,20 @@ def weight_copies(model: torch.nn.Module, c: configuration.Config) -> Any:
     return WeightCopies()
 
 
+# What a launcher (or DeepSpeed's group of one, which leaves them behind) tells a rank.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
 def grpo_config(c: configuration.Config, out: Path, tools: bool) -> Any:
-    """TRL's ``GRPOConfig`` for the job's work. Building it sets up accelerate's process group
-    (a group of one): on a free loopback port, not on an inherited ``MASTER_PORT`` (which a
-    process group of the parent's may still hold) nor on accelerate's fixed default (29500,
-    which another TRL process on the machine may hold)."""
+    """TRL's ``GRPOConfig`` for the job's work, trained in this one process. Without a process
+    group, the rank variables an earlier group left in the environment are removed first:
+    seeing them, accelerate would create a group of its own, whose store listens on every
+    address of the machine."""
     import trl  # noqa: PLC0415
 
     if not torch.distributed.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        for name in _RANK_VARIABLES:
+            os.environ.pop(name, None)
     return trl.GRPOConfig(**grpo_arguments(c, out, tools))
 
 
