@@ -381,8 +381,8 @@ class RunConfig:
     checkpoint_every: int = 10
     #: Seconds any worker may wait for its input before the run fails with a clear error.
     stall_timeout: float = 300.0
-    #: Seconds a worker waits in one claim for a full batch before it takes what is ready (and
-    #: looks at the stop flag again).
+    #: Seconds a worker waits in one claim for a full batch before it takes what is ready; with
+    #: nothing ready, the same claim waits on for the first rows (up to a second, or this).
     poll_interval: float = 0.25
     progress: bool = True
     #: Experiment trackers mirroring metrics.jsonl, the config and the summary figure:

@@ -33,7 +33,10 @@ class ClaimOptions:
     """How ``Store.claim`` leases rows.
 
     A claim waits up to ``timeout`` seconds (None: for ever) for a full batch; then it returns
-    what is ready if ``allow_partial`` (possibly nothing), else raises ``TimeoutError``.
+    what is ready if ``allow_partial`` (possibly nothing), else raises ``TimeoutError``. With
+    ``allow_partial`` and ``partial_after``, it settles for part of a batch, but not for none,
+    once ``partial_after`` seconds have passed: a consumer with nothing to do waits for its
+    first rows in one request, yet does not wait on for a full batch.
     ``partition`` and ``min_version`` filter rows; ``whole_groups`` delivers a GRPO group all
     together or not at all.
 
@@ -57,6 +60,7 @@ class ClaimOptions:
     min_version: int | None = _CLAIM["min_version"]
     whole_groups: bool = _CLAIM["whole_groups"]
     allow_partial: bool = _CLAIM["allow_partial"]
+    partial_after: float | None = _CLAIM["partial_after"]
     step: int | None = _CLAIM["step"]
     replica: int = _CLAIM["replica"]
     dp_rank: int = _CLAIM["dp_rank"]

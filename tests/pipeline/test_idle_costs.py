@@ -20,7 +20,7 @@ from asyncflow.errors import UnknownTaskError
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
-from asyncflow.workers.base import PROMPTS, Context, RunState, Worker
+from asyncflow.workers.base import IDLE_WAIT, PROMPTS, Context, RunState, Worker
 from asyncflow.workers.rollout import Rollout
 
 
@@ -31,6 +31,7 @@ class Counting(af.Store):
         super().__init__()
         self.calls: Counter[str] = Counter()
         self.claim_timeouts: list[float | None] = []
+        self.partial_after: list[float | None] = []
 
     def rows(self, *args: Any, **kwargs: Any) -> af.Rows:
         self.calls["rows"] += 1
@@ -47,6 +48,7 @@ class Counting(af.Store):
     def claim(self, *args: Any, **kwargs: Any) -> Any:
         self.calls["claim"] += 1
         self.claim_timeouts.append(kwargs.get("timeout"))
+        self.partial_after.append(kwargs.get("partial_after"))
         return super().claim(*args, **kwargs)
 
 
@@ -186,9 +188,9 @@ def test_a_wait_for_weights_ends_when_the_run_stops() -> None:
     assert time.monotonic() - started < 30
 
 
-def test_a_full_batch_is_claimed_without_waiting_and_a_partial_one_after_the_timeout() -> None:
+def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_poll_interval() -> None:
     store = Counting()
-    ctx = context(store, "run.poll_interval=0.2")
+    ctx = context(store, "run.poll_interval=0.2", "run.stall_timeout=300")
 
     class Claimer(Worker):
         def step(self) -> bool:
@@ -205,9 +207,16 @@ def test_a_full_batch_is_claimed_without_waiting_and_a_partial_one_after_the_tim
     assert len(full) == 2 and store.claim_timeouts == [0.0]
     partial = worker.claim("rollout", ["prompt_ids"], 2)
     assert len(partial) == 1
-    assert store.claim_timeouts == [0.0, 0.0, 0.2]  # full now? no: then waited for more
+    # Full now? No: then one request that settles for part of the batch after the poll
+    # interval, and with nothing there would wait on for the first rows.
+    assert store.claim_timeouts == [0.0, 0.0, IDLE_WAIT]
+    assert store.partial_after == [None, None, 0.2]
+    # An idle worker: one request, until rows come or the idle wait has passed.
+    started = time.monotonic()
     assert len(worker.claim("rollout", ["prompt_ids"], 2, timeout=0.05)) == 0
-    assert store.claim_timeouts[-1] == 0.05
+    assert time.monotonic() - started >= IDLE_WAIT
+    assert store.claim_timeouts[-1] == IDLE_WAIT and store.partial_after[-1] == 0.05
+    assert store.calls["claim"] == 5
 
 
 def test_a_single_group_claim_waits_longer_than_the_poll_interval_for_its_group() -> None:
@@ -245,7 +254,9 @@ def test_a_worker_waits_for_weights_in_one_stretch_up_to_its_stall_timeout() -> 
 
 def test_the_workers_of_an_engine_claim_prompts_one_at_a_time() -> None:
     store = Counting()
-    ctx = context(store, "rollout.groups_per_call=1", "run.stall_timeout=0.2")
+    ctx = context(
+        store, "rollout.groups_per_call=1", "run.stall_timeout=0.2", "run.poll_interval=0.05"
+    )
     engine = Shared()
     first, second = Rollout(ctx, engine, "rollout-0.0"), Rollout(ctx, engine, "rollout-0.1")
     other = Rollout(ctx, Shared(), "rollout-1.0")

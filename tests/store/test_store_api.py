@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,6 +148,50 @@ def test_timeouts_raise_or_return_what_is_ready(store: af.Store) -> None:
     assert "never_written" in str(err.value)
     batch = store.claim("t", "x", 5, timeout=0.05, allow_partial=True)
     assert len(batch) == 1
+
+
+def test_after_partial_after_a_claim_takes_part_of_a_batch_but_waits_on_for_a_first_row(
+    store: af.Store,
+) -> None:
+    store.register_task("t")
+    settle = {"allow_partial": True, "partial_after": 0.05}
+    # Nothing ready: it waits to its deadline, then returns nothing.
+    started = time.monotonic()
+    assert len(store.claim("t", "x", 5, timeout=0.3, **settle)) == 0
+    assert time.monotonic() - started >= 0.3
+    # Part of a batch ready: taken long before the deadline (60 s) is reached.
+    store.put({"x": [1, 2]})
+    started = time.monotonic()
+    assert len(store.claim("t", "x", 5, timeout=60, **settle)) == 2
+    assert time.monotonic() - started < 30
+    # A row that comes while the claim waits is taken at once.
+    late = threading.Timer(0.2, lambda: store.put({"x": [3]}))
+    late.start()
+    started = time.monotonic()
+    assert len(store.claim("t", "x", 5, timeout=60, **settle)) == 1
+    assert time.monotonic() - started < 30
+    late.join()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"partial_after": 0.1}, {"partial_after": -1, "allow_partial": True}],
+)
+def test_partial_after_needs_allow_partial_and_a_number_of_seconds(
+    store: af.Store, options: dict[str, Any]
+) -> None:
+    store.register_task("t")
+    store.put({"x": [1]})
+    with pytest.raises(af.BadRequestError, match="partial_after"):
+        store.claim("t", "x", 2, timeout=0, **options)
+    assert len(store.claim("t", "x", 2, timeout=0, allow_partial=True)) == 1
+
+
+def test_partial_after_is_not_for_a_claim_shared_by_a_step(store: af.Store) -> None:
+    store.register_task("t")
+    store.put({"x": [1]})
+    with pytest.raises(af.BadRequestError, match="partial_after"):
+        store.claim("t", "x", 2, timeout=0, allow_partial=True, partial_after=0, step=0)
 
 
 def test_an_expired_lease_is_redelivered_and_its_late_ack_changes_nothing(

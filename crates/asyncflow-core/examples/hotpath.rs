@@ -20,10 +20,7 @@ fn main() {
         task: "bench".into(),
         fields: vec!["x".into()],
         batch_size: rows,
-        partition: None,
-        min_version: None,
-        whole_groups: false,
-        share: None,
+        ..ClaimSpec::default()
     };
     let (mut put, mut claim, mut read, mut ack) = (0.0, 0.0, 0.0, 0.0);
     for _ in 0..rounds {

@@ -404,12 +404,14 @@ impl Store {
     }
 
     /// Leases up to `spec.batch_size` rows, waiting for a full batch until the wait's deadline;
-    /// then returns what is ready if `allow_partial`, else fails with `Timeout`. A shared claim
-    /// (`spec.share`) returns the caller's part of its step's batch, claiming the batch if the
-    /// caller is the first to ask.
+    /// then returns what is ready if `allow_partial`, else fails with `Timeout`. With
+    /// `spec.partial_after` (and `allow_partial`) it settles for part of a batch, but not for
+    /// none, once that has passed. A shared claim (`spec.share`) returns the caller's part of its
+    /// step's batch, claiming the batch if the caller is the first to ask.
     pub fn claim(&self, spec: &ClaimSpec, allow_partial: bool, wait: Wait<'_>) -> Result<Claimed> {
         self.index.lock().check_claim(spec)?;
         let started = Instant::now();
+        let settle_at = spec.partial_from(allow_partial, started)?;
         let lease_timeout = self.config.lease_timeout;
         // Shard locks are taken under the index lock here, never the other way round.
         let lengths = |rows: &[u64], field| self.shards.first_dims(rows, field);
@@ -418,8 +420,13 @@ impl Store {
             if index.expire_leases(now) > 0 {
                 self.notify_changed();
             }
-            let partial = last_try && allow_partial;
+            let early = !last_try && settle_at.is_some_and(|at| now >= at);
+            let partial = allow_partial && (last_try || early);
             match index.try_claim_with(spec, now, lease_timeout, partial, &lengths) {
+                // Before the deadline, part of a batch is at least one row.
+                Ok(Some(claimed)) if early && claimed.rows.is_empty() => {
+                    Attempt::Pending { wake_at: index.next_lease_deadline() }
+                }
                 Ok(Some(claimed)) => {
                     if spec.share.is_some() {
                         // The other consumers of a shared batch may be waiting for it to exist.
@@ -427,7 +434,11 @@ impl Store {
                     }
                     Attempt::Done(Ok(claimed))
                 }
-                Ok(None) => Attempt::Pending { wake_at: index.next_lease_deadline() },
+                Ok(None) => {
+                    let settle = settle_at.filter(|&at| at > now);
+                    let wake_at = [index.next_lease_deadline(), settle].into_iter().flatten().min();
+                    Attempt::Pending { wake_at }
+                }
                 Err(e) => Attempt::Done(Err(e)),
             }
         })?;

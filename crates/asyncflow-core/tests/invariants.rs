@@ -147,10 +147,8 @@ impl Harness {
             task: TASKS[task].into(),
             fields: fields.clone(),
             batch_size: batch,
-            partition: None,
-            min_version: None,
             whole_groups,
-            share: None,
+            ..ClaimSpec::default()
         };
         let claimed = match self.index.try_claim(&spec, self.now, LEASE, true) {
             Ok(claimed) => claimed.expect("a partial claim always answers"),
@@ -252,7 +250,7 @@ proptest! {
         for task in TASKS {
             let spec = ClaimSpec {
                 task: task.into(), fields: vec!["x".into()], batch_size: batch,
-                partition: None, min_version: None, whole_groups: false, share: None,
+                ..ClaimSpec::default()
             };
             loop {
                 let c = store.claim(&spec, true, Wait::timeout(Some(Duration::ZERO))).unwrap();

@@ -66,10 +66,7 @@ fn spec(task: &str, fields: &[&str], batch_size: usize) -> ClaimSpec {
         task: task.into(),
         fields: fields.iter().map(|f| (*f).to_string()).collect(),
         batch_size,
-        partition: None,
-        min_version: None,
-        whole_groups: false,
-        share: None,
+        ..ClaimSpec::default()
     }
 }
 

@@ -18,6 +18,7 @@ const PARTITION: u16 = 4;
 const MIN_VERSION: u16 = 5;
 const WHOLE_GROUPS: u16 = 6;
 const SHARE: u16 = 7;
+const PARTIAL_AFTER: u16 = 8;
 
 const COST_TOKENS: u8 = 0;
 const COST_ATTENTION: u8 = 1;
@@ -98,6 +99,11 @@ pub fn encode(w: &mut Writer, spec: &ClaimSpec) {
     if let Some(share) = &spec.share {
         add(SHARE, &|w| encode_share(w, share));
     }
+    if let Some(after) = spec.partial_after {
+        add(PARTIAL_AFTER, &|w| {
+            w.duration(after);
+        });
+    }
     w.u16(count);
     w.buf.extend_from_slice(&fields.buf);
 }
@@ -106,7 +112,7 @@ pub fn decode(r: &mut Reader<'_>) -> Result<ClaimSpec, ProtoError> {
     let count = r.u16()?;
     let (mut task, mut fields, mut batch_size) = (None, None, None);
     let (mut partition, mut min_version, mut whole_groups) = (None, None, false);
-    let mut share = None;
+    let (mut share, mut partial_after) = (None, None);
     for _ in 0..count {
         let tag = r.u16()?;
         let mut value = Reader::new(r.bytes()?);
@@ -123,6 +129,7 @@ pub fn decode(r: &mut Reader<'_>) -> Result<ClaimSpec, ProtoError> {
             MIN_VERSION => min_version = Some(value.u64()?),
             WHOLE_GROUPS => whole_groups = value.bool()?,
             SHARE => share = Some(decode_share(&mut value)?),
+            PARTIAL_AFTER => partial_after = Some(value.duration()?),
             t if t & OPTIONAL != 0 => continue,
             t => return Err(ProtoError::malformed(format!("unsupported claim option tag {t}"))),
         }
@@ -137,12 +144,14 @@ pub fn decode(r: &mut Reader<'_>) -> Result<ClaimSpec, ProtoError> {
         min_version,
         whole_groups,
         share,
+        partial_after,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn spec() -> ClaimSpec {
         ClaimSpec {
@@ -163,6 +172,7 @@ mod tests {
                 cost: CostModel::Attention { linear_weight: 768.0 },
                 equal_count: true,
             }),
+            partial_after: Some(Duration::from_millis(250)),
         }
     }
 

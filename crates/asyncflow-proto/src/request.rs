@@ -554,6 +554,7 @@ mod tests {
                 min_version: None,
                 whole_groups: false,
                 share: None,
+                partial_after: Some(Duration::from_millis(20)),
             };
             let req = Request::Claim { spec, allow_partial: true, timeout: None, read };
             let bytes = req.encode();

@@ -13,13 +13,18 @@ use crate::errors::{BlockingError, to_py};
 
 /// Turns a Python timeout in seconds (`None`: for ever) into a duration.
 pub fn timeout(timeout: Option<f64>) -> PyResult<Option<Duration>> {
-    match timeout {
+    wait_seconds(timeout, "timeout")
+}
+
+/// Turns the seconds of a wait named `what` (`None` kept) into a duration.
+pub fn wait_seconds(seconds: Option<f64>, what: &str) -> PyResult<Option<Duration>> {
+    match seconds {
         None => Ok(None),
         Some(t) if (0.0..=crate::convert::MAX_SECONDS).contains(&t) => {
             Ok(Some(Duration::try_from_secs_f64(t).unwrap_or(Duration::ZERO)))
         }
         Some(t) => Err(to_py(StoreError::bad_request(format!(
-            "timeout must be a number of seconds from 0 to {} or None, not {t}",
+            "{what} must be a number of seconds from 0 to {} or None, not {t}",
             crate::convert::MAX_SECONDS
         )))),
     }

@@ -27,6 +27,7 @@ pub struct ClaimOptions {
     pub min_version: Option<u64>,
     pub whole_groups: bool,
     pub allow_partial: bool,
+    pub partial_after: Option<f64>,
     pub step: Option<u64>,
     pub replica: u64,
     pub dp_rank: u32,
@@ -51,6 +52,7 @@ impl Default for ClaimOptions {
             min_version: spec.min_version,
             whole_groups: spec.whole_groups,
             allow_partial: false,
+            partial_after: spec.partial_after.map(|d| d.as_secs_f64()),
             step: None,
             replica: share.replica,
             dp_rank: share.dp_rank,
@@ -83,6 +85,7 @@ impl ClaimOptions {
             )))
         })?;
         let share = self.share()?;
+        let partial_after = crate::blocking::wait_seconds(self.partial_after, "partial_after")?;
         Ok(Claim {
             spec: ClaimSpec {
                 task,
@@ -92,6 +95,7 @@ impl ClaimOptions {
                 min_version: self.min_version,
                 whole_groups: self.whole_groups,
                 share,
+                partial_after,
             },
             allow_partial: self.allow_partial,
             timeout: self.timeout,

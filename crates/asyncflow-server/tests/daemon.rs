@@ -20,6 +20,7 @@ fn spec(task: &str, field: &str, batch_size: usize) -> ClaimSpec {
         min_version: None,
         whole_groups: false,
         share: None,
+        partial_after: None,
     }
 }
 

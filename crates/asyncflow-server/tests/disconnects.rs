@@ -25,6 +25,7 @@ fn spec(batch_size: usize) -> ClaimSpec {
         min_version: None,
         whole_groups: false,
         share: None,
+        partial_after: None,
     }
 }
 

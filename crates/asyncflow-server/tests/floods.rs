@@ -148,6 +148,7 @@ fn floods_stay_within_the_memory_limit_and_the_transit_pool() {
             min_version: None,
             whole_groups: false,
             share: None,
+            partial_after: None,
         };
         let req = Request::Claim {
             spec,

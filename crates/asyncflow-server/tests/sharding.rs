@@ -42,6 +42,7 @@ fn spec(batch_size: usize) -> ClaimSpec {
         min_version: None,
         whole_groups: false,
         share: None,
+        partial_after: None,
     }
 }
 

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 #: Partition of prompts waiting for rollout; samples of training step s go to ``step-<s>``.
 PROMPTS = "prompts"
 
+#: Seconds (at least) an idle worker waits at once for work, or for room or new weights, all of
+#: which wake it as soon as they come: the timeout only bounds how late it sees the run stop.
+#: Each wake-up to find nothing changed costs a store request, this process and the GIL.
+IDLE_WAIT = 1.0
+
 
 def step_partition(step: int) -> str:
     return f"step-{step}"
@@ -148,6 +153,7 @@ class Worker(ABC):
         self.store = ctx.store
         self.config = ctx.config
         self._idle_since: float | None = None
+        self._idle_wait = max(self.config.run.poll_interval, IDLE_WAIT)
 
     def run(self) -> None:
         while not self.ctx.stop.is_set():
@@ -173,9 +179,12 @@ class Worker(ABC):
         **options: Any,
     ) -> Batch:
         """Claims up to ``batch_size`` ready rows, waiting at most ``timeout`` (default
-        ``run.poll_interval``) for a full batch; raises :class:`StallError` when nothing has come
-        for ``run.stall_timeout`` seconds."""
+        ``run.poll_interval``) for a full batch and then taking what is ready; with nothing
+        ready it waits on, in the same request, until the first rows come or the idle wait
+        (:data:`IDLE_WAIT`, at least the poll interval) has passed. Raises
+        :class:`StallError` when nothing has come for ``run.stall_timeout`` seconds."""
         names = list(fields)
+        partial_after = self.config.run.poll_interval if timeout is None else timeout
         with self.waiting(f"claim {'+'.join(fields)}"):
             batch = self._full_batch_now(task, names, batch_size, options)
             if batch is None:
@@ -183,8 +192,9 @@ class Worker(ABC):
                     task,
                     names,
                     batch_size,
-                    timeout=self.config.run.poll_interval if timeout is None else timeout,
+                    timeout=max(partial_after, min(self._idle_wait, self.stall_left())),
                     allow_partial=True,
+                    partial_after=partial_after,
                     **options,
                 )
         self.note_progress(len(batch) > 0, f"rows with {list(fields)} for task {task!r}")

@@ -29,12 +29,6 @@ from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 
 FIELDS = ["prompt_ids", "answer", "target_step"]
-#: Seconds (at least) an idle worker waits at once for room in its engine or for new weights,
-#: both of which wake it as soon as they come: the timeout only bounds how late it sees the run
-#: stop (weights: not even that, the watcher wakes its waiters on stop). Many workers share one
-#: engine, and each wake-up to find nothing changed costs this process and the GIL.
-IDLE_WAIT = 1.0
-
 
 #: The claim lock of each engine, shared by the workers that drive it (``Rollout._claim_in_turn``).
 _CLAIM_LOCKS: weakref.WeakKeyDictionary[RolloutEngine, threading.Lock] = weakref.WeakKeyDictionary()
@@ -73,7 +67,6 @@ class Rollout(Worker):
         self.sampling = Sampling(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens)
         #: Versions whose weights failed to load; newer ones are still tried.
         self._unloadable: set[int] = set()
-        self._idle_wait = max(self.config.run.poll_interval, IDLE_WAIT)
         with _CLAIM_LOCKS_LOCK:
             self._claim_lock = _CLAIM_LOCKS.setdefault(engine, threading.Lock())
 
@@ -101,10 +94,7 @@ class Rollout(Worker):
 
     def _claim(self, groups: int | None = None) -> PromptGroups | None:
         groups = groups or self.config.rollout.groups_per_call
-        # A claim returns as soon as its batch is full: for one group, as soon as there is any.
-        # Only a larger batch's wait for more groups is bounded by the poll interval.
-        timeout = self._idle_wait if groups == 1 else None
-        batch = self.claim("rollout", FIELDS, groups, timeout=timeout)
+        batch = self.claim("rollout", FIELDS, groups)
         if len(batch) == 0:
             return None
         data = batch.read()

@@ -32,6 +32,32 @@ pub struct ClaimSpec {
     /// step (each gets its token-balanced part) and the peers of a replica group (each gets the
     /// same part). `batch_size` is then the whole step's batch. `None`: an ordinary claim.
     pub share: Option<Share>,
+    /// For a claim that settles for a partial batch: once this long has passed, it takes what is
+    /// ready (at least one row) instead of waiting on for a full batch until its deadline, and
+    /// after that it returns as soon as rows come. `None`: it settles only at its deadline. An
+    /// idle consumer can thus wait long for work in one request and still take part of a batch
+    /// soon. Not for shared claims.
+    pub partial_after: Option<Duration>,
+}
+
+impl ClaimSpec {
+    /// When a claim started at `started` begins to settle for part of a batch before its
+    /// deadline (see `partial_after`); `None` if it does not.
+    pub fn partial_from(&self, allow_partial: bool, started: Instant) -> Result<Option<Instant>> {
+        let Some(after) = self.partial_after else { return Ok(None) };
+        if !allow_partial {
+            return Err(StoreError::bad_request(
+                "partial_after says when a claim settles for part of a batch; it needs allow_partial",
+            ));
+        }
+        if self.share.is_some() {
+            return Err(StoreError::bad_request(
+                "partial_after is not for shared claims (with step): a step's batch is claimed \
+                 once, for all its consumers",
+            ));
+        }
+        Ok(Some(started + after))
+    }
 }
 
 /// How one claimed batch is shared (see `shared.rs`).

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use asyncflow_core::{Claimable, StoreError, Wait};
+use asyncflow_core::{ClaimSpec, Claimable, StoreError, Wait};
 use asyncflow_proto::{Failure, PayloadSource, Reply, Request};
 use tokio::sync::Notify;
 use tokio::sync::futures::OwnedNotified;
@@ -249,7 +249,8 @@ impl WaitingClaim {
         let (daemon, session) = (&waiter.daemon, &waiter.session);
         let store = daemon.roles.claim_store().expect("only a daemon that serves claims waits");
         let outcome = loop {
-            match [self.deadline, store.next_lease_deadline()].into_iter().flatten().min() {
+            let settle = self.settle_at().filter(|&at| at > Instant::now());
+            match [self.deadline, store.next_lease_deadline(), settle].into_iter().flatten().min() {
                 Some(at) => tokio::select! {
                     () = &mut woken => {}
                     () = tokio::time::sleep_until(at.into()) => {}
@@ -273,17 +274,33 @@ impl WaitingClaim {
         tx.send(reply);
     }
 
+    /// When the claim starts to settle for part of a batch before its deadline, if it does
+    /// (`ClaimSpec::partial_after`).
+    fn settle_at(&self) -> Option<Instant> {
+        let Request::Claim { spec, allow_partial, .. } = &self.req else {
+            unreachable!("only claims wait as tasks");
+        };
+        spec.partial_from(*allow_partial, self.started).ok().flatten()
+    }
+
     /// One look for the rows, without waiting: `None` if the claim should wait on. Past its
-    /// deadline it settles for a partial batch if it allows one, or times out.
+    /// deadline it settles for a partial batch if it allows one, or times out; past its
+    /// `partial_after`, for a partial batch of at least one row.
     fn look(&self, daemon: &Daemon, session: &Session) -> Option<Outcome> {
         let Request::Claim { spec, allow_partial, timeout, read } = &self.req else {
             unreachable!("only claims wait as tasks");
         };
+        let settle_at = match spec.partial_from(*allow_partial, self.started) {
+            Ok(at) => at,
+            Err(e) => return Some(Err(e)),
+        };
         let now = Instant::now();
         let last = self.deadline.is_some_and(|d| now >= d);
+        let early = !last && settle_at.is_some_and(|at| now >= at);
+        // Each look is a claim that does not wait: whether it settles is decided here.
         let attempt = Request::Claim {
-            spec: spec.clone(),
-            allow_partial: *allow_partial && last,
+            spec: ClaimSpec { partial_after: None, ..spec.clone() },
+            allow_partial: *allow_partial && (last || early),
             timeout: *timeout,
             read: *read,
         };
@@ -294,6 +311,11 @@ impl WaitingClaim {
                 Some(Err(StoreError::Timeout { what, waited: now - self.started }))
             }
             Err(StoreError::Timeout { .. }) => None,
+            Ok((Reply::Claimed(c) | Reply::ClaimedCells { claimed: c, .. }, _))
+                if early && c.lease.is_none() =>
+            {
+                None
+            }
             outcome => Some(outcome),
         }
     }
