@@ -3,6 +3,7 @@ Qwen2-0.5B's shape, the hf rollout engine and the trainer sharing the GPU, synch
 async-1, over three seeds.
 
     python benches/gpu_run.py [--out DIR] [--json PATH] [--steps 10] [--seeds 0 1 2]
+                              [--modes sync async-1] [--transports store broadcast ipc]
     python benches/gpu_run.py --device cpu --tiny --steps 2 --seeds 0     # a smoke run, no GPU
 
 The model: the Qwen2 architecture with the shape of Qwen/Qwen2-0.5B's config.json
@@ -35,8 +36,11 @@ H100 then took 16 s to make the model and 43 s (sync) and 30 s (async-1) a run, 
 The modes, as the pipeline suite names them: ``sync`` (``trainer.max_staleness=0``,
 ``trainer.streaming=false``: the trainer waits for the whole step, the rollout engine for the
 new weights; they take turns on the GPU) and ``async-1`` (``max_staleness=1``, streaming: the
-rollout engine generates step ``s + 1`` while the trainer trains step ``s``). The order of the
-modes alternates from seed to seed; each seed's model is made once and used by both modes.
+rollout engine generates step ``s + 1`` while the trainer trains step ``s``). ``--transports``
+(default ``store``) runs each mode with each ``weights.transport`` named: ``store`` with the
+trainer in the job's process, ``broadcast`` and ``ipc`` with it as one rank in a process of its
+own (as the job runs them; ``ipc`` needs the GPU). The order of the cases rotates with the
+seed; each seed's model is made once and used by every case.
 
 Per run, over steps 2 to N (the first step also pays for CUDA's and the allocator's warm-up):
 - ``samples_per_s``: samples trained, per second between the ends of step 1 and step N (the
@@ -46,14 +50,17 @@ Per run, over steps 2 to N (the first step also pays for CUDA's and the allocato
   step ends belong to the next step's samples);
 - ``generate_tokens_per_s``: all the run's generated tokens per second the rollout engine spent
   in its generation calls (``generate vK`` spans, step 1 included): the engine's own speed;
-- ``publish_s`` and ``load_s`` per version: the trainer's ``publish vK`` spans (export, copy to
-  the host, put into the store) and the rollout engine's ``load weights vK`` spans (read from the
-  store, copy into the GPU's parameters), from ``trace.json``; ``sync_s`` is their sum;
+- ``publish_s`` and ``load_s`` per version, versions 2 to N: the trainer's publication of each
+  step's version (``publish_seconds`` in ``metrics.jsonl``, timed where the trainer runs: export,
+  then into the store, or until the job's receiver holds it) and the rollout engine's ``load
+  weights vK`` spans (from the store or the receiver into the GPU's parameters, ``trace.json``);
+  ``sync_s`` is their sum;
 - ``peak_allocated_gib`` / ``peak_reserved_gib``: ``torch.cuda.max_memory_allocated`` and
-  ``max_memory_reserved`` in the run's process (with the local launcher every engine of the run
-  lives in it: trainer, rollout engine, held-out evaluator), and ``peak_used_gib``: the GPU's
-  ``memory.used`` peak, sampled by ``nvidia-smi`` every 0.5 s where it is installed (it counts
-  the CUDA context too);
+  ``max_memory_reserved`` in the run's process (with the local launcher the rollout engine and
+  held-out evaluator live in it, and the trainer too under ``store``; under ``broadcast`` and
+  ``ipc`` the trainer's process is not counted here), and ``peak_used_gib``: the GPU's
+  ``memory.used`` peak, sampled by ``nvidia-smi`` every 0.5 s where it is installed (every
+  process, CUDA contexts too);
 - ``rl_s`` and ``wall_s``: the RL phase (steps 1 to N) and the whole run.
 
 Writes ``OUT/gpu_run.json`` (or ``--json``: the settings, the machine, every run's figures, and
@@ -103,6 +110,9 @@ MODES = {
     "sync": ["trainer.max_staleness=0", "trainer.streaming=false"],
     "async-1": ["trainer.max_staleness=1", "trainer.streaming=true"],
 }
+#: ``weights.transport``: ``store`` with the trainer in the job's process; ``broadcast`` and
+#: ``ipc`` with it in a process of its own (one rank), as the job runs them.
+TRANSPORTS = ("store", "broadcast", "ipc")
 DASH = "\u2013"
 GIB = 1 << 30
 #: Lines of a failed run's log shown with its error.
@@ -204,8 +214,10 @@ def figures(run_dir: Path, config: cfg.Config, wall: float, smi_mib: float | Non
     # so the tokens generated between two step ends belong to the next step's samples.
     tokens_per_sample = summary["tokens_generated"] / max(summary["samples_generated"], 1)
     trace = json.loads((run_dir / "trace.json").read_text())
-    publish = spans_by_version(trace, "publish v")
-    load = spans_by_version(trace, "load weights v")
+    # Versions 2..N, those of the measured steps (the trainer in another process publishes
+    # where the job's trace cannot see: each step's record carries its publication's seconds).
+    publish = {s["step"]: s["publish_seconds"] for s in steps[1:] if "publish_seconds" in s}
+    load = {v: t for v, t in spans_by_version(trace, "load weights v").items() if v >= 2}
     generating = sum(spans_by_version(trace, "generate v").values())
     memory = json.loads((run_dir / "gpu_memory.json").read_text())
 
@@ -370,6 +382,11 @@ def git_commit() -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def label(transport: str, mode: str, args: argparse.Namespace) -> str:
+    """A case's name: the mode, after the transport where several are run."""
+    return f"{transport} {mode}" if len(args.transports) > 1 else mode
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--child"]:
         return child(Path(sys.argv[2]), sys.argv[3:])
@@ -379,6 +396,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="trainer.max_steps of each run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument(
+        "--transports", nargs="+", choices=TRANSPORTS, default=["store"], help="weights.transport"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (smoke)")
     parser.add_argument("--trainer", choices=["auto", "hf", "deepspeed"], default="auto")
     parser.add_argument("--tiny", action="store_true", help="the built-in tiny model (smoke)")
@@ -407,9 +427,10 @@ def main() -> int:
     json_path = args.json or out / "gpu_run.json"
     say(f"device {args.device}, trainer engine {trainer}, steps {args.steps}, seeds {args.seeds}")
     started = time.monotonic()
-    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    cases = [(t, m) for t in args.transports for m in args.modes]
+    runs: dict[str, list[dict]] = {label(t, m, args): [] for t, m in cases}
     record: dict[str, Any] = {"settings": {}, "machine": machine(), "runs": [], "failed": []}
-    for i, seed in enumerate(args.seeds):
+    for seed in args.seeds:
         model_dir = out / f"model-seed{seed}"
         if not (model_dir / "config.json").exists():
             say(f"seed {seed}: creating the model in {model_dir} ...")
@@ -422,6 +443,7 @@ def main() -> int:
         record["settings"] = {
             "overrides": job_overrides(args, trainer, out / "model-seed<seed>"),
             "modes": {m: MODES[m] for m in args.modes},
+            "transports": args.transports,
             "model_parameters": params,
             "vocab_size": vocab,
             "parameters_with_qwen2_vocab": qwen2_params,
@@ -432,18 +454,20 @@ def main() -> int:
             f"seed {seed}: {params / 1e6:.1f} M parameters "
             f"({qwen2_params / 1e6:.1f} M with Qwen2's vocabulary)"
         )
-        order = args.modes[i % len(args.modes) :] + args.modes[: i % len(args.modes)]
-        for mode in order:
-            run_dir = out / f"{mode}-seed{seed}"
-            say(f"seed {seed} {mode}: running ({run_dir}) ...")
-            result = run_one(args, run_dir, [*overrides, *MODES[mode]])
+        order = cases[seed % len(cases) :] + cases[: seed % len(cases)]
+        for transport, mode in order:
+            name = label(transport, mode, args)
+            run_dir = out / f"{name.replace(' ', '-')}-seed{seed}"
+            say(f"seed {seed} {name}: running ({run_dir}) ...")
+            case = [*MODES[mode], f"weights.transport={transport}"]
+            result = run_one(args, run_dir, [*overrides, *case])
             if result is None:
-                record["failed"].append({"mode": mode, "seed": seed})
+                record["failed"].append({"mode": mode, "transport": transport, "seed": seed})
                 continue
-            runs[mode].append(result)
-            record["runs"].append({"mode": mode, "seed": seed, **result})
+            runs[name].append(result)
+            record["runs"].append({"mode": mode, "transport": transport, "seed": seed, **result})
             say(
-                f"seed {seed} {mode}: {result['samples_per_s']:.1f} samples/s, "
+                f"seed {seed} {name}: {result['samples_per_s']:.1f} samples/s, "
                 f"{result['tokens_per_s']:.0f} tokens/s, weight sync "
                 f"{spread([result['sync_s']], 3).split()[0]} s/version, peak allocated "
                 f"{spread([result['peak_allocated_gib']], 2).split()[0]} GiB, run "

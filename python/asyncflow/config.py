@@ -401,11 +401,10 @@ class WeightsConfig:
     #: ``store``: the store carries whole versions (the portable default). ``broadcast``: the
     #: trainer's rank 0 sends each version in buckets over a gloo group of its own whose one
     #: receiver is the job's process, which holds the rollout engines; the store carries only
-    #: each version's layout. It needs trainer ranks in processes of their own
-    #: (``trainer.dp_size`` >= 2, deepspeed or fsdp) and ``launcher: local``. ``ipc``: trainer
-    #: and engines share a GPU, and engines copy each version from the trainer's GPU memory
-    #: through CUDA IPC handles; the job does not wire it yet (it is an asyncflow.weight_sync
-    #: transport, tested and measured by asyncflow bench weights).
+    #: each version's layout. ``ipc``: as broadcast, but the job's process copies each version
+    #: from rank 0's GPU memory through a CUDA IPC handle (needs CUDA; trainer and engines on
+    #: GPUs of one machine). Both need ``launcher: local``, and run the trainer in processes of
+    #: its own, even with ``trainer.dp_size`` 1.
     transport: Literal["store", "broadcast", "ipc"] = "store"
     #: Bytes per broadcast bucket: one is packed while the one before it is on the wire.
     bucket_size: str = "64MiB"
@@ -857,35 +856,33 @@ def no_sleep_mode_here(why: str) -> str:
     )
 
 
+def trainer_in_job_process(c: Config) -> bool:
+    """Whether the local job's trainer runs in the job's own process: one rank whose versions go
+    through the store. Several ranks, or a transport that sends each version from a trainer
+    process to the job's (``broadcast``, ``ipc``), put the trainer's ranks in processes of their
+    own."""
+    return c.trainer.dp_size == 1 and c.weights.transport == "store"
+
+
 def _validate_weights(c: Config) -> None:
     w = c.weights
     # Refused rather than silently run as store: see docs/weights.md for what each needs.
-    _require(
-        w.transport != "ipc",
-        "weights.transport ipc is not wired into asyncflow train yet (the transport itself is in "
-        "asyncflow.weight_sync, measured by asyncflow bench weights; it needs CUDA, trainer and "
-        "engines sharing one GPU); use store, or broadcast with trainer ranks in processes of "
-        "their own",
-    )
-    if w.transport == "broadcast":
+    if w.transport != "store":
         _require(
             c.launcher == "local",
-            "weights.transport broadcast needs launcher: local: under Ray the rollout engines "
-            "run in actors of their own, which do not join the weight-sync group; use store",
+            f"weights.transport {w.transport} needs launcher: local: under Ray the rollout "
+            "engines run in actors of their own, which do not join the weight-sync group; use "
+            "store",
         )
+    if w.transport == "ipc":
+        # Only this setting pays for importing torch here.
+        import torch  # noqa: PLC0415
+
         _require(
-            c.trainer.engine != "hf",
-            "weights.transport broadcast needs trainer.engine deepspeed or fsdp with "
-            "trainer.dp_size >= 2: the hf train engine runs in the job's process beside the "
-            "rollout engines, with nobody to broadcast to; use store",
-        )
-        _require(
-            c.trainer.dp_size >= 2,
-            "weights.transport broadcast needs the trainer's ranks in processes of their own "
-            "(trainer.dp_size >= 2, trainer.engine deepspeed or fsdp): with trainer.dp_size 1 "
-            "the trainer runs in the job's process beside the rollout engines, with nobody to "
-            "broadcast to, and the store's zero-copy views already are the in-process path; "
-            "use store",
+            torch.cuda.is_available(),
+            f"weights.transport ipc shares the trainer's GPU memory with the rollout engines "
+            f"through CUDA IPC, and torch {torch.__version__} sees no CUDA device here; use "
+            "store, or broadcast",
         )
     try:
         bucket = parse_size(w.bucket_size) or 0
@@ -973,10 +970,10 @@ def _validate_reward_and_algorithm(c: Config) -> None:
     if a.filter_groups and a.max_extra_groups > 0:
         _require(
             c.launcher == "local"
-            and c.trainer.dp_size == 1
+            and trainer_in_job_process(c)
             and c.trainer.staleness_policy == "drop",
             "algorithm.max_extra_groups > 0 (replacing left-out groups) needs launcher local, "
-            "trainer.dp_size 1 and trainer.staleness_policy drop",
+            "trainer.dp_size 1, weights.transport store and trainer.staleness_policy drop",
         )
     _require(a.overlong_buffer >= 1, "algorithm.overlong_buffer must be at least 1")
     _require(a.overlong_penalty >= 0, "algorithm.overlong_penalty cannot be negative")

@@ -87,22 +87,19 @@ def assert_bit_exact(got: dict[str, bytes], weights: list[tuple[str, torch.Tenso
 # -- the configuration ---------------------------------------------------------------------------
 
 
-#: Trainer ranks in processes of their own: what ``broadcast`` needs.
-RANKS = ["trainer.engine=fsdp", "trainer.dp_size=2"]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["weights.transport=ipc", *RANKS], r"ipc is not wired into asyncflow train .* CUDA"),
-        # The trainer in the job's process: nobody to broadcast to.
-        (["weights.transport=broadcast"], r"dp_size >= 2.* job's process.*; use store"),
-        (
-            ["weights.transport=broadcast", "trainer.engine=hf", "trainer.dp_size=2"],
-            r"hf train engine runs in the job's process.*; use store",
+        pytest.param(
+            ["weights.transport=ipc"],
+            r"ipc shares the trainer's GPU memory .* sees no CUDA",
+            marks=no_cuda,
         ),
         (
-            ["weights.transport=broadcast", *RANKS, "launcher=ray"],
+            ["weights.transport=broadcast", "launcher=ray"],
             r"broadcast needs launcher: local: under Ray .*; use store",
         ),
         (["weights.transport=nccl"], r"weights\.transport must be one of"),
@@ -117,12 +114,19 @@ def test_weights_settings_the_job_cannot_run_are_refused(
         cfg.load(None, overrides)
 
 
-def test_broadcast_is_accepted_with_trainer_ranks_in_processes_of_their_own() -> None:
-    for engine in ("fsdp", "deepspeed"):
-        config = cfg.load(
-            None, ["weights.transport=broadcast", f"trainer.engine={engine}", "trainer.dp_size=2"]
-        )
-        assert config.weights.transport == "broadcast"
+@pytest.mark.parametrize(
+    "ranks",
+    [[], ["trainer.engine=hf"], ["trainer.engine=fsdp", "trainer.dp_size=2"]],
+    ids=["default", "hf", "fsdp-x2"],
+)
+def test_broadcast_puts_the_trainer_in_processes_of_its_own_whatever_its_ranks(
+    ranks: list[str],
+) -> None:
+    """One rank too: the transport needs a trainer process to send from."""
+    config = cfg.load(None, ["weights.transport=broadcast", *ranks])
+    assert config.weights.transport == "broadcast"
+    assert not cfg.trainer_in_job_process(config)
+    assert cfg.trainer_in_job_process(cfg.load(None, ranks[:1]))
 
 
 def test_the_store_transport_is_the_default() -> None:

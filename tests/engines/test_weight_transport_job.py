@@ -1,11 +1,12 @@
-"""``weights.transport: broadcast`` in the main job: two FSDP2 trainer ranks in processes of their
-own, rank 0 publishing each version over the weight-sync group (gloo over loopback) to the job's
-process, whose rollout engine, evaluator and final-weights read take them from its receiver. The
-store carries the versions' layouts and never a tensor; a rank 0 that dies mid-broadcast ends the
-job with an error naming it."""
+"""``weights.transport: broadcast`` (and ``ipc``, on a GPU) in the main job: two FSDP2 trainer ranks
+(or one hf rank) in processes of their own, rank 0 publishing each version over the weight-sync
+group (gloo over loopback) to the job's process, whose rollout engine, evaluator and final-weights
+read take them from its receiver. The store carries the versions' layouts and never a tensor; a rank
+0 that dies mid-broadcast ends the job with an error naming it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -31,7 +32,7 @@ from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.progress import Reporter
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import train
-from asyncflow.weight_sync import WeightSyncError
+from asyncflow.weight_sync import WeightSyncError, ipc
 from asyncflow.weight_sync import broadcast as bc
 from asyncflow.weight_sync.broadcast import BroadcastReceiver
 from asyncflow.weight_sync.layout import Layout, as_bytes
@@ -85,14 +86,66 @@ def rollouts(monkeypatch: pytest.MonkeyPatch) -> list[RolloutEngine]:
     return made
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        [],
+        # One rank of the hf engine: the transport still runs it in a process of its own.
+        ["trainer.engine=hf", "trainer.dp_size=1"],
+    ],
+    ids=["fsdp-x2", "hf-x1"],
+)
 def test_a_broadcast_job_ends_with_the_trainers_final_weights_in_its_engine_and_no_tensor_in_the_store(  # noqa: E501
     tmp_path: Path,
     daemon: DaemonProcess,
     rollouts: list[RolloutEngine],
     monkeypatch: pytest.MonkeyPatch,
     listeners_off_loopback: Callable[[], list[str]],
+    trainer: list[str],
 ) -> None:
+    check_job_ends_bit_exact(
+        tmp_path, daemon, rollouts, monkeypatch, listeners_off_loopback, trainer, {bc.LAYOUT}
+    )
+
+
+@pytest.mark.slow
+@needs_cuda
+def test_an_ipc_job_ends_with_the_trainers_final_weights_in_its_engine_and_no_tensor_in_the_store(
+    tmp_path: Path,
+    daemon: DaemonProcess,
+    rollouts: list[RolloutEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    listeners_off_loopback: Callable[[], list[str]],
+) -> None:
+    """One FSDP2 rank on the GPU, the rollout engine on the same GPU."""
+    overrides = ["weights.transport=ipc", "trainer.dp_size=1", "rollout.device=cuda"]
+    check_job_ends_bit_exact(
+        tmp_path,
+        daemon,
+        rollouts,
+        monkeypatch,
+        listeners_off_loopback,
+        overrides,
+        {bc.LAYOUT, ipc.HANDLE, ipc.OWNER},
+    )
+
+
+def check_job_ends_bit_exact(
+    tmp_path: Path,
+    daemon: DaemonProcess,
+    rollouts: list[RolloutEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    listeners_off_loopback: Callable[[], list[str]],
+    overrides: list[str],
+    announced: set[str],
+) -> None:
+    """A job of ``STEPS`` steps whose every version goes over the weight-sync group: each is
+    loaded in order, the engine ends bit for bit the trainer's final model, and the store holds
+    only the last two announcements (fields ``announced``), never a tensor."""
     # Looked at while the group is up (the job, its ranks and its daemon), at each load.
     off_loopback: list[str] = []
     loads: list[int] = []
@@ -104,7 +157,8 @@ def test_a_broadcast_job_ends_with_the_trainers_final_weights_in_its_engine_and_
         return loads[-1]
 
     monkeypatch.setattr(ReceivedWeights, "load", looking_load)
-    summary = train(job(daemon, f"trainer.max_steps={STEPS}"), tmp_path, reporter=Reporter(False))
+    config = job(daemon, f"trainer.max_steps={STEPS}", *overrides)
+    summary = train(config, tmp_path, reporter=Reporter(False))
     # The rollout worker loaded each version it generated with from the receiver, in order (it
     # starts on v0, the model's own weights); the last one it may load or not before the run
     # stops, and the final evaluation loads it anyway.
@@ -119,12 +173,16 @@ def test_a_broadcast_job_ends_with_the_trainers_final_weights_in_its_engine_and_
     assert engine.version == STEPS
     # Bit for bit the model the ranks saved from their own parameters.
     engine_matches_saved_model(engine, tmp_path)
+    # Rank 0 timed each publication, until the job's receiver had the version.
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["publish_seconds"] > 0 for r in records), records
 
     store = daemon.connect()
     assert "__weights__" not in set(store.rows().partitions), "a version went through the store"
     layouts = store.rows(partition=bc.PARTITION)
     assert sorted(int(v) for v in layouts.versions) == [STEPS - 1, STEPS]  # the last two kept
-    assert [set(f) for f in store.ready_fields(layouts.indexes)] == [{bc.LAYOUT}] * 2
+    assert [set(f) for f in store.ready_fields(layouts.indexes)] == [announced] * 2
 
 
 def engine_matches_saved_model(engine: RolloutEngine, run_dir: Path) -> None:
@@ -133,7 +191,8 @@ def engine_matches_saved_model(engine: RolloutEngine, run_dir: Path) -> None:
     mine = dict(engine.model.named_parameters())  # type: ignore[attr-defined]
     assert set(final) <= set(mine)
     for name, tensor in final.items():
-        assert as_bytes(mine[name]).numpy().tobytes() == as_bytes(tensor).numpy().tobytes(), name
+        theirs = as_bytes(tensor).numpy().tobytes()
+        assert as_bytes(mine[name].detach().cpu()).numpy().tobytes() == theirs, name
 
 
 @pytest.mark.slow

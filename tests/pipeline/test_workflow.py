@@ -102,6 +102,8 @@ def test_every_step_is_logged_with_its_metrics(finished: tuple[Path, dict[str, A
     for key in ["reward_mean", "accuracy", "pg_loss", "staleness", "tokens_per_s", "busy"]:
         assert key in records[0], key
     assert set(records[-1]["busy"]) >= {"rollout", "trainer", "reward", "advantage"}
+    # The trainer's publication of each new version, timed.
+    assert all(r["publish_seconds"] > 0 for r in records), records
 
 
 def test_reward_rises_during_rl(finished: tuple[Path, dict[str, Any]]) -> None:

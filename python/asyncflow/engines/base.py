@@ -295,6 +295,9 @@ class StepResult:
     padded_tokens: int = 0
     #: The most tokens one micro-batch's tensors held.
     largest_micro_batch: int = 0
+    #: Seconds the trainer (rank 0) took to publish the step's new version: exporting it, and
+    #: handing it over (into the store, or until the receivers of a weight-sync group have it).
+    publish_seconds: float | None = None
 
     def count_batch(self, batch: TrainBatch, lengths: Sequence[int]) -> None:
         self.tokens += batch.tokens
@@ -325,7 +328,10 @@ class StepResult:
     @staticmethod
     def merge(parts: Sequence[StepResult]) -> StepResult:
         """The step as a whole, from its data-parallel ranks' parts (figures of the first)."""
-        merged = StepResult(optimizer=dict(parts[0].optimizer) if parts else {})
+        merged = StepResult(
+            optimizer=dict(parts[0].optimizer) if parts else {},
+            publish_seconds=parts[0].publish_seconds if parts else None,
+        )
         for p in parts:
             merged.trained_groups += p.trained_groups
             merged.dropped_groups += p.dropped_groups

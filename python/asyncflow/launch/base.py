@@ -51,7 +51,7 @@ class Resources:
     #: for each training step); none where they run elsewhere.
     rollouts: Sequence[RolloutEngine] = ()
     #: Waits until this process has joined the weight-sync group and returns its receiver
-    #: (``weights.transport: broadcast``), or None where the store carries the weights.
+    #: (``weights.transport: broadcast`` or ``ipc``), or None where the store carries them.
     weight_receiver: Callable[[], BroadcastReceiver | None] = lambda: None
 
 

@@ -1,12 +1,12 @@
 """``launcher: local``: the store, the engines and the workers in this process.
 
-The store is embedded (or the configured daemon), with a daemon of the run's own when trainer
-ranks in other processes need one; the engines are made here, the data-parallel trainer ranks as
-processes of this machine (with ``weights.transport: broadcast``, this process joins their rank
-0's weight-sync group as the one receiver, for all of its rollout engines). Workers run as
-threads (they share the embedded store, and torch releases the GIL in its kernels). The run ends
-when the trainer finishes, when any worker fails (the error names it), or on Ctrl-C; every other
-worker then stops at its next poll."""
+The store is embedded (or the configured daemon), with a daemon of the run's own when trainer ranks
+in other processes need one; the engines are made here, the data-parallel trainer ranks as processes
+of this machine (with ``weights.transport: broadcast`` or ``ipc``, this process joins their rank 0's
+weight-sync group as the one receiver, for all of its rollout engines). Workers run as threads (they
+share the embedded store, and torch releases the GIL in its kernels). The run ends when the trainer
+finishes, when any worker fails (the error names it), or on Ctrl-C; every other worker then stops at
+its next poll."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from asyncflow.agents.rollout import AgentRollout
-from asyncflow.config import Config
+from asyncflow.config import Config, trainer_in_job_process
 from asyncflow.daemon import DaemonProcess, connect, new_token
 from asyncflow.engines.base import RolloutEngine, TrainEngine
 from asyncflow.engines.critic import HFCriticEngine
@@ -61,7 +61,7 @@ def start_daemon(config: Config) -> DaemonProcess | None:
     configured. It demands a token made for the run (``daemon.token``, handed to the ranks): on
     loopback without one, any local user could connect, read every row and clear partitions."""
     s = config.store
-    if config.trainer.dp_size == 1 or s.address != "embedded":
+    if trainer_in_job_process(config) or s.address != "embedded":
         return None
     limit = parse_size(s.memory_limit)
     return DaemonProcess(
@@ -95,9 +95,9 @@ def start(
         f"starting engines: rollout={rollout_name} x{c.rollout.engines}, "
         f"trainer={train_name} x{c.trainer.dp_size}"
     )
-    if c.trainer.dp_size == 1:
+    if trainer_in_job_process(c):
         trainer: TrainEngine = create_train_engine(train_name, model_dir, c)
-    elif train_name not in RANK_ENGINES:
+    elif c.trainer.dp_size > 1 and train_name not in RANK_ENGINES:
         raise ConfigError(
             f"trainer.dp_size > 1 needs trainer.engine {' or '.join(RANK_ENGINES)}, "
             f"not {train_name!r}"

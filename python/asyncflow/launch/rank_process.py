@@ -1,10 +1,10 @@
 """The process of one data-parallel trainer rank.
 
-Start-up order: send output to the rank's log file; join the process group (before anything else
-can create one); build the train engine (DeepSpeed or FSDP2); connect to the store daemon; rank 0
-joins the weight-sync group as its publisher (``weights.transport: broadcast``: the job's process
-joins as the receiver) and publishes the initial weights; report ready. Then it serves the job's
-commands, one at a time, until told to close or until the job's end of the pipe closes.
+Start-up order: send output to the rank's log file; join the process group (before anything else can
+create one); build the train engine (DeepSpeed or FSDP2); connect to the store daemon; rank 0 joins
+the weight-sync group as its publisher (``weights.transport: broadcast`` or ``ipc``: the job's
+process joins as the receiver) and publishes the initial weights; report ready. Then it serves the
+job's commands, one at a time, until told to close or until the job's end of the pipe closes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from asyncflow.config import Config
 from asyncflow.daemon import connect
 from asyncflow.engines.base import TrainEngine
@@ -30,6 +32,7 @@ from asyncflow.units import parse_size
 from asyncflow.weight_sync import Publisher
 from asyncflow.weight_sync.broadcast import BroadcastPublisher
 from asyncflow.weight_sync.group import Group, GroupSpec
+from asyncflow.weight_sync.ipc import IpcPublisher
 from asyncflow.weight_sync.store_transport import StorePublisher
 from asyncflow.workers.rank_step import RankStep
 
@@ -49,8 +52,8 @@ class RankSpec:
     log_path: Path
     #: Where rank 0 listens for its peers (another machine's address under Ray).
     master_addr: str = "127.0.0.1"
-    #: The weight-sync group rank 0 publishes over (``weights.transport: broadcast``); None:
-    #: rank 0 publishes through the store.
+    #: The weight-sync group rank 0 publishes over (``weights.transport: broadcast`` or
+    #: ``ipc``); None: rank 0 publishes through the store.
     weight_sync: GroupSpec | None = None
 
 
@@ -138,6 +141,10 @@ def weight_publisher(spec: RankSpec, store: Store) -> Publisher:
     Other ranks only take part in gathering the weights, and publish nothing."""
     if spec.weight_sync is None or spec.rank != 0:
         return StorePublisher(store)
+    group = Group(spec.weight_sync, 0, "trainer rank 0")
+    if spec.config.weights.transport == "ipc":
+        # The rank's own GPU (its engine has made it current).
+        return IpcPublisher(store, group, torch.device("cuda", torch.cuda.current_device()))
     bucket = parse_size(spec.config.weights.bucket_size)
     assert bucket is not None  # validated with the config
-    return BroadcastPublisher(store, Group(spec.weight_sync, 0, "trainer rank 0"), bucket)
+    return BroadcastPublisher(store, group, bucket)

@@ -4,10 +4,10 @@ process.
 The job holds :class:`Ranks` (here a :class:`RankGroup` of processes; under Ray, actors: see
 :mod:`asyncflow.launch.ray_ranks`), a train engine whose every call is sent to all ranks (under
 ZeRO-3 nearly everything is collective) and answered by them. The ranks reach the samples through
-the store daemon, and rank 0 publishes weights through it too, or (``weights.transport:
-broadcast``) over a weight-sync group with the job's process as its one receiver. Every wait has
-a deadline and watches the processes: a rank that exits or does not answer in time becomes an
-error naming it, what the job was waiting for, and the end of its log.
+the store daemon, and rank 0 publishes weights through it too, or (``weights.transport: broadcast``
+or ``ipc``) over a weight-sync group with the job's process as its one receiver. Every wait has a
+deadline and watches the processes: a rank that exits or does not answer in time becomes an error
+naming it, what the job was waiting for, and the end of its log.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from asyncflow.launch.rank_process import RankSpec, main
 from asyncflow.store import Store
 from asyncflow.weight_sync.broadcast import BroadcastReceiver
 from asyncflow.weight_sync.group import Group, GroupSpec
+from asyncflow.weight_sync.ipc import IpcReceiver
 from asyncflow.weight_sync.source import ReceivedWeights, WeightSource
 from asyncflow.weights import Watcher
 
@@ -158,14 +159,20 @@ class RankGroup(Ranks):
             )
         super().__init__(store, config)
         self.logs = [log_dir / f"trainer-rank-{r}.log" for r in range(config.trainer.dp_size)]
-        #: This process's end of the weight-sync group (``weights.transport: broadcast``), once
-        #: joined, and what kept joining from succeeding.
+        #: This process's end of the weight-sync group (``weights.transport: broadcast`` or
+        #: ``ipc``), once joined, and what kept joining from succeeding.
         self._receiver: BroadcastReceiver | None = None
+        #: Where an ipc receiver stages each version: the GPU the rollout engines are on (the
+        #: first, for engines on the CPU).
+        rollout_device = config.rollout.device
+        self._ipc_device: str | None = None
+        if config.weights.transport == "ipc":
+            self._ipc_device = rollout_device if rollout_device.startswith("cuda") else "cuda"
         self._join_error: BaseException | None = None
         self._joining: threading.Thread | None = None
         weight_sync: GroupSpec | None = None
         listener: socket.socket | None = None
-        if config.weights.transport == "broadcast":
+        if config.weights.transport != "store":
             # This process serves the group's rendezvous on a port the system picks, listening
             # from now on: no other process can take it, and rank 0, joining once its engine
             # is built, connects at once.
@@ -221,14 +228,17 @@ class RankGroup(Ranks):
     def _join(self, spec: GroupSpec, listener: socket.socket) -> None:
         try:
             group = Group(spec, 1, "the job's rollout process", listener)
-            self._receiver = BroadcastReceiver(self.store, group)
+            if self._ipc_device is not None:
+                self._receiver = IpcReceiver(self.store, group, device=self._ipc_device)
+            else:
+                self._receiver = BroadcastReceiver(self.store, group)
         except BaseException as e:
             self._join_error = e
             listener.close()  # unless the group took it over
 
     def weight_receiver(self) -> BroadcastReceiver | None:
-        """This process's receiver of rank 0's versions (``weights.transport: broadcast``; else
-        None), once every rank has started: version 0 is then in it."""
+        """This process's receiver of rank 0's versions (``weights.transport: broadcast`` or
+        ``ipc``; else None), once every rank has started: version 0 is then in it."""
         if self._joining is None:
             return None
         self._ready()  # a rank that fails to start is named here

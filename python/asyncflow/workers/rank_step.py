@@ -113,7 +113,9 @@ class RankStep:
         result.optimizer = update(self.engine, micro, self.loss, self.config.trainer.ppo_epochs)
         batch.ack()
         self.engine.version = s + 1
+        started = time.perf_counter()
         self.publish()
+        result.publish_seconds = time.perf_counter() - started
         if self.config.rollout.sleep_while_training:
             release_cached_gpu_memory()  # the engines sharing this GPU wake up next
         return result

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,10 @@ class Trainer(Worker):
             result.optimizer = update(
                 self.engine, batches, self.loss, self.config.trainer.ppo_epochs
             )
+        started = time.perf_counter()
         with self.busy(f"publish v{s + 1}"):
             weights.publish(self.store, s + 1, self.engine.export_weights())
+        result.publish_seconds = time.perf_counter() - started
         return result
 
     def _whole_step_ready(self, s: int) -> bool:
@@ -226,6 +229,11 @@ class Trainer(Worker):
             "busy": self.ctx.tracer.busy_fraction(self._last_step_end, now),
             **result.optimizer,
             **result.padding(),
+            **(
+                {}
+                if result.publish_seconds is None
+                else {"publish_seconds": result.publish_seconds}
+            ),
             **_mean_stats(result.loss_stats),
         }
         self._last_step_end, self._last_tokens = now, tokens
