@@ -261,6 +261,11 @@ class Run:
             f"held-out accuracy before RL: {before:.3f} (pass@{PASS_K} {pass_before:.3f})"
         )
 
+        if isinstance(trainer_engine, StepTrainEngine):
+            # Trainer ranks still starting in processes of their own: not a part of RL.
+            since = time.monotonic()
+            trainer_engine.wait_started()
+            self.phases.timed("trainer_start", since)
         since = time.monotonic()
         tracer = Tracer()
         state = RunState()

@@ -173,6 +173,8 @@ def check_job_ends_bit_exact(
     assert engine.version == STEPS
     # Bit for bit the model the ranks saved from their own parameters.
     engine_matches_saved_model(engine, tmp_path)
+    # The wait for the trainer's process to start is a phase of its own, not a part of RL.
+    assert "trainer_start" in summary["phase_seconds"], summary["phase_seconds"]
     # Rank 0 timed each publication, until the job's receiver had the version.
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

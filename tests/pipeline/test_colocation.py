@@ -212,6 +212,9 @@ class NotingRanks(NotingTrainEngine, StepTrainEngine):
         self.events.note("train_step", step)
         return StepResult()
 
+    def wait_started(self) -> None:
+        """Started when made."""
+
 
 def put_step_samples(store: af.Store, groups: list[int]) -> None:
     """Samples of step 0 (two per group), every field the trainer reads ready."""

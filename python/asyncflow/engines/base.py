@@ -261,6 +261,11 @@ class StepTrainEngine(TrainEngine):
         """Trains step ``step`` (its samples are in the store's partition ``step-<step>``), bumps
         ``version`` and publishes it; None if ``stop`` was set before the step finished."""
 
+    @abstractmethod
+    def wait_started(self) -> None:
+        """Waits until every rank has started (they start beside the job's other engines and
+        its first evaluation)."""
+
 
 def token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float

@@ -85,6 +85,9 @@ class Ranks(StepTrainEngine):
     def _wait_started(self) -> list[Any] | None:
         """Waits until every rank has started; their versions, in rank order."""
 
+    def wait_started(self) -> None:
+        self._ready()
+
     def _ready(self) -> None:
         """Waits (once) until every rank has started, and sets ``version``."""
         if not self._started:
