@@ -179,6 +179,7 @@ class TrainerConfig:
     packing: bool = True
     #: Train each micro-batch as soon as its samples are ready (true), or first wait until the
     #: whole step's samples are, as synchronous frameworks do (false: a baseline to compare with).
+    #: Trainer ranks in processes of their own always wait (see ``dp_size``).
     streaming: bool = True
     #: Optimisation passes over each step's samples.
     ppo_epochs: int = 1
@@ -194,8 +195,10 @@ class TrainerConfig:
     #: Samples older than allowed: ``wait`` (rollout waits for fresh weights, nothing is
     #: discarded) or ``drop`` (rollout never waits; too-stale samples are discarded).
     staleness_policy: Literal["wait", "drop"] = "wait"
-    #: Data-parallel ranks. More than one runs each rank in its own process; they share the
-    #: store through a daemon (``store.address``, or one started for the run).
+    #: Data-parallel ranks. More than one (or one, with ``weights.transport`` broadcast or ipc)
+    #: runs each rank in its own process; they share the store through a daemon
+    #: (``store.address``, or one started for the run), and train a step once all of its
+    #: samples are ready (they split it by tokens), whatever ``streaming`` says.
     dp_size: int = 1
     #: DeepSpeed ZeRO stage (0: plain data parallelism; 3: parameters sharded too).
     zero_stage: int = 1

@@ -102,6 +102,16 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refus
             ["weights.transport=broadcast", "launcher=ray"],
             r"broadcast needs launcher: local: under Ray .*; use store",
         ),
+        (
+            # Replacement groups need the trainer in the job's process.
+            [
+                "weights.transport=broadcast",
+                "algorithm.filter_groups=true",
+                "algorithm.max_extra_groups=2",
+                "trainer.staleness_policy=drop",
+            ],
+            r"max_extra_groups > 0 .* weights\.transport store",
+        ),
         (["weights.transport=nccl"], r"weights\.transport must be one of"),
         (["weights.bucket_size=0"], r"weights\.bucket_size must be a positive size"),
         (["weights.timeout=0"], r"weights\.timeout must be positive"),

@@ -24,7 +24,7 @@ from asyncflow import config as cfg
 from asyncflow.config import Config
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.base import RolloutEngine
-from asyncflow.engines.errors import EngineDiedError
+from asyncflow.engines.errors import EngineDiedError, EngineError
 from asyncflow.launch import local
 from asyncflow.launch.local import WorkerError
 from asyncflow.launch.ranks import RankGroup
@@ -279,6 +279,25 @@ def test_a_broadcast_that_breaks_mid_version_fails_the_job_with_the_receivers_er
     message = str(failed.value)
     assert "weights v1: the broadcast from trainer rank 0 failed" in message
     assert "engines keep v0" in message
+
+
+@pytest.mark.slow
+def test_a_first_version_the_job_cannot_receive_ends_the_job_with_its_error_not_a_timeout(
+    tmp_path: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 0 comes over the group while the ranks start: rank 0 waits at its barrier for a
+    receiver that gave up, so the job must end with the receiver's error, not rank 0's timeout
+    (nor after it)."""
+    fail_receiving(monkeypatch, 0, ValueError("weights v0: a layout this receiver cannot place"))
+    timeout = 900.0  # far beyond the job's own length (tens of seconds)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"weight-sync group .* failed: .*cannot place"):
+        train(
+            job(daemon, "trainer.max_steps=2", f"weights.timeout={timeout}"),
+            tmp_path,
+            reporter=Reporter(False),
+        )
+    assert time.monotonic() - started < timeout / 3
 
 
 @pytest.mark.slow

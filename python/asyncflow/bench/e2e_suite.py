@@ -345,7 +345,12 @@ def _peer_result(run_dir: Path, seed: int, case: str) -> PeerResult:
         history = (run_dir / "metrics.jsonl").read_text().splitlines()
         evaluating = sum(json.loads(line).get("eval_seconds", 0.0) for line in history)
         rl = float(phases["rl"]) - evaluating
-        start = float(phases["engine_start"]) + float(phases["eval_before"])
+        # With trainer ranks in processes of their own, what is left of their start too.
+        start = (
+            float(phases["engine_start"])
+            + float(phases["eval_before"])
+            + float(phases.get("trainer_start", 0.0))
+        )
         before = float(summary["accuracy_before"])
     return PeerResult(
         seed=seed,

@@ -3,7 +3,8 @@
 ``asyncflow.rollout_engines`` / ``asyncflow.train_engines`` — no change to this package needed.
 
 A factory is called as ``factory(model_dir, config)`` and returns the engine; a train engine that
-runs as data-parallel ranks (``trainer.dp_size > 1``) is called as ``factory(model_dir, config,
+runs as data-parallel ranks in processes of their own (``trainer.dp_size > 1``, or a weight
+transport that sends from the trainer's process) is called as ``factory(model_dir, config,
 rendezvous)`` in each rank's process, with where the ranks meet.
 """
 

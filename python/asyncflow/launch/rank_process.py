@@ -19,8 +19,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncflow.config import Config
 from asyncflow.daemon import connect
 from asyncflow.engines.base import TrainEngine
@@ -143,8 +141,7 @@ def weight_publisher(spec: RankSpec, store: Store) -> Publisher:
         return StorePublisher(store)
     group = Group(spec.weight_sync, 0, "trainer rank 0")
     if spec.config.weights.transport == "ipc":
-        # The rank's own GPU (its engine has made it current).
-        return IpcPublisher(store, group, torch.device("cuda", torch.cuda.current_device()))
+        return IpcPublisher(store, group)  # on the GPU that holds the rank's weights
     bucket = parse_size(spec.config.weights.bucket_size)
     assert bucket is not None  # validated with the config
     return BroadcastPublisher(store, group, bucket)

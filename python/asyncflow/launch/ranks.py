@@ -1,5 +1,5 @@
-"""Data-parallel ranks (DeepSpeed or FSDP2), each in a process of its own, driven from the job's
-process.
+"""Data-parallel ranks (DeepSpeed or FSDP2; a lone rank, any train engine), each in a process of
+its own, driven from the job's process.
 
 The job holds :class:`Ranks` (here a :class:`RankGroup` of processes; under Ray, actors: see
 :mod:`asyncflow.launch.ray_ranks`), a train engine whose every call is sent to all ranks (under
@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ class Ranks(StepTrainEngine):
 
     def __init__(self, store: Store, config: Config) -> None:
         super().__init__()
-        #: The engine each rank runs (``deepspeed`` or ``fsdp``).
+        #: The engine each rank runs (``deepspeed`` or ``fsdp``; any, for a lone rank).
         self.name = resolve_engine_name("train", config.trainer.engine)
         self.store = store
         self.timeout = config.trainer.timeout
@@ -260,7 +260,20 @@ class RankGroup(Ranks):
     # -- talking to the ranks -----------------------------------------------------------------
 
     def _wait_started(self) -> list[Any] | None:
-        return self._collect("starting", self.timeout)
+        return self._collect("starting", self.timeout, check=self._check_weight_sync)
+
+    def _check_weight_sync(self) -> None:
+        """Raises what stopped this process's end of the weight-sync group from joining or from
+        receiving a version: rank 0 would otherwise wait for it (at the version's barrier, or to
+        join) until its timeout, and then report only that."""
+        error = self._join_error
+        if error is None and self._receiver is not None:
+            error = self._receiver.error
+        if error is not None:
+            raise EngineError(
+                f"the job's end of the weight-sync group with trainer rank 0 failed: {error}; "
+                f"rank 0's log: {self.logs[0]}"
+            ) from error
 
     def _call(
         self,
@@ -287,9 +300,14 @@ class RankGroup(Ranks):
         )
 
     def _collect(
-        self, what: str, timeout: float, stop: threading.Event | None = None
+        self,
+        what: str,
+        timeout: float,
+        stop: threading.Event | None = None,
+        check: Callable[[], None] | None = None,
     ) -> list[Any] | None:
-        """Every rank's answer, in rank order; None if ``stop`` is set first."""
+        """Every rank's answer, in rank order; None if ``stop`` is set first. ``check`` is
+        called as the wait goes on, to raise what else would keep the answers from coming."""
         replies: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(replies) < len(self.conns):
@@ -311,6 +329,8 @@ class RankGroup(Ranks):
                     raise self._died(rank, what)
             if stop is not None and stop.is_set():
                 return None
+            if check is not None:
+                check()
             if len(replies) < len(self.conns):
                 if time.monotonic() > deadline:
                     late = [r for r in range(len(self.conns)) if r not in replies]

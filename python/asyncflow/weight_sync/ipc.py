@@ -108,20 +108,25 @@ def check_owner(owner: dict[str, Any], version: int) -> None:
 
 class IpcPublisher(BroadcastPublisher):
     """Rank 0 of the group; the version's tensors may be on any device (they are packed into a
-    buffer on ``device``)."""
+    buffer on ``device``; default: the GPU of the first tensor on one, else the current GPU)."""
 
     what = "the CUDA IPC copy"
 
-    def __init__(self, store: Store, group: Group, device: torch.device | str = "cuda") -> None:
+    def __init__(
+        self, store: Store, group: Group, device: torch.device | str | None = None
+    ) -> None:
         super().__init__(store, group, WHOLE)
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
+        self.device = None if device is None else torch.device(device)
+        if self.device is not None and self.device.type != "cuda":
             raise ValueError(f"the ipc transport shares CUDA memory, not {self.device}")
         self._buffer: torch.Tensor | None = None
         self._announced: dict[str, bytes] = {}
         self.owner = process_identity(os.getpid())
 
     def _prepare(self, layout: Layout, tensors: list[torch.Tensor]) -> dict[str, bytes]:
+        if self.device is None:
+            on_gpu = [t.device for t in tensors if t.device.type == "cuda"]
+            self.device = on_gpu[0] if on_gpu else torch.device("cuda", torch.cuda.current_device())
         if self._buffer is None or self._buffer.numel() != layout.total:
             self._buffer = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
             self._announced = {
@@ -129,7 +134,7 @@ class IpcPublisher(BroadcastPublisher):
                 OWNER: json.dumps(self.owner).encode(),
             }
         pack(self._buffer, 0, layout.total, layout, tensors)
-        torch.cuda.synchronize(self.device)  # the bytes are there before anyone is told
+        torch.cuda.synchronize(self._buffer.device)  # the bytes are there before anyone is told
         return self._announced
 
     def _send(self, layout: Layout, tensors: list[torch.Tensor]) -> None:
