@@ -63,7 +63,14 @@ def start_cluster(attempts: int = 3) -> Cluster:
     for attempt in range(1, attempts + 1):
         nodes = None
         try:
-            head = {"num_cpus": 3, "node_ip_address": LOOPBACK}
+            # No dashboard, and no fixed port for it: where another Ray head holds the default
+            # port, Ray's check of that port leaves an unclosed socket in this process.
+            head = {
+                "num_cpus": 3,
+                "node_ip_address": LOOPBACK,
+                "include_dashboard": False,
+                "dashboard_port": 0,
+            }
             nodes = Cluster(initialize_head=True, head_node_args=head)
             nodes.add_node(num_cpus=3, node_ip_address=LOOPBACK)
             nodes.wait_for_nodes()
