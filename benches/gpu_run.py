@@ -39,8 +39,9 @@ new weights; they take turns on the GPU) and ``async-1`` (``max_staleness=1``, s
 rollout engine generates step ``s + 1`` while the trainer trains step ``s``). ``--transports``
 (default ``store``) runs each mode with each ``weights.transport`` named: ``store`` with the
 trainer in the job's process, ``broadcast`` and ``ipc`` with it as one rank in a process of its
-own (as the job runs them; ``ipc`` needs the GPU). The order of the cases rotates with the
-seed; each seed's model is made once and used by every case.
+own (as the job runs them; ``ipc`` needs the GPU; such a rank trains each step once it is
+whole, so ``async-1`` does not stream there). The order of the cases rotates with the seed;
+each seed's model is made once and used by every case.
 
 Per run, over steps 2 to N (the first step also pays for CUDA's and the allocator's warm-up):
 - ``samples_per_s``: samples trained, per second between the ends of step 1 and step N (the
