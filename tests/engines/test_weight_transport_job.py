@@ -198,13 +198,19 @@ def engine_matches_saved_model(engine: RolloutEngine, run_dir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "trainer", [[], ["trainer.engine=hf", "trainer.dp_size=1"]], ids=["fsdp-x2", "hf-x1"]
+)
 def test_a_broadcast_job_resumed_from_its_checkpoint_broadcasts_the_restored_version_first(
-    tmp_path: Path, rollouts: list[RolloutEngine], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    rollouts: list[RolloutEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    trainer: list[str],
 ) -> None:
     """A job killed with its daemon: the resumed job's fresh store has no layout and its engine
     the model's starting weights, so rank 0 must send the checkpoint's version before the step
     after it is generated (on-policy here: generated only from it)."""
-    overrides = ["trainer.max_steps=2", "run.checkpoint_every=1"]
+    overrides = ["trainer.max_steps=2", "run.checkpoint_every=1", *trainer]
     with DaemonProcess() as first:
         train(job(first, *overrides), tmp_path, reporter=Reporter(False))
     assert (tmp_path / "checkpoints" / "step-000001").is_dir()
