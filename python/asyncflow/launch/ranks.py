@@ -86,9 +86,6 @@ class Ranks(StepTrainEngine):
         """Waits until every rank has started; their versions, in rank order."""
 
     def wait_started(self) -> None:
-        self._ready()
-
-    def _ready(self) -> None:
         """Waits (once) until every rank has started, and sets ``version``."""
         if not self._started:
             versions = self._wait_started()
@@ -118,7 +115,7 @@ class Ranks(StepTrainEngine):
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The current version's weights, as rank 0 published them (not to be written to)."""
-        self._ready()
+        self.wait_started()
         return iter(self._weights().fetch(self.version)[1])
 
     def _weights(self) -> WeightSource:
@@ -244,7 +241,7 @@ class RankGroup(Ranks):
         ``ipc``; else None), once every rank has started: version 0 is then in it."""
         if self._joining is None:
             return None
-        self._ready()  # a rank that fails to start is named here
+        self.wait_started()  # a rank that fails to start is named here
         self._joining.join(timeout=self.timeout)
         if self._receiver is None:
             raise EngineError(
@@ -283,7 +280,7 @@ class RankGroup(Ranks):
         timeout: float | None = None,
         stop: threading.Event | None = None,
     ) -> list[Any] | None:
-        self._ready()
+        self.wait_started()
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((command, argument))

@@ -145,7 +145,7 @@ class RayRanks(Ranks):
         timeout: float | None = None,
         stop: threading.Event | None = None,
     ) -> list[Any] | None:
-        self._ready()
+        self.wait_started()
         refs = [actor.call.remote(command, argument) for actor in self.actors]
         return self._get(refs, what, timeout or self.timeout, stop)
 
