@@ -4,6 +4,7 @@
 //! call that takes a store lock or does I/O runs through `detached`, long computations through
 //! `without_gil`.
 
+use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use asyncflow_core::{StoreError, Wait};
@@ -35,8 +36,35 @@ pub fn deadline(timeout: Option<Duration>) -> Option<Instant> {
     timeout.map(|t| Instant::now() + t)
 }
 
+thread_local! {
+    /// Whether this thread is Python's main thread, the only one its signal handlers run in;
+    /// learnt at the thread's first blocking call (a child forked from another thread keeps what its
+    /// parent thread learnt, as Python would not: its blocking calls then wait out their deadline
+    /// before a signal handler runs).
+    static MAIN_THREAD: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// Whether signal handlers can run in this thread: only Python's main thread runs them
+/// (elsewhere `check_signals` never raises), so a wait in any other thread need not take the GIL
+/// back to ask. Where Python cannot say, it is asked anyway.
+fn runs_signal_handlers(py: Python<'_>) -> bool {
+    MAIN_THREAD.with(|known| {
+        known.get().unwrap_or_else(|| {
+            let main = py.import("threading").and_then(|threading| {
+                let here = threading.call_method0("get_ident")?;
+                here.eq(threading.call_method0("main_thread")?.getattr("ident")?)
+            });
+            let main = main.unwrap_or(true);
+            known.set(Some(main));
+            main
+        })
+    })
+}
+
 /// Runs `f` without the GIL, giving it a `Wait` that ends at `deadline` or when a signal handler
-/// raises; the handler's exception (e.g. `KeyboardInterrupt`) is what the caller sees then.
+/// raises; the handler's exception (e.g. `KeyboardInterrupt`) is what the caller sees then. Only
+/// in Python's main thread does the wait take the GIL back now and then to run the handlers: in
+/// another thread they never run, and the GIL would only be taken from the threads using it.
 #[allow(clippy::disallowed_methods)]
 pub fn detached<T: Send, E: BlockingError>(
     py: Python<'_>,
@@ -44,8 +72,9 @@ pub fn detached<T: Send, E: BlockingError>(
     f: impl FnOnce(Wait<'_>) -> Result<T, E> + Send,
 ) -> PyResult<T> {
     let raised: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
+    let main = runs_signal_handlers(py);
     let interrupted = || {
-        Python::attach(|py| match py.check_signals() {
+        main && Python::attach(|py| match py.check_signals() {
             Ok(()) => false,
             Err(e) => {
                 *raised.lock().expect("signal slot poisoned") = Some(e);
