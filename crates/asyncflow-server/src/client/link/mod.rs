@@ -420,7 +420,9 @@ impl Link {
             return Err(e);
         }
         let deadline = self.policy.deadline(req);
-        Ok(Pending { link: Arc::clone(self), id, rx, what: op_name(req), deadline })
+        let may_wait =
+            matches!(req, Request::Claim { timeout, .. } if *timeout != Some(Duration::ZERO));
+        Ok(Pending { link: Arc::clone(self), id, rx, what: op_name(req), deadline, may_wait })
     }
 
     /// Sends a request that gets no reply.

@@ -1,6 +1,7 @@
 //! A request sent and waited for: read for by the caller itself for a moment, then handed over
 //! by the watcher; and the token that keeps a read's cells pinned.
 
+use std::cell::Cell;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Weak};
@@ -18,6 +19,16 @@ use crate::error::{Error, Result};
 /// over.
 pub(super) const SPIN: Duration = Duration::from_micros(200);
 
+/// How long a claim the daemon may hold is read for when the thread's last such claim waited
+/// longer than `SPIN`: long enough for a reply the daemon sends at once. A worker whose claims
+/// wait for rows to be put would otherwise spend `SPIN` of CPU on every one of them.
+const SHORT_SPIN: Duration = Duration::from_micros(30);
+
+thread_local! {
+    /// Whether this thread's last claim that the daemon could hold waited longer than `SPIN`.
+    static LAST_CLAIM_WAITED: Cell<bool> = const { Cell::new(false) };
+}
+
 /// A request sent and not yet answered.
 pub struct Pending {
     pub(super) link: Arc<Link>,
@@ -27,6 +38,8 @@ pub struct Pending {
     pub(super) what: &'static str,
     /// When to give up on the reply (see `Policy::deadline`).
     pub(super) deadline: Option<Instant>,
+    /// A claim the daemon may hold until rows are ready (one with a timeout other than zero).
+    pub(super) may_wait: bool,
 }
 
 /// Keeps a read's shared cells pinned on the daemon until the last view of them is dropped.
@@ -48,7 +61,8 @@ impl Pending {
     /// the caller interrupts or the deadline passes, tells the daemon to stop working on it.
     pub fn wait(self, wait: Wait<'_>) -> Result<Answer> {
         let started = Instant::now();
-        let answer = if let Some(delivery) = self.read_for_itself(started + SPIN) {
+        let spin = if self.may_wait && LAST_CLAIM_WAITED.get() { SHORT_SPIN } else { SPIN };
+        let answer = if let Some(delivery) = self.read_for_itself(started + spin) {
             delivery
         } else {
             self.link.sleeping.fetch_add(1, Ordering::AcqRel);
@@ -57,6 +71,9 @@ impl Pending {
             self.link.sleeping.fetch_sub(1, Ordering::AcqRel);
             delivery
         };
+        if self.may_wait {
+            LAST_CLAIM_WAITED.set(started.elapsed() > SPIN);
+        }
         answer.map(|(reply, payload)| Answer { reply, payload, link: Arc::clone(&self.link) })
     }
 
