@@ -33,10 +33,10 @@ class ReferenceWorker(Worker):
                 tb = to_train_batch(
                     [prompts[i] for i in part], [responses[i] for i in part], self.pad_id
                 )
-                logp = self.engine.logprobs(tb).to(torch.float32)
+                logp = self.engine.logprobs(tb).to(torch.float32).numpy()
                 for row, i in enumerate(part):
                     p, r = len(prompts[i]), len(responses[i])
-                    out[i] = logp[row, p : p + r].numpy().astype(np.float32)
+                    out[i] = logp[row, p : p + r].copy()
             self.store.put({"ref_logprobs": out}, indexes=batch.indexes)
         batch.ack()
         return True
