@@ -272,3 +272,43 @@ def test_the_workers_of_an_engine_claim_prompts_one_at_a_time() -> None:
     second.note_progress(True, "")  # (else its next wait is past its stall timeout)
     assert second.step()  # its turn: it claims
     assert store.calls["claim"] > claims
+
+
+def put_prompts(store: af.Store, groups: list[int], target: int = 0) -> None:
+    store.put(
+        {
+            "prompt_ids": [np.array([3], np.int64)] * len(groups),
+            "answer": [b"0"] * len(groups),
+            "target_step": np.full(len(groups), target, np.int64),
+        },
+        partition=PROMPTS,
+        groups=np.array(groups),
+        group_size=1,
+    )
+
+
+def test_samples_already_in_are_left_out_and_one_listing_serves_the_claims_before_it() -> None:
+    """A group whose samples are in (put by a worker that died before acking its prompts) is
+    not put again; the step partition is listed once for deliveries whose prompts were claimed
+    before that listing began, and listed again for a claim made after it."""
+    store = Counting()
+    ctx = context(store, "rollout.groups_per_call=1")
+    first, second = Rollout(ctx, Shared(), "rollout-0"), Rollout(ctx, Shared(), "rollout-1")
+    put_prompts(store, [0, 1, 2])
+    # Group 1's samples are in already, from a holder of its prompt that died.
+    store.put({"response_ids": [np.array([5], np.int64)] * 2}, partition="step-0", groups=[1, 1])
+    one, two = first._claim(), second._claim()
+    assert one is not None and two is not None and [*one.groups, *two.groups] == [0, 1]
+    outputs = Shared().generate([[3]], first.sampling)
+    first._deliver(one, 0, outputs)
+    assert store.calls["rows"] == 1
+    second._deliver(two, 0, outputs)  # its claim came before the first listing began
+    assert store.calls["rows"] == 1
+    assert sorted(store.rows(partition="step-0").groups.tolist()) == [0, 0, 1, 1]
+    three = first._claim()
+    assert three is not None and three.groups.tolist() == [2]
+    first._deliver(three, 0, outputs)  # claimed after that listing began: listed again
+    assert store.calls["rows"] == 3  # (the check above listed once)
+    assert sorted(store.rows(partition="step-0").groups.tolist()) == [0, 0, 1, 1, 2, 2]
+    # Every prompt was acked, the one whose samples were in included.
+    assert len(store.claim("rollout", "prompt_ids", 3, timeout=0, allow_partial=True)) == 0

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from asyncflow.batch import Batch
 from asyncflow.config import Config
 from asyncflow.errors import StoreTimeoutError
@@ -105,6 +107,35 @@ class RunState:
         return spanning / total if total else 0.0
 
 
+class StepListings:
+    """The sample groups of each step partition as last listed, shared by a process's rollout
+    workers. Samples a worker finds already in (see ``Rollout._drop_already_put``) were put
+    before its claim, so any listing begun after the claim sees them: one listing serves every
+    delivery whose prompts were claimed before it began, instead of a listing per delivery."""
+
+    #: Partitions remembered; steps move on, older listings are dropped.
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._listed: dict[str, tuple[float, np.ndarray]] = {}
+
+    def groups(self, store: Store, partition: str, since: float) -> np.ndarray:
+        """The groups of ``partition``'s rows, from a listing begun after ``since`` (a
+        monotonic time)."""
+        with self._lock:
+            listed = self._listed.get(partition)
+            if listed is not None and listed[0] > since:
+                return listed[1]
+            began = time.monotonic()
+            groups = store.rows(partition=partition).groups
+            self._listed.pop(partition, None)
+            self._listed[partition] = (began, groups)
+            while len(self._listed) > self.KEEP:
+                del self._listed[next(iter(self._listed))]
+            return groups
+
+
 @dataclass
 class Context:
     store: Store
@@ -122,6 +153,8 @@ class Context:
     #: store carries the weights.
     weight_receiver: InitVar[BroadcastReceiver | None] = None
     prompts: PromptEncoder = field(init=False)
+    #: Listings of the step partitions, shared by this process's rollout workers.
+    listings: StepListings = field(init=False, default_factory=StepListings)
     #: The policy versions this process can load, shared by its workers.
     weights: WeightSource = field(init=False)
 

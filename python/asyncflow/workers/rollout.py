@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,6 +47,8 @@ class PromptGroups:
     target: int
     batch: Batch | None = None
     assignments: list[Assignment] | None = None
+    #: When the groups were claimed (a monotonic time; made after the claim, never before).
+    claimed_at: float = field(default_factory=time.monotonic)
 
 
 class Rollout(Worker):
@@ -287,6 +290,7 @@ class Rollout(Worker):
             np.array([a.group for a in kept], dtype=np.int64),
             work.target,
             assignments=kept,
+            claimed_at=work.claimed_at,
         )
         return rest, [o for o, m in zip(outputs, mine, strict=True) if m]
 
@@ -296,7 +300,9 @@ class Rollout(Worker):
         """Leaves out groups whose samples are already in: a worker that died after putting
         them but before acking their prompts had its prompts delivered again. (The lease on the
         prompts keeps anyone else from putting the same groups meanwhile.)"""
-        present = self.store.rows(partition=step_partition(work.target)).groups
+        present = self.ctx.listings.groups(
+            self.store, step_partition(work.target), since=work.claimed_at
+        )
         fresh = ~np.isin(work.groups, present)
         if fresh.all():
             return work, outputs
@@ -308,6 +314,7 @@ class Rollout(Worker):
             work.target,
             work.batch,
             None if work.assignments is None else [work.assignments[i] for i in keep],
+            work.claimed_at,
         )
         return rest, [outputs[i] for i in keep]
 
