@@ -303,6 +303,8 @@ def test_samples_already_in_are_left_out_and_one_listing_serves_the_claims_befor
     first._deliver(one, 0, outputs)
     assert store.calls["rows"] == 1
     second._deliver(two, 0, outputs)  # its claim came before the first listing began
+    # The first delivery's own put came after its listing, and is in it all the same.
+    assert 0 in ctx.listings.groups("step-0", since=two.claimed_at)
     assert store.calls["rows"] == 1
     assert sorted(store.rows(partition="step-0").groups.tolist()) == [0, 0, 1, 1]
     three = first._claim()

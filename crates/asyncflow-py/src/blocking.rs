@@ -38,27 +38,26 @@ pub fn deadline(timeout: Option<Duration>) -> Option<Instant> {
 
 thread_local! {
     /// Whether this thread is Python's main thread, the only one its signal handlers run in;
-    /// learnt at the thread's first blocking call (a child forked from another thread keeps what its
-    /// parent thread learnt, as Python would not: its blocking calls then wait out their deadline
-    /// before a signal handler runs).
+    /// learnt at the thread's first blocking call, as `threading.main_thread()` says (before
+    /// Python 3.13: the thread that imported `threading` first). A child forked from another
+    /// thread keeps what its parent thread learnt, though Python makes that thread the child's
+    /// main thread: its blocking calls there run no signal handler until they return.
     static MAIN_THREAD: Cell<Option<bool>> = const { Cell::new(None) };
 }
 
 /// Whether signal handlers can run in this thread: only Python's main thread runs them
 /// (elsewhere `check_signals` never raises), so a wait in any other thread need not take the GIL
-/// back to ask. Where Python cannot say, it is asked anyway.
-fn runs_signal_handlers(py: Python<'_>) -> bool {
-    MAIN_THREAD.with(|known| {
-        known.get().unwrap_or_else(|| {
-            let main = py.import("threading").and_then(|threading| {
-                let here = threading.call_method0("get_ident")?;
-                here.eq(threading.call_method0("main_thread")?.getattr("ident")?)
-            });
-            let main = main.unwrap_or(true);
-            known.set(Some(main));
-            main
-        })
-    })
+/// back to ask. An exception raised while finding out (a handler's, run meanwhile) is the
+/// caller's.
+fn runs_signal_handlers(py: Python<'_>) -> PyResult<bool> {
+    if let Some(main) = MAIN_THREAD.get() {
+        return Ok(main);
+    }
+    let threading = py.import("threading")?;
+    let here = threading.call_method0("get_ident")?;
+    let main = here.eq(threading.call_method0("main_thread")?.getattr("ident")?)?;
+    MAIN_THREAD.set(Some(main));
+    Ok(main)
 }
 
 /// Runs `f` without the GIL, giving it a `Wait` that ends at `deadline` or when a signal handler
@@ -72,7 +71,7 @@ pub fn detached<T: Send, E: BlockingError>(
     f: impl FnOnce(Wait<'_>) -> Result<T, E> + Send,
 ) -> PyResult<T> {
     let raised: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
-    let main = runs_signal_handlers(py);
+    let main = runs_signal_handlers(py)?;
     let interrupted = || {
         main && Python::attach(|py| match py.check_signals() {
             Ok(()) => false,

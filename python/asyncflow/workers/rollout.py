@@ -273,6 +273,7 @@ class Rollout(Worker):
                 self._put_samples(
                     fresh.target, version, fresh.prompts, fresh.answers, fresh.groups, fresh_outputs
                 )
+                self.ctx.listings.note_put(step_partition(fresh.target), fresh.groups)
             self._settle(work, done=True)
 
     def _drop_rerouted(
@@ -298,11 +299,11 @@ class Rollout(Worker):
         self, work: PromptGroups, outputs: list[list[Completion]]
     ) -> tuple[PromptGroups, list[list[Completion]]]:
         """Leaves out groups whose samples are already in: a worker that died after putting
-        them but before acking their prompts had its prompts delivered again. (The lease on the
-        prompts keeps anyone else from putting the same groups meanwhile.)"""
-        present = self.ctx.listings.groups(
-            self.store, step_partition(work.target), since=work.claimed_at
-        )
+        them but before acking their prompts had its prompts delivered again. (A holder whose
+        lease ended while it still generated may put the same groups after this; the store
+        refuses the put that would give a group more than its size, and that holder's ack
+        fails.)"""
+        present = self.ctx.listings.groups(step_partition(work.target), since=work.claimed_at)
         fresh = ~np.isin(work.groups, present)
         if fresh.all():
             return work, outputs
