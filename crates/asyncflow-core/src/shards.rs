@@ -185,7 +185,7 @@ impl Shards {
 
     /// Runs `each(k, cell)` for field `field` of every row `rows[k]`; a row without that field
     /// (or without any) is [`StoreError::UnknownIndex`].
-    fn visit(
+    pub(crate) fn visit(
         &self,
         rows: &[u64],
         field: FieldId,

@@ -505,6 +505,27 @@ impl Store {
             .collect())
     }
 
+    /// Runs `each(f, k, cell)` on the cell of `fields[f]` on `rows[k]`, for every field and row,
+    /// in no set order, without copying a cell; returns the fields' schemas. For rows just
+    /// claimed for `fields`, which are ready on them: unlike [`Store::read`] it does not check
+    /// that again. Fails part way if a row has no cell of a field (it was freed meanwhile).
+    pub fn visit_claimed_cells(
+        &self,
+        rows: &[u64],
+        fields: &[String],
+        mut each: impl FnMut(usize, usize, &Cell),
+    ) -> Result<Vec<FieldSchema>> {
+        let (ids, schemas): (Vec<FieldId>, Vec<FieldSchema>) = {
+            let index = self.index.lock();
+            let ids = fields.iter().map(|f| index.field_id(f)).collect::<Result<Vec<_>>>()?;
+            ids.into_iter().map(|f| (f, index.field_schema(f).clone())).unzip()
+        };
+        for (f, &id) in ids.iter().enumerate() {
+            self.shards.visit(rows, id, |k, cell| each(f, k, cell))?;
+        }
+        Ok(schemas)
+    }
+
     /// Checks that `fields` are ready on every one of `rows`; returns their ids and schemas.
     pub fn locate(&self, rows: &[u64], fields: &[String]) -> Result<Vec<(FieldId, FieldSchema)>> {
         let index = self.index.lock();

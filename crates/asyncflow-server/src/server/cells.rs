@@ -14,7 +14,7 @@ use asyncflow_proto::{
 use asyncflow_shm::{MAX_FDS, MIN_SEGMENT, Region, Segment};
 
 use super::outgoing::{Part, ReplyBody};
-use super::session::{Session, Stage};
+use super::session::{Session, ShmSession, Stage};
 
 /// The chunk a put's cells live in: its inline payload (paid for by `guard`) or its staged
 /// region — paid for when it was staged, or, for the connection's spare, now (`extent` bytes, as
@@ -130,60 +130,108 @@ pub fn outgoing_cells(
     session: &Session,
     columns: Vec<(String, FieldSchema, Vec<Cell>)>,
 ) -> Outgoing {
-    let mut answer = ReplyBody::default();
-    let mut cursor = 0u64;
-    // Where each chunk is: the segment it fills, or nowhere the client can map (sent inline).
-    // The cells of one put share a chunk, so this is looked up once per put, not per cell.
-    let mut chunks: HashMap<*const Chunk, Option<Arc<Segment>>> = HashMap::new();
-    let mut pinned = Vec::new();
-    let mut segments = Vec::new();
-    let mut introduced = 0;
-    let mut wire = Vec::with_capacity(columns.len());
-    for (name, schema, cells) in columns {
-        let mut out = Vec::with_capacity(cells.len());
-        for cell in cells {
-            let shared = match &session.shm {
-                Some(shm) if cell.len > 0 => chunks
-                    .entry(Arc::as_ptr(&cell.chunk))
-                    .or_insert_with(|| {
-                        let (segment, _) = shm.pool.locate(cell.bytes().as_ptr())?;
-                        let new = !shm.knows(segment.id());
-                        if new && introduced >= MAX_FDS {
-                            return None;
-                        }
-                        introduced += usize::from(new);
-                        pinned.push(Arc::clone(&cell.chunk));
-                        segments.push(Arc::clone(&segment));
-                        Some(segment)
-                    })
-                    .clone(),
-                _ => None,
-            };
-            let place = if let Some(segment) = shared {
-                let offset = cell.bytes().as_ptr() as u64 - segment.as_ptr() as u64;
-                CellPlace::Shared(SharedCell { segment: segment.id(), offset })
-            } else {
-                let at = align_payload(cursor);
-                if at > cursor {
-                    answer.payload.push(Part::Zeros((at - cursor) as usize));
-                }
-                cursor = at + cell.len as u64;
-                answer.payload.push(Part::Cell(cell.clone()));
-                CellPlace::Inline(at)
-            };
-            out.push(WireCell { place, len: cell.len as u64, first_dim: cell.first_dim });
+    let mut placer = Placer::new(session);
+    let wire = columns
+        .into_iter()
+        .map(|(name, schema, cells)| WireColumn {
+            cells: cells.iter().map(|c| placer.place(c)).collect(),
+            name,
+            schema,
+        })
+        .collect();
+    placer.finish(wire)
+}
+
+/// Places the cells of one reply one at a time, in any order (see [`outgoing_cells`]).
+pub struct Placer<'s> {
+    session: &'s Session,
+    answer: ReplyBody,
+    /// Where the next inline cell may start in the reply's payload.
+    cursor: u64,
+    /// Where each chunk is: the segment it lies in and its offset there, or nowhere the client
+    /// can map (sent inline). The cells of one put share a chunk and mostly come one after
+    /// another, so the last chunk's place is kept at hand and the map is asked once per chunk.
+    chunks: HashMap<*const Chunk, Option<SharedCell>>,
+    last: Option<(*const Chunk, Option<SharedCell>)>,
+    pinned: Vec<Arc<Chunk>>,
+    segments: Vec<Arc<Segment>>,
+    introduced: usize,
+}
+
+impl<'s> Placer<'s> {
+    pub fn new(session: &'s Session) -> Self {
+        Self {
+            session,
+            answer: ReplyBody::default(),
+            cursor: 0,
+            chunks: HashMap::new(),
+            last: None,
+            pinned: Vec::new(),
+            segments: Vec::new(),
+            introduced: 0,
         }
-        wire.push(WireColumn { name, schema, cells: out });
     }
-    let (pin, segments) = match &session.shm {
-        Some(shm) if !pinned.is_empty() => {
-            segments.sort_by_key(|s| s.id());
-            segments.dedup_by_key(|s| s.id());
-            let (intro, fds) = shm.introduce(&segments);
-            answer.fds = fds;
-            (Some(shm.pin(pinned)), intro)
+
+    /// Where `cell` goes: its place in shared memory, or the reply's payload.
+    pub fn place(&mut self, cell: &Cell) -> WireCell {
+        let (len, first_dim) = (cell.len as u64, cell.first_dim);
+        let shared = match &self.session.shm {
+            Some(shm) if len > 0 => self.chunk_place(shm, &cell.chunk),
+            _ => None,
+        };
+        let place = if let Some(chunk_at) = shared {
+            let offset = chunk_at.offset + cell.offset as u64;
+            CellPlace::Shared(SharedCell { segment: chunk_at.segment, offset })
+        } else {
+            let at = align_payload(self.cursor);
+            if at > self.cursor {
+                self.answer.payload.push(Part::Zeros((at - self.cursor) as usize));
+            }
+            self.cursor = at + len;
+            self.answer.payload.push(Part::Cell(cell.clone()));
+            CellPlace::Inline(at)
+        };
+        WireCell { place, len, first_dim }
+    }
+
+    /// Where `chunk` starts in a segment the client can map by this reply; `None` if nowhere.
+    fn chunk_place(&mut self, shm: &ShmSession, chunk: &Arc<Chunk>) -> Option<SharedCell> {
+        let key = Arc::as_ptr(chunk);
+        if let Some((at, place)) = self.last
+            && at == key
+        {
+            return place;
         }
-        _ => (None, Segments::default()),
-    };
-    Outgoing { columns: wire, pin, segments, answer }
+        let place = *self.chunks.entry(key).or_insert_with(|| {
+            let (segment, offset) = shm.pool.locate(chunk.as_bytes().as_ptr())?;
+            let new = !shm.knows(segment.id());
+            if new && self.introduced >= MAX_FDS {
+                return None;
+            }
+            self.introduced += usize::from(new);
+            self.pinned.push(Arc::clone(chunk));
+            let id = segment.id();
+            self.segments.push(segment);
+            Some(SharedCell { segment: id, offset: offset as u64 })
+        });
+        self.last = Some((key, place));
+        place
+    }
+
+    /// The reply's columns with what the client needs to view them: the segments it has not
+    /// mapped, and a pin on the chunks its shared cells lie in.
+    pub fn finish(self, columns: Vec<WireColumn>) -> Outgoing {
+        let Self { session, mut answer, pinned, mut segments, .. } = self;
+        let (pin, segments) = match &session.shm {
+            Some(shm) if !pinned.is_empty() => {
+                segments.sort_by_key(|s| s.id());
+                segments.dedup_by_key(|s| s.id());
+                let (intro, fds) = shm.introduce(&segments);
+                answer.fds = fds;
+                (Some(shm.pin(pinned)), intro)
+            }
+            _ => (None, Segments::default()),
+        };
+        Outgoing { columns, pin, segments, answer }
+    }
 }

@@ -4,9 +4,9 @@
 use std::time::Instant;
 
 use asyncflow_core::{Column, Store, StoreError, Wait};
-use asyncflow_proto::{PutRequest, Reply, Request, WireClaimed};
+use asyncflow_proto::{CellPlace, PutRequest, Reply, Request, WireCell, WireClaimed, WireColumn};
 
-use super::cells::{Outgoing, Payload, cells_in, extent, incoming_chunk, outgoing_cells};
+use super::cells::{Outgoing, Payload, Placer, cells_in, extent, incoming_chunk, outgoing_cells};
 use super::execute::{Execute, Outcome};
 use super::outgoing::ReplyBody;
 use super::session::Session;
@@ -60,10 +60,20 @@ fn with_cells(
     if claimed.rows.is_empty() {
         return (Reply::Claimed(claimed), ReplyBody::default());
     }
-    match store.read(&claimed.rows, fields) {
-        Ok(columns) => {
-            let columns = columns.into_iter().map(|c| (c.name, c.schema, c.cells)).collect();
-            let Outgoing { columns, pin, segments, answer } = outgoing_cells(session, columns);
+    let mut placer = Placer::new(session);
+    let unplaced = WireCell { place: CellPlace::Inline(0), len: 0, first_dim: 0 };
+    let mut cells = vec![vec![unplaced; claimed.rows.len()]; fields.len()];
+    let visited = store
+        .visit_claimed_cells(&claimed.rows, fields, |f, k, cell| cells[f][k] = placer.place(cell));
+    match visited {
+        Ok(schemas) => {
+            let columns = fields
+                .iter()
+                .zip(schemas)
+                .zip(cells)
+                .map(|((name, schema), cells)| WireColumn { name: name.clone(), schema, cells })
+                .collect();
+            let Outgoing { columns, pin, segments, answer } = placer.finish(columns);
             (Reply::ClaimedCells { claimed, columns, pin, segments }, answer)
         }
         Err(e) => {
