@@ -424,8 +424,8 @@ def test_serve_help_names_the_command_that_ran_it() -> None:
 
 
 def _frame(op: int, request_id: int, meta: bytes, payload: bytes = b"") -> bytes:
-    """One protocol frame: magic, version 2, op, flags, id, then both lengths (little-endian)."""
-    head = b"AF" + struct.pack("<BBIQII", 2, op, 0, request_id, len(meta), len(payload))
+    """One protocol frame: magic, version 3, op, flags, id, then both lengths (little-endian)."""
+    head = b"AF" + struct.pack("<BBIQII", 3, op, 0, request_id, len(meta), len(payload))
     return head + meta + payload
 
 

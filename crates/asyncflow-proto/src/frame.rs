@@ -9,7 +9,7 @@
 use crate::error::ProtoError;
 
 pub const MAGIC: [u8; 2] = *b"AF";
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 24;
 
 /// Payload cells sit at offsets that are multiples of this inside a frame's payload section, so

@@ -136,9 +136,9 @@ fn put_claimed(w: &mut Writer, c: &WireClaimed) {
     w.opt(c.lease, |w, l| {
         w.u64(l);
     });
-    w.u64s(&c.rows).u64s(&c.versions).list(&c.groups, |w, g| {
+    w.varints(&c.rows).varints(&c.versions).list(&c.groups, |w, g| {
         w.opt(*g, |w, g| {
-            w.u64(g);
+            w.varint(g);
         });
     });
     w.opt(c.expires_in, |w, d| {
@@ -149,9 +149,9 @@ fn put_claimed(w: &mut Writer, c: &WireClaimed) {
 fn get_claimed(r: &mut Reader<'_>) -> Result<WireClaimed, ProtoError> {
     Ok(WireClaimed {
         lease: r.opt(Reader::u64)?,
-        rows: r.u64s()?,
-        versions: r.u64s()?,
-        groups: r.list(1, |r| r.opt(Reader::u64))?,
+        rows: r.varints()?,
+        versions: r.varints()?,
+        groups: r.list(1, |r| r.opt(Reader::varint))?,
         expires_in: r.opt(Reader::duration)?,
     })
 }
@@ -184,17 +184,17 @@ fn get_shared(r: &mut Reader<'_>) -> Result<SharedCell, ProtoError> {
 }
 
 fn put_column(w: &mut Writer, c: &WireColumn) {
+    // A column has a cell per row: its numbers as varints (a few bytes each, not eight).
     w.str(&c.name).schema(&c.schema).list(&c.cells, |w, cell| {
         match cell.place {
             CellPlace::Inline(offset) => {
-                w.u8(0).u64(offset);
+                w.u8(0).varint(offset);
             }
             CellPlace::Shared(s) => {
-                w.u8(1);
-                put_shared(w, s);
+                w.u8(1).varint(s.segment).varint(s.offset);
             }
         }
-        w.u64(cell.len).u64(cell.first_dim);
+        w.varint(cell.len).varint(cell.first_dim);
     });
 }
 
@@ -202,13 +202,13 @@ fn get_column(r: &mut Reader<'_>) -> Result<WireColumn, ProtoError> {
     Ok(WireColumn {
         name: r.string()?,
         schema: r.schema()?,
-        cells: r.list(25, |r| {
+        cells: r.list(4, |r| {
             let place = match r.u8()? {
-                0 => CellPlace::Inline(r.u64()?),
-                1 => CellPlace::Shared(get_shared(r)?),
+                0 => CellPlace::Inline(r.varint()?),
+                1 => CellPlace::Shared(SharedCell { segment: r.varint()?, offset: r.varint()? }),
                 t => return Err(ProtoError::malformed(format!("unknown cell place {t}"))),
             };
-            Ok(WireCell { place, len: r.u64()?, first_dim: r.u64()? })
+            Ok(WireCell { place, len: r.varint()?, first_dim: r.varint()? })
         })?,
     })
 }

@@ -77,6 +77,24 @@ impl Writer {
         })
     }
 
+    /// A number in as few bytes as it needs: seven bits a byte, the lowest first, the top bit
+    /// set on every byte but the last (LEB128). For numbers a message carries many of, mostly
+    /// small: fewer bytes to copy between processes.
+    pub fn varint(&mut self, mut v: u64) -> &mut Self {
+        while v >= 0x80 {
+            self.buf.push(v as u8 | 0x80);
+            v >>= 7;
+        }
+        self.u8(v as u8)
+    }
+
+    /// A counted list of [`Writer::varint`]s.
+    pub fn varints(&mut self, v: &[u64]) -> &mut Self {
+        self.list(v, |w, &x| {
+            w.varint(x);
+        })
+    }
+
     pub fn strs(&mut self, v: &[String]) -> &mut Self {
         self.list(v, |w, s| {
             w.str(s);
@@ -190,11 +208,43 @@ impl<'a> Reader<'a> {
         if needed > self.remaining() {
             return Err(ProtoError::Truncated { needed: needed - self.remaining() });
         }
-        (0..n).map(|_| get(self)).collect()
+        // Filled in place: collecting the results through `Result` would know no size, and
+        // grow the vector by reallocating as it went.
+        let mut items = Vec::with_capacity(n);
+        for _ in 0..n {
+            items.push(get(self)?);
+        }
+        Ok(items)
     }
 
     pub fn u64s(&mut self) -> Result<Vec<u64>, ProtoError> {
-        self.list(8, Reader::u64)
+        let n = self.u32()? as usize;
+        let bytes = self.take(n.saturating_mul(8))?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    /// A [`Writer::varint`]; more than ten bytes, or bits beyond 64, are malformed.
+    pub fn varint(&mut self) -> Result<u64, ProtoError> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = self.u8()?;
+            let bits = u64::from(byte & 0x7f);
+            if shift == 63 && bits > 1 {
+                return Err(ProtoError::malformed("a number beyond 64 bits"));
+            }
+            v |= bits << shift;
+            if byte & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(ProtoError::malformed("a number longer than ten bytes"))
+    }
+
+    pub fn varints(&mut self) -> Result<Vec<u64>, ProtoError> {
+        self.list(1, Reader::varint)
     }
 
     pub fn strings(&mut self) -> Result<Vec<String>, ProtoError> {
@@ -223,6 +273,32 @@ mod tests {
         w.u32(u32::MAX);
         let err = Reader::new(&w.buf).u64s().unwrap_err();
         assert!(matches!(err, ProtoError::Truncated { .. }));
+    }
+
+    #[test]
+    fn varints_take_as_few_bytes_as_their_number_needs_and_come_back_whole() {
+        let cases: [(u64, usize); 6] =
+            [(0, 1), (127, 1), (128, 2), (16_383, 2), (1 << 63, 10), (u64::MAX, 10)];
+        for (v, len) in cases {
+            let mut w = Writer::new();
+            w.varint(v);
+            assert_eq!(w.buf.len(), len, "{v}");
+            let mut r = Reader::new(&w.buf);
+            assert_eq!(r.varint().unwrap(), v);
+            r.finish().unwrap();
+        }
+        let mut w = Writer::new();
+        w.varints(&[5, 300, 0]);
+        assert_eq!(Reader::new(&w.buf).varints().unwrap(), vec![5, 300, 0]);
+    }
+
+    #[test]
+    fn a_varint_past_64_bits_or_ten_bytes_or_the_input_is_refused() {
+        let beyond = [0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02];
+        assert!(matches!(Reader::new(&beyond).varint(), Err(ProtoError::Malformed(_))));
+        let eleven = [0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x00];
+        assert!(matches!(Reader::new(&eleven).varint(), Err(ProtoError::Malformed(_))));
+        assert!(matches!(Reader::new(&[0x80, 0x80]).varint(), Err(ProtoError::Truncated { .. })));
     }
 
     #[test]
