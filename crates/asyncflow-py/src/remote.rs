@@ -31,7 +31,7 @@ impl Remote {
     ) -> PyResult<Self> {
         let client =
             detached(py, None, |_| Client::connect_with(&url, token.as_deref(), prefer, policy))?;
-        let client = Mutex::new((std::process::id(), Arc::new(client)));
+        let client = Mutex::new((asyncflow_server::client::process_id(), Arc::new(client)));
         Ok(Self { url, token, prefer, policy, client })
     }
 
@@ -39,7 +39,7 @@ impl Remote {
     /// lock is never held across the reconnection: threads racing to reconnect each connect
     /// (without the GIL), and the first to finish is kept.
     pub fn client(&self, py: Python<'_>) -> PyResult<Arc<Client>> {
-        let pid = std::process::id();
+        let pid = asyncflow_server::client::process_id();
         {
             let slot = self.client.lock();
             if slot.0 == pid {

@@ -5,6 +5,7 @@
 mod connection;
 mod layout;
 mod link;
+mod pid;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use asyncflow_shm::{SegmentView, size_class};
 pub use connection::{Connection, Policy};
 pub use layout::{Layout, PutColumn};
 pub use link::{Answer, Link, Pending, PinToken, Preference};
+pub use pid::process_id;
 
 use crate::error::{Error, Result};
 
@@ -117,26 +119,35 @@ fn view_cells(
     let inline = crate::received::into_chunk(payload, None);
     let token = pin.map(|p| Arc::new(conn.pin_token(p)));
     let mut shared: HashMap<u64, Arc<Chunk>> = HashMap::new();
+    // Cells of one segment mostly come one after another: its view and length are kept at hand.
+    let mut last: Option<(u64, Arc<Chunk>, u64)> = None;
     let mut out = Vec::with_capacity(columns.len());
     for column in columns {
         let mut cells = Vec::with_capacity(column.cells.len());
         for c in column.cells {
-            let (chunk, offset) = match c.place {
-                CellPlace::Inline(offset) => (Arc::clone(&inline), offset),
+            let (chunk, offset, chunk_len) = match c.place {
+                CellPlace::Inline(offset) => (Arc::clone(&inline), offset, inline.len() as u64),
                 CellPlace::Shared(s) => {
-                    let chunk = if let Some(chunk) = shared.get(&s.segment) {
-                        Arc::clone(chunk)
-                    } else {
-                        let segment = conn.segment(s.segment)?;
-                        let keep: Box<dyn std::any::Any + Send + Sync> = Box::new(token.clone());
-                        let chunk = Chunk::new(Box::new(SegmentView::new(segment, keep)), None);
-                        shared.insert(s.segment, Arc::clone(&chunk));
-                        chunk
-                    };
-                    (chunk, s.offset)
+                    if last.as_ref().is_none_or(|l| l.0 != s.segment) {
+                        let chunk = if let Some(chunk) = shared.get(&s.segment) {
+                            Arc::clone(chunk)
+                        } else {
+                            let segment = conn.segment(s.segment)?;
+                            let keep: Box<dyn std::any::Any + Send + Sync> =
+                                Box::new(token.clone());
+                            let view = Box::new(SegmentView::new(segment, keep));
+                            let chunk = Chunk::new(view, None);
+                            shared.insert(s.segment, Arc::clone(&chunk));
+                            chunk
+                        };
+                        let len = chunk.len() as u64;
+                        last = Some((s.segment, chunk, len));
+                    }
+                    let (_, chunk, len) = last.as_ref().expect("just set");
+                    (Arc::clone(chunk), s.offset, *len)
                 }
             };
-            if offset.checked_add(c.len).is_none_or(|end| end > chunk.len() as u64) {
+            if offset.checked_add(c.len).is_none_or(|end| end > chunk_len) {
                 return Err(Error::connection("the daemon named a cell outside its memory"));
             }
             cells.push(Cell {

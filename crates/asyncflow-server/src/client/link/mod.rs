@@ -224,7 +224,7 @@ impl Link {
             unpins: Mutex::new(Vec::new()),
             segments: Mutex::new(HashMap::new()),
             spare: Mutex::new(None),
-            pid: std::process::id(),
+            pid: super::process_id(),
             shm,
             has_rings,
             hello,
@@ -369,7 +369,7 @@ impl Link {
     }
 
     fn check_usable(&self) -> Result<()> {
-        if std::process::id() != self.pid {
+        if super::process_id() != self.pid {
             return Err(Error::connection(
                 "this connection was opened before a fork; call asyncflow.connect again in the child",
             ));
@@ -440,7 +440,7 @@ impl Link {
 
     /// Lets the daemon reuse the memory of a read whose views are all gone.
     fn unpin(&self, pin: u64) {
-        if std::process::id() != self.pid || self.is_broken() {
+        if super::process_id() != self.pid || self.is_broken() {
             return;
         }
         self.unpins.lock().push(pin);
@@ -623,7 +623,7 @@ impl Drop for Link {
     fn drop(&mut self) {
         // Wakes the watcher thread, which exits. A forked child must not: shutting the shared
         // socket down would cut off its parent.
-        if std::process::id() == self.pid {
+        if super::process_id() == self.pid {
             self.stream.shutdown();
         }
     }
