@@ -152,7 +152,6 @@ class Store:
         fields = to_native(data)
         return self._native.put(fields, _options(PutOptions, options, kwargs))
 
-    @_arguments
     def claim(
         self,
         task: str,
@@ -170,11 +169,15 @@ class Store:
         shared by the ranks of a training step ``step``, ``dp_rank``, ``dp_size``, ...) say how
         long to wait, which rows qualify, and how the batch is shared.
         """
-        names = (fields,) if isinstance(fields, str) else tuple(fields)
-        claim = _options(ClaimOptions, options, kwargs)
-        lease, idx, versions, groups, left, cells = self._native.claim(
-            task, list(names), batch_size, claim
-        )
+        # As `_arguments` does, without its wrapper's call on the store's most frequent request.
+        try:
+            names = (fields,) if isinstance(fields, str) else tuple(fields)
+            claim = _options(ClaimOptions, options, kwargs)
+            lease, idx, versions, groups, left, cells = self._native.claim(
+                task, list(names), batch_size, claim
+            )
+        except (OverflowError, TypeError) as e:
+            raise BadRequestError(f"claim: {e}") from e
         return Batch(self, task, names, lease, idx, versions, groups, left, cells)
 
     @staticmethod
