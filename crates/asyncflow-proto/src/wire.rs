@@ -227,7 +227,19 @@ impl<'a> Reader<'a> {
     }
 
     /// A [`Writer::varint`]; more than ten bytes, or bits beyond 64, are malformed.
+    #[inline]
     pub fn varint(&mut self) -> Result<u64, ProtoError> {
+        // Most numbers of a claim's reply (lengths, dimensions, segments) take one byte.
+        if let Some(&byte) = self.buf.get(self.at)
+            && byte < 0x80
+        {
+            self.at += 1;
+            return Ok(u64::from(byte));
+        }
+        self.long_varint()
+    }
+
+    fn long_varint(&mut self) -> Result<u64, ProtoError> {
         let mut v = 0u64;
         for shift in (0..64).step_by(7) {
             let byte = self.u8()?;
