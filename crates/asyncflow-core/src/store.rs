@@ -515,11 +515,8 @@ impl Store {
         fields: &[String],
         mut each: impl FnMut(usize, usize, &Cell),
     ) -> Result<Vec<FieldSchema>> {
-        let (ids, schemas): (Vec<FieldId>, Vec<FieldSchema>) = {
-            let index = self.index.lock();
-            let ids = fields.iter().map(|f| index.field_id(f)).collect::<Result<Vec<_>>>()?;
-            ids.into_iter().map(|f| (f, index.field_schema(f).clone())).unzip()
-        };
+        let (ids, schemas): (Vec<FieldId>, Vec<FieldSchema>) =
+            self.locate(&[], fields)?.into_iter().unzip();
         for (f, &id) in ids.iter().enumerate() {
             self.shards.visit(rows, id, |k, cell| each(f, k, cell))?;
         }
