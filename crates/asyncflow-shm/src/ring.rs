@@ -8,6 +8,10 @@
 //! the announcement; a full fence on each side between the two steps means at least one of them
 //! sees the other, so no wake-up is lost.
 //!
+//! A producer still preparing bytes can say they are coming (`Producer::expect`): a flag the
+//! consumer takes (`Consumer::expected`), and the bell rung if the consumer sleeps, so that the
+//! consumer's wake-up overlaps the preparation instead of following it.
+//!
 //! Each side keeps the index it owns (a producer's head, a consumer's tail) in its own memory and
 //! only publishes it: the index it reads from the other side is checked before it is used, since
 //! the other side may be a hostile process, and bytes are copied out of the ring before anything
@@ -27,11 +31,15 @@ use crate::error::ShmError;
 use crate::segment::{anonymous_fd, map};
 
 /// Bytes of a ring's header, before its data: the head, the tail and the two sleep flags, each
-/// on a cache line of its own.
+/// on a cache line of its own (the producer's notice that bytes are coming beside the
+/// consumer's flag).
 const HEADER: usize = 256;
 const HEAD: usize = 0;
 const TAIL: usize = 64;
 const CONSUMER_ASLEEP: usize = 128;
+/// Set by the producer ahead of bytes it is about to send (`Producer::expect`); on the
+/// consumer's line, which the producer already writes.
+const EXPECTED: usize = 136;
 const PRODUCER_ASLEEP: usize = 192;
 
 /// The smallest and largest capacity of one ring.
@@ -194,6 +202,14 @@ impl Producer {
         self.ring.wake(CONSUMER_ASLEEP, &self.bytes);
     }
 
+    /// Tells the consumer that bytes are about to come (the producer is still preparing them),
+    /// waking it if it sleeps, so that its wake-up overlaps that work; see
+    /// [`Consumer::expected`].
+    pub fn expect(&self) {
+        self.ring.word32(EXPECTED).store(1, Ordering::Release);
+        self.wake_consumer();
+    }
+
     /// About to sleep on [`Producer::room_bell`] for room: false if there is room already.
     pub fn sleep_for_room(&self) -> io::Result<bool> {
         self.ring.announce(PRODUCER_ASLEEP, || Ok(self.room()? > 0)).map(|ready| !ready)
@@ -257,6 +273,13 @@ impl Consumer {
     /// Awake again (whether the bell rang or not).
     pub fn awake(&self) {
         self.ring.word32(CONSUMER_ASLEEP).store(0, Ordering::Relaxed);
+    }
+
+    /// Whether the producer said bytes are about to come ([`Producer::expect`]) since the last
+    /// call; the notice is taken.
+    pub fn expected(&self) -> bool {
+        let word = self.ring.word32(EXPECTED);
+        word.load(Ordering::Relaxed) != 0 && word.swap(0, Ordering::AcqRel) != 0
     }
 
     pub fn bytes_bell(&self) -> &Bell {
@@ -469,6 +492,28 @@ mod tests {
         client.replies.pop(&mut [0u8; 1]).unwrap();
         assert!(daemon.replies.room_bell().silence());
         daemon.replies.awake();
+    }
+
+    #[test]
+    fn a_notice_that_bytes_are_coming_is_taken_once_and_rings_only_a_sleeper() {
+        let (daemon, mut client) = pair(MIN_RING);
+        assert!(!daemon.requests.expected());
+        // Awake: the notice is a flag, no bell.
+        client.requests.expect();
+        assert!(!daemon.requests.bytes_bell().silence());
+        assert!(daemon.requests.expected());
+        assert!(!daemon.requests.expected(), "taken twice");
+        // Asleep: the notice rings, once, with nothing in the ring.
+        assert!(daemon.requests.sleep_for_bytes().unwrap());
+        client.requests.expect();
+        assert!(daemon.requests.bytes_bell().silence());
+        daemon.requests.awake();
+        assert_eq!(daemon.requests.available().unwrap(), 0);
+        assert!(daemon.requests.expected());
+        // The bytes that follow do not ring again: the sleeper was already woken.
+        client.requests.push(b"x").unwrap();
+        client.requests.wake_consumer();
+        assert!(!daemon.requests.bytes_bell().silence());
     }
 
     #[test]

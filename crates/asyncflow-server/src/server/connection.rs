@@ -206,27 +206,38 @@ impl Incoming {
         }
     }
 
-    /// Reads whatever arrives from a local client within `spin_for`; `None` if nothing did (or
+    /// Reads whatever arrives from a local client within `spin_for`, or `SPIN` more each time
+    /// the client says a request is on its way (`RingIn::expected`); `None` if nothing did (or
     /// another connection is spinning, a reply waits to be written, a claim waits, or this one
     /// is not local). Looking at a ring costs no system call, so it yields the core only now
     /// and then; a socket is read with one, after which it yields every time.
     fn spin(&mut self, buf: &mut ReadBuf<'_>) -> Option<std::io::Result<()>> {
-        if !self.local
-            || self.spin_for.is_zero()
-            || self.activity.waiting.load(Ordering::Acquire) > 0
-            || SPINNING.swap(true, Ordering::Acquire)
-        {
+        if !self.local || self.activity.waiting.load(Ordering::Acquire) > 0 {
             return None;
         }
-        let until = Instant::now() + self.spin_for;
+        let spin_for = match self.spin_for {
+            d if !d.is_zero() => d,
+            _ if self.ring.as_mut().is_some_and(RingIn::expected) => SPIN,
+            _ => return None,
+        };
+        if SPINNING.swap(true, Ordering::Acquire) {
+            return None;
+        }
+        let mut until = Instant::now() + spin_for;
         let yield_every = if self.ring.is_some() { 64 } else { 1 };
         let mut turns = 0u32;
         let got = loop {
             if let Some(got) = self.read_now(buf) {
                 break Some(got);
             }
-            if Instant::now() >= until || self.queued.load(Ordering::Acquire) > 0 {
+            if self.queued.load(Ordering::Acquire) > 0 {
                 break None;
+            }
+            if Instant::now() >= until {
+                if !self.ring.as_mut().is_some_and(RingIn::expected) {
+                    break None;
+                }
+                until = Instant::now() + SPIN;
             }
             self.waited = true;
             turns += 1;
@@ -277,7 +288,8 @@ impl AsyncRead for Incoming {
             return read;
         }
         this.asking_since = None;
-        if std::mem::take(&mut this.waited) {
+        let announced = this.ring.as_mut().is_some_and(RingIn::take_announced);
+        if std::mem::take(&mut this.waited) && !announced {
             this.spin_for = next_spin(this.spin_for, since.elapsed());
         }
         read

@@ -70,14 +70,33 @@ pub struct RingIn {
     // Declared (so dropped) before the ring end that owns its descriptor.
     bell: AsyncFd<BellFd>,
     requests: Consumer,
+    /// Whether the client said that the request being read was coming (`expected`).
+    announced: bool,
 }
 
 impl RingIn {
+    /// Whether the client said a request is on its way (`Producer::expect`, sent ahead of a
+    /// request it is still preparing, such as a put's copy into shared memory) since the last
+    /// look; the notice is taken.
+    pub fn expected(&mut self) -> bool {
+        let expected = self.requests.expected();
+        self.announced |= expected;
+        expected
+    }
+
+    /// Whether the request read since the last call was announced (see `expected`): how long
+    /// it took to come then says nothing of how soon its client sends after a reply.
+    pub fn take_announced(&mut self) -> bool {
+        std::mem::take(&mut self.announced)
+    }
+
     /// Copies what is there into `buf`; `None` if nothing is.
     pub fn take(&mut self, buf: &mut ReadBuf<'_>) -> Option<io::Result<()>> {
         match self.requests.pop(buf.initialize_unfilled()) {
             Ok(0) => None,
             Ok(n) => {
+                // What the client said was coming has come.
+                self.expected();
                 buf.advance(n);
                 Some(Ok(()))
             }
@@ -179,5 +198,47 @@ pub fn ends(rings: DaemonEnds, socket: unix::OwnedWriteHalf) -> io::Result<(Ring
     // SAFETY: each end owns the bell registered beside it, and drops after it.
     let (asked, room) =
         unsafe { (registered(requests.bytes_bell().fd())?, registered(replies.room_bell().fd())?) };
-    Ok((RingIn { bell: asked, requests }, RingOut { bell: room, replies, socket }))
+    Ok((
+        RingIn { bell: asked, requests, announced: false },
+        RingOut { bell: room, replies, socket },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use asyncflow_shm::ClientEnds;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_request_the_client_said_was_coming_is_told_apart_from_one_it_did_not() {
+        let daemon = DaemonEnds::create(MIN_RING).unwrap();
+        let fds = daemon.descriptors().iter().map(|f| f.try_clone_to_owned().unwrap()).collect();
+        let mut client = ClientEnds::open(MIN_RING, fds).unwrap();
+        let (socket, _peer) = tokio::net::UnixStream::pair().unwrap();
+        let (mut requests, _replies) = ends(daemon, socket.into_split().1).unwrap();
+        let mut bytes = [0u8; 16];
+        let mut take = |ring: &mut RingIn| {
+            let mut buf = ReadBuf::new(&mut bytes);
+            ring.take(&mut buf).map(|r| r.map(|()| buf.filled().len()).unwrap())
+        };
+        // Sent unannounced: its wait says how soon the client sends.
+        client.requests.push(b"ab").unwrap();
+        assert_eq!(take(&mut requests), Some(2));
+        assert!(!requests.take_announced());
+        // Announced, then sent: taken with the request.
+        client.requests.expect();
+        client.requests.push(b"c").unwrap();
+        assert_eq!(take(&mut requests), Some(1));
+        assert!(requests.take_announced());
+        assert!(!requests.take_announced(), "told twice");
+        // Announced and seen while waiting for it (a spin that goes on): still this request's.
+        client.requests.expect();
+        assert!(requests.expected());
+        assert!(!requests.expected(), "a notice is taken once");
+        assert_eq!(take(&mut requests), None);
+        client.requests.push(b"d").unwrap();
+        assert_eq!(take(&mut requests), Some(1));
+        assert!(requests.take_announced());
+    }
 }

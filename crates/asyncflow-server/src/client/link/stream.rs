@@ -272,6 +272,16 @@ impl Ring<Producer> {
     }
 }
 
+impl Stream {
+    /// On the requests' ring: says a request is coming (see `Link::heads_up`). Nothing on a
+    /// socket.
+    pub(super) fn heads_up(&self) {
+        if let Stream::Requests(r) = self {
+            r.end.expect();
+        }
+    }
+}
+
 impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
