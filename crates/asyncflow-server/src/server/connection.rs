@@ -289,8 +289,11 @@ impl AsyncRead for Incoming {
         }
         this.asking_since = None;
         let announced = this.ring.as_mut().is_some_and(RingIn::take_announced);
-        if std::mem::take(&mut this.waited) && !announced {
-            this.spin_for = next_spin(this.spin_for, since.elapsed());
+        if std::mem::take(&mut this.waited) {
+            // A request the client announced took as long as the work it announced it after
+            // (a put's copy), not as long as the client takes to send after a reply.
+            let took = if announced { Duration::ZERO } else { since.elapsed() };
+            this.spin_for = next_spin(this.spin_for, took);
         }
         read
     }

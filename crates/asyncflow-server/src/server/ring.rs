@@ -84,8 +84,7 @@ impl RingIn {
         expected
     }
 
-    /// Whether the request read since the last call was announced (see `expected`): how long
-    /// it took to come then says nothing of how soon its client sends after a reply.
+    /// Whether the request read since the last call was announced (see `expected`).
     pub fn take_announced(&mut self) -> bool {
         std::mem::take(&mut self.announced)
     }
