@@ -207,7 +207,8 @@ impl Incoming {
     }
 
     /// Reads whatever arrives from a local client within `spin_for`, or `SPIN` more each time
-    /// the client says a request is on its way (`RingIn::expected`); `None` if nothing did (or
+    /// the client says a request is on its way (`RingIn::expected`: a client that keeps saying
+    /// so keeps the spin going, as one that keeps sending requests does); `None` if nothing did (or
     /// another connection is spinning, a reply waits to be written, a claim waits, or this one
     /// is not local). Looking at a ring costs no system call, so it yields the core only now
     /// and then; a socket is read with one, after which it yields every time.
