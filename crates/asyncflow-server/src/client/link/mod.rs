@@ -419,11 +419,14 @@ impl Link {
 
     /// Sends a request whose payload section is `payload` (written in order).
     pub fn send(self: &Arc<Self>, req: &Request, payload: &[&[u8]]) -> Result<Pending> {
-        self.check_usable()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::sync_channel(1);
+        // Waiting before the link is checked: a link that fails after the check answers it with
+        // its error (`fail_all`), one that failed before is seen by the check. Rings take a
+        // request whether or not the daemon is there to read it, so one written to a link that
+        // failed in between would wait out its deadline.
         self.pending.lock().insert(id, tx);
-        if let Err(e) = self.write(id, req, payload) {
+        if let Err(e) = self.check_usable().and_then(|()| self.write(id, req, payload)) {
             self.pending.lock().remove(&id);
             return Err(e);
         }
