@@ -8,6 +8,7 @@
 from asyncflow import scheduler
 from asyncflow._native import __version__
 from asyncflow.batch import Batch
+from asyncflow.columns import Ragged
 from asyncflow.daemon import connect
 from asyncflow.errors import (
     AuthError,
@@ -38,6 +39,7 @@ __all__ = [
     "MemoryLimitError",
     "PersistenceError",
     "PutOptions",
+    "Ragged",
     "Rows",
     "SchemaError",
     "Store",

@@ -53,7 +53,9 @@ class Store:
     ) -> Store: ...
     def register_task(self, name: str, partitions: list[str] | None = None) -> None: ...
     def put(
-        self, fields: list[tuple[str, Any, str | None]], options: PutOptions | None = None
+        self,
+        fields: list[tuple[str, Any, str | None, npt.NDArray[np.uint64] | None]],
+        options: PutOptions | None = None,
     ) -> npt.NDArray[np.uint64]: ...
     def claim(
         self, task: str, fields: list[str], batch_size: int, options: ClaimOptions | None = None

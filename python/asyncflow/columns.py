@@ -3,7 +3,9 @@
 A field's value in a put is either one array whose first axis indexes rows (each row then holds
 ``value[i]``: a scalar for 1-D arrays, an array otherwise), or a list with one value per row —
 arrays of differing first dimension (ragged, stored unpadded), Python numbers, or ``bytes``/``str``
-(stored as bytes). Torch tensors are accepted wherever arrays are; bfloat16 is kept as bfloat16.
+(stored as bytes), or a :class:`Ragged`: a ragged column as one array and its rows' lengths, the
+cheap way to put many ragged rows (no array per row). Torch tensors are accepted wherever arrays
+are; bfloat16 is kept as bfloat16.
 
 Non-contiguous or non-native-byte-order arrays are copied into contiguous ones here (one extra
 copy); object and string arrays are rejected with :class:`SchemaError`. The store itself then
@@ -14,16 +16,32 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from asyncflow.errors import BadRequestError, SchemaError
 
-#: What ``Store.put`` hands the native module per field: name, value, explicit dtype.
-NativeField = tuple[str, Any, str | None]
+#: What ``Store.put`` hands the native module per field: name, value, explicit dtype, and the
+#: rows' lengths of a :class:`Ragged` value.
+NativeField = tuple[str, Any, str | None, np.ndarray | None]
 
 _SCALARS = (bool, int, float, np.generic)
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """A ragged column in one piece: ``values``' first axis runs through every row's cells in
+    turn, ``lengths[i]`` of them for row ``i`` (the lengths add up to ``len(values)``). It puts
+    the same rows as the list ``[values[0:lengths[0]], values[lengths[0]:...], ...]``, without an
+    array per row: token ids of many responses, say, concatenated once.
+
+    ``values`` is an array or tensor with at least one axis (its further axes are each cell's
+    trailing shape); ``lengths`` non-negative integers, one per row."""
+
+    values: Any
+    lengths: Any
 
 
 def to_native(data: Mapping[str, Any]) -> list[NativeField]:
@@ -34,7 +52,20 @@ def to_native(data: Mapping[str, Any]) -> list[NativeField]:
         )
     if not data:
         raise BadRequestError("a put needs at least one field")
-    return [(name, *_column(name, value)) for name, value in data.items()]
+    return [
+        _ragged(name, value) if isinstance(value, Ragged) else (name, *_column(name, value), None)
+        for name, value in data.items()
+    ]
+
+
+def _ragged(name: str, value: Ragged) -> NativeField:
+    if _is_tensor(value.values):
+        values, dtype = _from_tensor(value.values)
+    else:
+        values = _from_array(name, _asarray(value.values, SchemaError, f"field {name!r}"))
+        dtype = None
+    lengths = uint64_array(value.lengths, f"field {name!r}: the row lengths")
+    return name, values, dtype, lengths
 
 
 def _asarray(value: Any, error: type[Exception], what: str) -> np.ndarray:
@@ -52,7 +83,9 @@ def uint64_array(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     arr = _asarray(values, BadRequestError, what)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
         raise BadRequestError(f"{what} must be a 1-D sequence of integers")
-    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
+    if not arr.size:
+        return np.empty(0, np.uint64)  # an empty list is float64 to NumPy; any empty dtype goes
+    if arr.dtype.kind == "i" and arr.min() < 0:
         raise BadRequestError(f"{what} cannot be negative")
     return np.ascontiguousarray(arr, dtype=np.uint64)
 

@@ -14,7 +14,7 @@ import torch
 import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow import weights
-from asyncflow.engines.base import Request, Sampling
+from asyncflow.engines.base import Completion, Request, Sampling
 from asyncflow.engines.errors import EngineDiedError, WeightLoadError
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.models.chatml import chatml_tokenizer
@@ -25,6 +25,7 @@ from asyncflow.train import register_tasks, train
 from asyncflow.weights import Watcher
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
 from asyncflow.workers.partial import PartialRollout
+from asyncflow.workers.rollout import token_versions
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 from asyncflow.workers.trainer import Ledger, Trainer
 from partial_replay import PROMPT, SWITCH, generate_with_switch, policy_versions, replay
@@ -139,6 +140,23 @@ def read_samples(store: af.Store, target: int) -> tuple[np.ndarray, dict[str, li
     rows = store.rows(partition=step_partition(target))
     data = store.read(rows.indexes, ["response_ids", "behaviour_logprobs", "token_versions"])
     return rows.versions.astype(np.int64), data
+
+
+def test_a_completion_without_versions_of_its_own_is_all_of_the_calls_version() -> None:
+    done = [
+        Completion([1, 2, 3], [0.0] * 3, "", token_versions=[4, 2, 3]),
+        Completion([5, 6], [0.0] * 2, ""),  # sampled by the call's version throughout
+        Completion([], [], ""),  # empty: as old as the call
+        Completion([7], [0.0], "", token_versions=[6]),
+    ]
+    lengths = np.array([len(c.token_ids) for c in done])
+    versions, oldest, spans = token_versions(done, lengths, 5)
+    assert versions.tolist() == [4, 2, 3, 5, 5, 6]
+    assert oldest.tolist() == [2, 5, 5, 6] and oldest.dtype == np.uint64
+    assert spans.tolist() == [2, 0, 0, 0]
+    # None of them with versions of its own: every token, and every row, of the call's version.
+    versions, oldest, spans = token_versions(done[1:3], lengths[1:3], 5)
+    assert versions.tolist() == [5, 5] and oldest.tolist() == [5, 5] and spans.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort"])

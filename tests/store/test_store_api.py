@@ -59,6 +59,18 @@ def test_scalars_ragged_arrays_and_text_keep_their_shapes(store: af.Store) -> No
     assert store.schema("reward") == ("f64", None)
 
 
+def test_a_ragged_column_given_whole_reads_back_row_by_row(store: af.Store) -> None:
+    values = np.arange(14, dtype=np.float32).reshape(7, 2)
+    idx = store.put({"v": af.Ragged(values, [3, 0, 4]), "ids": af.Ragged(np.arange(3), [1, 1, 1])})
+    got = store.read(idx, ["v", "ids"])
+    assert [g.tolist() for g in got["v"]] == [values[:3].tolist(), [], values[3:].tolist()]
+    assert got["v"][1].shape == (0, 2)
+    assert [g.tolist() for g in got["ids"]] == [[0], [1], [2]]
+    # The same column as a list of per-row arrays: one schema.
+    store.put({"v": [values[:1]]})
+    assert store.schema("v") == ("f32", (2,))
+
+
 def test_reads_are_read_only_views_that_share_store_memory(store: af.Store) -> None:
     idx = store.put({"x": [np.arange(1000, dtype=np.float32)]})
     first = store.read(idx, "x")["x"][0]

@@ -107,6 +107,22 @@ def test_unsupported_dtypes(seeded: tuple[af.Store, np.ndarray]) -> None:
     rejected(store, af.SchemaError, lambda: store.put({"s": np.array(["a", "b"])}))
 
 
+def test_ragged_values_whose_lengths_do_not_fit_them(seeded: tuple[af.Store, np.ndarray]) -> None:
+    store, _ = seeded
+    values = np.arange(6)
+    for lengths, error, match in [
+        ([2, 3], af.SchemaError, "add up to 5, the values have 6"),
+        ([2, 5], af.SchemaError, "add up to 7, the values have 6"),
+        ([-1, 7], af.BadRequestError, "cannot be negative"),
+        ([[6]], af.BadRequestError, "1-D sequence of integers"),
+        ([], af.SchemaError, "no rows"),
+    ]:
+        rejected(store, error, lambda ls=lengths: store.put({"v": af.Ragged(values, ls)}), match)
+    rejected(store, af.SchemaError, lambda: store.put({"v": af.Ragged(np.int64(3), [1])}), "axis")
+    # Rows of an existing field keep its schema, given whole or not.
+    rejected(store, af.SchemaError, lambda: store.put({"ids": af.Ragged(np.ones(3), [3])}))
+
+
 def test_a_single_put_larger_than_the_memory_limit(make_store: Callable[..., af.Store]) -> None:
     store = make_store(memory_limit="1KiB")
     rejected(store, af.MemoryLimitError, lambda: store.put({"x": [np.zeros(2048, np.uint8)]}))

@@ -59,8 +59,16 @@ def cells() -> st.SearchStrategy[Any]:
 
 
 def values() -> st.SearchStrategy[Any]:
-    """A field's value in a put: one array (a row per first-axis entry) or a list of cells."""
-    return st.one_of(arrays(), st.lists(cells(), min_size=0, max_size=4))
+    """A field's value in a put: one array (a row per first-axis entry), a list of cells, or a
+    :class:`asyncflow.Ragged` (values and row lengths, which may disagree)."""
+    lengths = st.one_of(
+        st.lists(st.integers(-2, 4), max_size=4), arrays(), st.integers(0, 3), st.none()
+    )
+    return st.one_of(
+        arrays(),
+        st.lists(cells(), min_size=0, max_size=4),
+        st.builds(af.Ragged, arrays(), lengths),
+    )
 
 
 def snapshot(store: af.Store) -> dict[str, Any]:
@@ -90,6 +98,9 @@ def stored_cells(value: Any) -> list[Any]:
     row's value as an array."""
     if isinstance(value, np.ndarray):
         return [np.asarray(row) for row in value]
+    if isinstance(value, af.Ragged):
+        ends = np.cumsum(value.lengths)
+        return [value.values[end - n : end] for n, end in zip(value.lengths, ends, strict=True)]
     if isinstance(value[0], (str, bytes)):
         return [v.encode() if isinstance(v, str) else bytes(v) for v in value]
     if isinstance(value[0], (bool, int, float, np.generic)):
@@ -134,7 +145,7 @@ def well_formed_columns(draw: st.DrawFn) -> dict[str, Any]:
 
     columns: dict[str, Any] = {}
     for _ in range(draw(st.integers(1, 3))):
-        form = draw(st.sampled_from(["array", "ragged", "numbers", "bytes"]))
+        form = draw(st.sampled_from(["array", "ragged", "ragged-whole", "numbers", "bytes"]))
         dtype = draw(st.sampled_from(STORED_DTYPES))
         trailing = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
         name = f"f{next(FRESH_NAMES)}"
@@ -143,6 +154,9 @@ def well_formed_columns(draw: st.DrawFn) -> dict[str, Any]:
         elif form == "ragged":
             firsts = draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows))
             columns[name] = [cell(dtype, (n, *trailing)) for n in firsts]
+        elif form == "ragged-whole":
+            firsts = draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows))
+            columns[name] = af.Ragged(cell(dtype, (sum(firsts), *trailing)), firsts)
         elif form == "numbers":
             kind = draw(st.sampled_from(NUMBERS))
             columns[name] = draw(st.lists(kind, min_size=rows, max_size=rows))

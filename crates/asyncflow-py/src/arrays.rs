@@ -189,6 +189,56 @@ impl PendingColumn {
         })
     }
 
+    /// Reads a ragged column given as one array whose first axis runs through every row's cells
+    /// in turn, and each row's length along it: row `i` is `values[start_i..start_i +
+    /// lengths[i]]`. The cells are views of the one array, copied once as any others.
+    pub fn ragged(
+        name: &str,
+        values: &Bound<'_, PyAny>,
+        lengths: &[u64],
+        dtype: Option<&str>,
+    ) -> PyResult<Self> {
+        let arr = values
+            .cast::<PyUntypedArray>()
+            .map_err(|_| schema_err(name, "ragged values must be a NumPy array"))?;
+        let dtype = resolve_dtype(name, &arr.dtype(), dtype)?;
+        let Some((&total, trailing)) = arr.shape().split_first() else {
+            return Err(schema_err(name, "ragged values must have at least one axis"));
+        };
+        if lengths.is_empty() {
+            return Err(schema_err(name, "no rows given"));
+        }
+        let given = lengths.iter().try_fold(0u64, |sum, &n| sum.checked_add(n));
+        if given != Some(total as u64) {
+            return Err(schema_err(
+                name,
+                format!(
+                    "the row lengths add up to {}, the values have {total}",
+                    given.map_or_else(|| "more than 2**64".to_owned(), |g| g.to_string())
+                ),
+            ));
+        }
+        let schema = FieldSchema::ragged(dtype, trailing.iter().map(|&d| d as u64).collect());
+        schema.validate().map_err(to_py)?;
+        let whole = array_bytes(name, arr)?;
+        let per_item = whole.len.checked_div(total).unwrap_or(0);
+        let mut sources = Vec::with_capacity(lengths.len());
+        let mut at = 0usize;
+        for &n in lengths {
+            // Within `whole`: the lengths add up to its first axis.
+            let len = n as usize * per_item;
+            sources.push(RawSlice { ptr: whole.ptr + at, len });
+            at += len;
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            layout: ChunkLayout::packed(sources.iter().map(|s| s.len)),
+            schema,
+            sources,
+            first_dims: lengths.to_vec(),
+        })
+    }
+
     fn bytes(name: &str, items: &[Bound<'_, PyAny>]) -> PyResult<Self> {
         let mut sources = Vec::with_capacity(items.len());
         for (k, item) in items.iter().enumerate() {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use asyncflow_core::{Cell, FieldSchema, RowInfo, StoreError, StoreStats};
-use numpy::{IntoPyArray, PyArray1};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -77,13 +77,21 @@ pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
     }
 }
 
-/// Reads a put's `(name, value, dtype)` fields off their Python values (GIL held).
-pub fn inspect_fields(
-    fields: &[(String, Bound<'_, PyAny>, Option<String>)],
-) -> PyResult<Vec<PendingColumn>> {
+/// A put's field as the Python side hands it over: name, value, explicit dtype, and for a ragged
+/// column given as one array, its rows' lengths.
+pub type PutField<'py> =
+    (String, Bound<'py, PyAny>, Option<String>, Option<PyReadonlyArray1<'py, u64>>);
+
+/// Reads a put's fields off their Python values (GIL held).
+pub fn inspect_fields(fields: &[PutField<'_>]) -> PyResult<Vec<PendingColumn>> {
     fields
         .iter()
-        .map(|(name, value, dtype)| PendingColumn::inspect(name, value, dtype.as_deref()))
+        .map(|(name, value, dtype, lengths)| match lengths {
+            None => PendingColumn::inspect(name, value, dtype.as_deref()),
+            Some(lengths) => {
+                PendingColumn::ragged(name, value, lengths.as_slice()?, dtype.as_deref())
+            }
+        })
         .collect()
 }
 

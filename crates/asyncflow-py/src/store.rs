@@ -15,8 +15,8 @@ use pyo3::types::PyDict;
 use crate::arrays::PendingColumn;
 use crate::blocking::{deadline, detached, timeout as duration};
 use crate::convert::{
-    ClaimResult, ClaimedCells, RowsResult, claim_result, columns_dict, inspect_fields, rows_result,
-    seconds, stats_dict,
+    ClaimResult, ClaimedCells, PutField, RowsResult, claim_result, columns_dict, inspect_fields,
+    rows_result, seconds, stats_dict,
 };
 use crate::errors::IntoPy;
 use crate::options::{PutOptions, SeenClaimOptions};
@@ -138,12 +138,13 @@ impl Store {
     }
 
     /// Writes new rows or fields of existing rows (`options.indexes`). `fields` holds
-    /// `(name, value, dtype or None)`. Returns the rows' indexes.
+    /// `(name, value, dtype or None, row lengths or None)`, the lengths given for a ragged column
+    /// passed as one array. Returns the rows' indexes.
     #[pyo3(signature = (fields, options = None))]
     fn put<'py>(
         &self,
         py: Python<'py>,
-        fields: Vec<(String, Bound<'py, PyAny>, Option<String>)>,
+        fields: Vec<PutField<'py>>,
         options: Option<PutOptions<'py>>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let pending = inspect_fields(&fields)?;

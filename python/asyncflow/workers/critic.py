@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from asyncflow.algorithms.value import value_loss
+from asyncflow.columns import Ragged
 from asyncflow.engines.base import TrainBatch
 from asyncflow.engines.critic import CriticEngine, ValueLossFn
 from asyncflow.workers.base import Context, Worker
@@ -88,8 +89,9 @@ class CriticWorker(Worker):
                 values = self.engine.values(tb).to(torch.float32)
                 for row, i in enumerate(part):
                     p, r = len(data["prompt_ids"][i]), len(data["response_ids"][i])
-                    out[i] = values[row, p : p + r].numpy().astype(np.float32)
-            self.store.put({"values": out}, indexes=batch.indexes)
+                    out[i] = values[row, p : p + r].numpy()
+            whole = Ragged(np.concatenate(out), [len(r) for r in data["response_ids"]])
+            self.store.put({"values": whole}, indexes=batch.indexes)
         batch.ack()
         return True
 

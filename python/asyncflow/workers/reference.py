@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from asyncflow.columns import Ragged
 from asyncflow.engines.base import TrainEngine
 from asyncflow.workers.base import Context, Worker
 from asyncflow.workers.batches import split_micro_batches, to_train_batch
@@ -36,7 +37,8 @@ class ReferenceWorker(Worker):
                 logp = self.engine.logprobs(tb).to(torch.float32).numpy()
                 for row, i in enumerate(part):
                     p, r = len(prompts[i]), len(responses[i])
-                    out[i] = logp[row, p : p + r].copy()
-            self.store.put({"ref_logprobs": out}, indexes=batch.indexes)
+                    out[i] = logp[row, p : p + r]
+            whole = Ragged(np.concatenate(out), [len(r) for r in responses])
+            self.store.put({"ref_logprobs": whole}, indexes=batch.indexes)
         batch.ack()
         return True

@@ -22,6 +22,7 @@ import numpy as np
 
 from asyncflow import errors
 from asyncflow.batch import Batch
+from asyncflow.columns import Ragged
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.errors import WeightLoadError
 from asyncflow.errors import StoreError
@@ -328,51 +329,69 @@ class Rollout(Worker):
         groups: np.ndarray,
         outputs: list[list[Completion]],
     ) -> None:
-        n = self.sampling.n
-        rows_prompt, rows_resp, rows_lp, rows_ans, rows_group = [], [], [], [], []
-        rows_versions: list[np.ndarray] = []
-        tokens = truncated = 0
-        for prompt, answer, group, completions in zip(
-            prompts, answers, groups, outputs, strict=True
-        ):
-            for c in completions:
-                rows_prompt.append(prompt)
-                rows_resp.append(np.array(c.token_ids, np.int64))
-                rows_lp.append(np.array(c.logprobs, np.float32))
-                per_token = c.token_versions or [version] * len(c.token_ids)
-                rows_versions.append(np.array(per_token, np.int64))
-                rows_ans.append(answer)
-                rows_group.append(int(group))
-                tokens += len(c.token_ids)
-                truncated += c.finish_reason == "length"
+        """Puts each completion as a row, its ragged columns each concatenated once
+        (:class:`asyncflow.Ragged`) rather than an array per row."""
+        done = [c for completions in outputs for c in completions]
+        per_group = [len(completions) for completions in outputs]
+        ids: list[int] = []
+        logprobs: list[float] = []
+        for c in done:
+            ids += c.token_ids
+            logprobs += c.logprobs
+        lengths = np.array([len(c.token_ids) for c in done], np.int64)
+        versions, oldest, spans = token_versions(done, lengths, version)
+        prompt_rows = [p for p, k in zip(prompts, per_group, strict=True) for _ in range(k)]
+        answer_rows = [a for a, k in zip(answers, per_group, strict=True) for _ in range(k)]
         with self.busy("put samples"):
             self.store.put(
                 {
-                    "prompt_ids": rows_prompt,
-                    "response_ids": rows_resp,
-                    "behaviour_logprobs": rows_lp,
-                    "token_versions": rows_versions,
-                    "answer": rows_ans,
+                    "prompt_ids": Ragged(
+                        np.concatenate(prompt_rows), [len(p) for p in prompt_rows]
+                    ),
+                    "response_ids": Ragged(np.array(ids, np.int64), lengths),
+                    "behaviour_logprobs": Ragged(np.array(logprobs, np.float32), lengths),
+                    "token_versions": Ragged(versions, lengths),
+                    "answer": answer_rows,
                 },
                 partition=step_partition(target),
-                groups=np.array(rows_group),
-                group_size=n,
+                groups=np.repeat(groups, per_group),
+                group_size=self.sampling.n,
                 # A sample is as old as its oldest token.
-                version=np.array([oldest(v, version) for v in rows_versions], np.uint64),
+                version=oldest,
             )
         self.ctx.state.add(
-            generated_tokens=tokens,
-            generated_samples=len(rows_resp),
-            truncated_responses=truncated,
+            generated_tokens=len(ids),
+            generated_samples=len(done),
+            truncated_responses=sum(c.finish_reason == "length" for c in done),
         )
-        self.ctx.state.note_version_spans(
-            [int(v.max() - v.min()) if len(v) else 0 for v in rows_versions]
-        )
+        self.ctx.state.note_version_spans(spans.tolist())
 
 
-def oldest(token_versions: np.ndarray, default: int) -> int:
-    """The version of a sample: that of its oldest token (``default`` for an empty response)."""
-    return int(token_versions.min()) if len(token_versions) else default
+def token_versions(
+    done: list[Completion], lengths: np.ndarray, version: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The completions' tokens' policy versions end to end (``version`` for those of a completion
+    that records none), and per completion the version of its oldest token (``version`` for an
+    empty one) and the span of its versions."""
+    if all(c.token_versions is None for c in done):
+        return (
+            np.full(int(lengths.sum()), version, np.int64),
+            np.full(len(done), version, np.uint64),
+            np.zeros(len(done), np.int64),
+        )
+    flat: list[int] = []
+    for c, n in zip(done, lengths.tolist(), strict=True):
+        flat += c.token_versions if c.token_versions is not None else [version] * n
+    versions = np.array(flat, np.int64)
+    starts = np.cumsum(lengths) - lengths
+    # reduceat reads one element at an empty row's start: those rows are set apart below.
+    some = lengths > 0
+    oldest = np.full(len(done), version, np.int64)
+    newest = np.full(len(done), version, np.int64)
+    if some.any():
+        oldest[some] = np.minimum.reduceat(versions, starts[some])
+        newest[some] = np.maximum.reduceat(versions, starts[some])
+    return versions, oldest.astype(np.uint64), newest - oldest
 
 
 #: Store errors that say nothing of a publication: a version they stop is tried again.
