@@ -143,11 +143,12 @@ class Store:
     def put(
         self, data: Mapping[str, Any], *, options: PutOptions | None = None, **kwargs: Any
     ) -> np.ndarray:
-        """Writes rows; returns their indexes (uint64). ``options`` (a :class:`PutOptions`, or
-        its fields as keyword arguments: ``partition``, ``indexes``, ``groups``, ``group_size``,
-        ``version``, ``tags``, ``timeout``) say which rows: new ones by default, or fields of
-        existing ``indexes``. The new fields become ready, and claimable, only once the whole put
-        is in place.
+        """Writes rows; returns their indexes (uint64). Each field's value is one array (a row per
+        first-axis entry), a list with one value per row, or a :class:`~asyncflow.Ragged` (see
+        :mod:`asyncflow.columns`). ``options`` (a :class:`PutOptions`, or its fields as keyword
+        arguments: ``partition``, ``indexes``, ``groups``, ``group_size``, ``version``, ``tags``,
+        ``timeout``) say which rows: new ones by default, or fields of existing ``indexes``. The
+        new fields become ready, and claimable, only once the whole put is in place.
         """
         fields = to_native(data)
         return self._native.put(fields, _options(PutOptions, options, kwargs))
