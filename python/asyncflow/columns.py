@@ -59,11 +59,7 @@ def to_native(data: Mapping[str, Any]) -> list[NativeField]:
 
 
 def _ragged(name: str, value: Ragged) -> NativeField:
-    if _is_tensor(value.values):
-        values, dtype = _from_tensor(value.values)
-    else:
-        values = _from_array(name, _asarray(value.values, SchemaError, f"field {name!r}"))
-        dtype = None
+    values, dtype = _array(name, value.values)
     lengths = uint64_array(value.lengths, f"field {name!r}: the row lengths")
     return name, values, dtype, lengths
 
@@ -104,6 +100,14 @@ def _from_tensor(value: Any) -> tuple[np.ndarray, str | None]:
     return t.numpy(), None
 
 
+def _array(name: str, value: Any) -> tuple[np.ndarray, str | None]:
+    """A tensor, an array or anything NumPy reads as one, as a storable array and its explicit
+    dtype."""
+    if _is_tensor(value):
+        return _from_tensor(value)
+    return _from_array(name, _asarray(value, SchemaError, f"field {name!r}")), None
+
+
 def _from_array(name: str, arr: np.ndarray) -> np.ndarray:
     if arr.dtype.kind in "OUSVMm":
         raise SchemaError(
@@ -137,7 +141,7 @@ def _column(name: str, value: Any) -> tuple[Any, str | None]:
         if isinstance(first, (bytes, bytearray, memoryview, str)):
             return [_as_bytes(name, k, v) for k, v in enumerate(value)], None
         if isinstance(first, _SCALARS):
-            return _from_array(name, _asarray(value, SchemaError, f"field {name!r}")), None
+            return _array(name, value)
         return _cells(name, value)
     raise SchemaError(
         f"field {name!r}: expected an array, a tensor or a list with one value per row, "
@@ -149,10 +153,7 @@ def _cells(name: str, value: Sequence[Any]) -> tuple[list[np.ndarray], str | Non
     cells: list[np.ndarray] = []
     dtypes: set[str | None] = set()
     for v in value:
-        if _is_tensor(v):
-            arr, dtype = _from_tensor(v)
-        else:
-            arr, dtype = _from_array(name, _asarray(v, SchemaError, f"field {name!r}")), None
+        arr, dtype = _array(name, v)
         cells.append(arr)
         dtypes.add(dtype)
     if len(dtypes) > 1:
