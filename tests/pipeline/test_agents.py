@@ -35,6 +35,7 @@ from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import prompt_budget, register_tasks, train
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
+from asyncflow.workers.rollout import PromptGroups
 from asyncflow.workers.steps import StepLoss, sample_fields
 
 TOKENIZER = chatml_tokenizer()
@@ -476,7 +477,7 @@ def test_a_call_that_uses_the_budget_up_cuts_its_trajectory_and_the_row_says_so(
     worker = AgentRollout(Context(store, config, TOKENIZER, Tracer(), RunState()), engine)
     prompt = np.array(TOKENIZER.encode("q"), np.int64)
     outputs = [[TrajectoryCompletion.of(whole), TrajectoryCompletion.of(cut)]]
-    worker._put_samples(0, 0, [prompt], [b"2"], np.array([0]), outputs)
+    worker._put_samples(PromptGroups([prompt], [b"2"], np.array([0]), 0), 0, outputs)
     rows = store.read(np.arange(2), "agent_truncated")
     assert [int(c) for c in rows["agent_truncated"]] == [0, 1]
 

@@ -287,30 +287,25 @@ def put_prompts(store: af.Store, groups: list[int], target: int = 0) -> None:
     )
 
 
-def test_samples_already_in_are_left_out_and_one_listing_serves_the_claims_before_it() -> None:
+def test_samples_already_in_are_left_out_the_step_listed_only_after_a_refused_put() -> None:
     """A group whose samples are in (put by a worker that died before acking its prompts) is
-    not put again; the step partition is listed once for deliveries whose prompts were claimed
-    before that listing began, and listed again for a claim made after it."""
+    not put again: the store refuses the put that would give it more rows than its size, and
+    only then is the step partition listed, and the other groups put."""
     store = Counting()
-    ctx = context(store, "rollout.groups_per_call=1")
-    first, second = Rollout(ctx, Shared(), "rollout-0"), Rollout(ctx, Shared(), "rollout-1")
+    ctx = context(store, "rollout.groups_per_call=2")
+    worker = Rollout(ctx, Shared(), "rollout-0")
     put_prompts(store, [0, 1, 2])
     # Group 1's samples are in already, from a holder of its prompt that died.
     store.put({"response_ids": [np.array([5], np.int64)] * 2}, partition="step-0", groups=[1, 1])
-    one, two = first._claim(), second._claim()
-    assert one is not None and two is not None and [*one.groups, *two.groups] == [0, 1]
-    outputs = Shared().generate([[3]], first.sampling)
-    first._deliver(one, 0, outputs)
-    assert store.calls["rows"] == 1
-    second._deliver(two, 0, outputs)  # its claim came before the first listing began
-    # The first delivery's own put came after its listing, and is in it all the same.
-    assert 0 in ctx.listings.groups("step-0", since=two.claimed_at)
+    first = worker._claim()
+    assert first is not None and first.groups.tolist() == [0, 1]
+    worker._deliver(first, 0, Shared().generate([[3], [3]], worker.sampling))
     assert store.calls["rows"] == 1
     assert sorted(store.rows(partition="step-0").groups.tolist()) == [0, 0, 1, 1]
-    three = first._claim()
-    assert three is not None and three.groups.tolist() == [2]
-    first._deliver(three, 0, outputs)  # claimed after that listing began: listed again
-    assert store.calls["rows"] == 3  # (the check above listed once)
+    second = worker._claim()
+    assert second is not None and second.groups.tolist() == [2]
+    worker._deliver(second, 0, Shared().generate([[3]], worker.sampling))  # nothing in: no listing
+    assert store.calls["rows"] == 2  # (the check above listed once)
     assert sorted(store.rows(partition="step-0").groups.tolist()) == [0, 0, 1, 1, 2, 2]
     # Every prompt was acked, the one whose samples were in included.
     assert len(store.claim("rollout", "prompt_ids", 3, timeout=0, allow_partial=True)) == 0

@@ -63,13 +63,7 @@ class AgentRollout(Rollout):
         return [[TrajectoryCompletion.of(t) for t in g] for g in runs]
 
     def _put_samples(
-        self,
-        target: int,
-        version: int,
-        prompts: list[np.ndarray],
-        answers: list[bytes],
-        groups: np.ndarray,
-        outputs: list[list[Completion]],
+        self, work: PromptGroups, version: int, outputs: list[list[Completion]]
     ) -> None:
         columns: dict[str, list[object]] = {
             name: []
@@ -85,7 +79,7 @@ class AgentRollout(Rollout):
         rewards, turns, tool_seconds, cut, rows_group = [], [], [], [], []
         tokens = 0
         for prompt, answer, group, completions in zip(
-            prompts, answers, groups, outputs, strict=True
+            work.prompts, work.answers, work.groups, outputs, strict=True
         ):
             for c in completions:
                 assert isinstance(c, TrajectoryCompletion) and c.trajectory is not None
@@ -113,7 +107,7 @@ class AgentRollout(Rollout):
                     "tool_seconds": np.array(tool_seconds, np.float32),
                     "agent_truncated": np.array(cut, np.uint8),
                 },
-                partition=step_partition(target),
+                partition=step_partition(work.target),
                 groups=np.array(rows_group),
                 group_size=self.sampling.n,
                 version=version,

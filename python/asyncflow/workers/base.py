@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from asyncflow.batch import Batch
 from asyncflow.config import Config
 from asyncflow.errors import StoreTimeoutError
@@ -107,44 +105,6 @@ class RunState:
         return spanning / total if total else 0.0
 
 
-class StepListings:
-    """The sample groups of each step partition as last listed, shared by a process's rollout
-    workers. Samples a worker finds already in (see ``Rollout._drop_already_put``) were put
-    before its claim, so any listing begun after the claim sees them: one listing serves every
-    delivery whose prompts were claimed before it began, instead of a listing per delivery. The
-    process's own puts since are added to it."""
-
-    #: Partitions remembered; steps move on, older listings are dropped.
-    KEEP = 8
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._lock = threading.Lock()
-        self._listed: dict[str, tuple[float, np.ndarray]] = {}
-
-    def groups(self, partition: str, since: float) -> np.ndarray:
-        """The groups of ``partition``'s rows, from a listing begun after ``since`` (a
-        monotonic time) and the puts noted since."""
-        with self._lock:
-            listed = self._listed.get(partition)
-            if listed is not None and listed[0] > since:
-                return listed[1]
-            began = time.monotonic()
-            groups = self.store.rows(partition=partition).groups
-            self._listed.pop(partition, None)
-            self._listed[partition] = (began, groups)
-            while len(self._listed) > self.KEEP:
-                del self._listed[next(iter(self._listed))]
-            return groups
-
-    def note_put(self, partition: str, groups: np.ndarray) -> None:
-        """Adds the groups of samples this process has just put to ``partition``'s listing."""
-        with self._lock:
-            listed = self._listed.get(partition)
-            if listed is not None:
-                self._listed[partition] = (listed[0], np.concatenate([listed[1], groups]))
-
-
 @dataclass
 class Context:
     store: Store
@@ -162,8 +122,6 @@ class Context:
     #: store carries the weights.
     weight_receiver: InitVar[BroadcastReceiver | None] = None
     prompts: PromptEncoder = field(init=False)
-    #: Listings of the step partitions, shared by this process's rollout workers.
-    listings: StepListings = field(init=False)
     #: The policy versions this process can load, shared by its workers.
     weights: WeightSource = field(init=False)
 
@@ -171,7 +129,6 @@ class Context:
         self, prompt_encoder: PromptEncoder | None, weight_receiver: BroadcastReceiver | None
     ) -> None:
         data = self.config.data
-        self.listings = StepListings(self.store)
         self.prompts = prompt_encoder or PromptEncoder.for_data(
             self.tokenizer, data, data.max_prompt_length
         )

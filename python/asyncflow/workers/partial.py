@@ -199,7 +199,6 @@ def split(work: PromptGroups) -> list[PromptGroups]:
             work.target,
             batch=work.batch,
             assignments=None if work.assignments is None else [work.assignments[k]],
-            claimed_at=work.claimed_at,
         )
         for k in range(len(work.prompts))
     ]

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,8 +47,6 @@ class PromptGroups:
     target: int
     batch: Batch | None = None
     assignments: list[Assignment] | None = None
-    #: When the groups were claimed (a monotonic time; made after the claim, never before).
-    claimed_at: float = field(default_factory=time.monotonic)
 
 
 class Rollout(Worker):
@@ -207,8 +204,12 @@ class Rollout(Worker):
         """Acks the prompt rows (``done``) or hands them back to the store."""
         if work.assignments is None:
             assert work.batch is not None
-            rows = work.batch.indexes[np.isin(work.batch.groups, work.groups)]
-            (work.batch.ack if done else work.batch.release)(rows)
+            batch = work.batch
+            if len(work.groups) == len(batch.groups):  # (one prompt row per group)
+                rows = None  # all of them
+            else:
+                rows = batch.indexes[np.isin(batch.groups, work.groups)]
+            (batch.ack if done else batch.release)(rows)
             return
         assert self.dispatcher is not None
         # The router forgets the groups first: a released row may be claimed and routed again
@@ -269,12 +270,16 @@ class Rollout(Worker):
                 work, outputs = self._drop_rerouted(work, outputs)
                 if not work.prompts:
                     return
-            fresh, fresh_outputs = self._drop_already_put(work, outputs)
-            if fresh.prompts:
-                self._put_samples(
-                    fresh.target, version, fresh.prompts, fresh.answers, fresh.groups, fresh_outputs
-                )
-                self.ctx.listings.note_put(step_partition(fresh.target), fresh.groups)
+            try:
+                self._put_samples(work, version, outputs)
+            except errors.BadRequestError:
+                # Refused, as a put that would give a group more rows than its size is: some
+                # groups' samples are in already. Put the others.
+                fresh, fresh_outputs = self._drop_already_put(work, outputs)
+                if len(fresh.groups) == len(work.groups):
+                    raise
+                if fresh.prompts:
+                    self._put_samples(fresh, version, fresh_outputs)
             self._settle(work, done=True)
 
     def _drop_rerouted(
@@ -292,7 +297,6 @@ class Rollout(Worker):
             np.array([a.group for a in kept], dtype=np.int64),
             work.target,
             assignments=kept,
-            claimed_at=work.claimed_at,
         )
         return rest, [o for o, m in zip(outputs, mine, strict=True) if m]
 
@@ -300,11 +304,9 @@ class Rollout(Worker):
         self, work: PromptGroups, outputs: list[list[Completion]]
     ) -> tuple[PromptGroups, list[list[Completion]]]:
         """Leaves out groups whose samples are already in: a worker that died after putting
-        them but before acking their prompts had its prompts delivered again. (A holder whose
-        lease ended while it still generated may put the same groups after this; the store
-        refuses the put that would give a group more than its size, and that holder's ack
-        fails.)"""
-        present = self.ctx.listings.groups(step_partition(work.target), since=work.claimed_at)
+        them but before acking their prompts had its prompts delivered again, or a holder whose
+        lease ended while it still generated put them (its ack then fails)."""
+        present = self.store.rows(partition=step_partition(work.target)).groups
         fresh = ~np.isin(work.groups, present)
         if fresh.all():
             return work, outputs
@@ -316,21 +318,15 @@ class Rollout(Worker):
             work.target,
             work.batch,
             None if work.assignments is None else [work.assignments[i] for i in keep],
-            work.claimed_at,
         )
         return rest, [outputs[i] for i in keep]
 
     def _put_samples(
-        self,
-        target: int,
-        version: int,
-        prompts: list[np.ndarray],
-        answers: list[bytes],
-        groups: np.ndarray,
-        outputs: list[list[Completion]],
+        self, work: PromptGroups, version: int, outputs: list[list[Completion]]
     ) -> None:
         """Puts each completion as a row, its ragged columns each concatenated once
         (:class:`asyncflow.Ragged`) rather than an array per row."""
+        prompts, answers, groups = work.prompts, work.answers, work.groups
         done = [c for completions in outputs for c in completions]
         per_group = [len(completions) for completions in outputs]
         ids: list[int] = []
@@ -353,7 +349,7 @@ class Rollout(Worker):
                     "token_versions": Ragged(versions, lengths),
                     "answer": answer_rows,
                 },
-                partition=step_partition(target),
+                partition=step_partition(work.target),
                 groups=np.repeat(groups, per_group),
                 group_size=self.sampling.n,
                 # A sample is as old as its oldest token.
