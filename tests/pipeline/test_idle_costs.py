@@ -211,12 +211,25 @@ def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_poll_in
     # interval, and with nothing there would wait on for the first rows.
     assert store.claim_timeouts == [0.0, 0.0, IDLE_WAIT]
     assert store.partial_after == [None, None, 0.2]
-    # An idle worker: one request, until rows come or the idle wait has passed.
+    # An idle worker: one request, until rows come or the idle wait has passed. After a short
+    # batch it does not ask for a full one first.
     started = time.monotonic()
     assert len(worker.claim("rollout", ["prompt_ids"], 2, timeout=0.05)) == 0
     assert time.monotonic() - started >= IDLE_WAIT
     assert store.claim_timeouts[-1] == IDLE_WAIT and store.partial_after[-1] == 0.05
-    assert store.calls["claim"] == 5
+    assert store.calls["claim"] == 4
+    # Rows again: the waiting claim's first look takes the full batch; the claim after it asks
+    # for a full batch at once first, as the first one did.
+    store.put(
+        {"prompt_ids": [np.array([3], np.int64)] * 4, "answer": [b"0"] * 4},
+        partition=PROMPTS,
+        groups=np.arange(3, 7),
+        group_size=1,
+    )
+    assert len(worker.claim("rollout", ["prompt_ids"], 2)) == 2
+    assert store.claim_timeouts[4:] == [IDLE_WAIT]
+    assert len(worker.claim("rollout", ["prompt_ids"], 2)) == 2
+    assert store.claim_timeouts[4:] == [IDLE_WAIT, 0.0]
 
 
 def test_a_single_group_claim_waits_longer_than_the_poll_interval_for_its_group() -> None:

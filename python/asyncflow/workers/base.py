@@ -154,6 +154,8 @@ class Worker(ABC):
         self.config = ctx.config
         self._idle_since: float | None = None
         self._idle_wait = max(self.config.run.poll_interval, IDLE_WAIT)
+        #: The tasks whose last claim by this worker came back with part of a batch or none.
+        self._short: set[str] = set()
 
     def run(self) -> None:
         while not self.ctx.stop.is_set():
@@ -182,11 +184,18 @@ class Worker(ABC):
         ``run.poll_interval``) for a full batch and then taking what is ready; with nothing
         ready it waits on, in the same request, until the first rows come or the idle wait
         (:data:`IDLE_WAIT`, at least the poll interval) has passed. Raises
-        :class:`StallError` when nothing has come for ``run.stall_timeout`` seconds."""
+        :class:`StallError` when nothing has come for ``run.stall_timeout`` seconds.
+
+        After a claim of ``task`` that came back full, it first asks for a full batch that is
+        ready now (:meth:`_full_batch_now`); after one that came back short, rows come slower
+        than this worker takes them, and that question would almost always be answered no: it
+        goes straight to the waiting claim, whose first look finds a full batch all the same."""
         names = list(fields)
         partial_after = self.config.run.poll_interval if timeout is None else timeout
         with self.waiting(f"claim {'+'.join(fields)}"):
-            batch = self._full_batch_now(task, names, batch_size, options)
+            batch = None
+            if task not in self._short:
+                batch = self._full_batch_now(task, names, batch_size, options)
             if batch is None:
                 batch = self.store.claim(
                     task,
@@ -197,6 +206,10 @@ class Worker(ABC):
                     partial_after=partial_after,
                     **options,
                 )
+        if len(batch) < batch_size:
+            self._short.add(task)
+        else:
+            self._short.discard(task)
         self.note_progress(len(batch) > 0, f"rows with {list(fields)} for task {task!r}")
         return batch
 
