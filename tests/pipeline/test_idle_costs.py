@@ -18,9 +18,11 @@ from asyncflow import weights
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.errors import UnknownTaskError
 from asyncflow.models.chatml import chatml_tokenizer
+from asyncflow.tasks.arithmetic import ArithmeticTask
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
 from asyncflow.workers.base import IDLE_WAIT, PROMPTS, Context, RunState, Worker
+from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.rollout import Rollout
 
 
@@ -32,6 +34,10 @@ class Counting(af.Store):
         self.calls: Counter[str] = Counter()
         self.claim_timeouts: list[float | None] = []
         self.partial_after: list[float | None] = []
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["put"] += 1
+        return super().put(*args, **kwargs)
 
     def rows(self, *args: Any, **kwargs: Any) -> af.Rows:
         self.calls["rows"] += 1
@@ -322,3 +328,23 @@ def test_samples_already_in_are_left_out_the_step_listed_only_after_a_refused_pu
     assert sorted(store.rows(partition="step-0").groups.tolist()) == [0, 0, 1, 1, 2, 2]
     # Every prompt was acked, the one whose samples were in included.
     assert len(store.claim("rollout", "prompt_ids", 3, timeout=0, allow_partial=True)) == 0
+
+
+def test_a_feeder_ahead_of_the_trainer_sleeps_until_a_step_is_trained() -> None:
+    """No polling: with an idle wait of an hour, only the trainer's notice can wake it."""
+    store = Counting()
+    ctx = context(store, "trainer.max_staleness=0", "trainer.max_steps=4", "run.poll_interval=3600")
+    feeder = Feeder(ctx, ArithmeticTask())
+    assert feeder.step() and feeder.step()  # steps 0 and 1: the trainer may be one behind
+    puts = store.calls["put"]
+    waiting = threading.Thread(target=feeder.step)
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive() and store.calls["put"] == puts  # step 2 waits for step 0
+    with ctx.state.lock:
+        ctx.state.trained_steps = 1
+        ctx.state.progressed.notify_all()
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    assert feeder.step() and store.calls["put"] == puts + 1
+    assert feeder.next_group == 3 * ctx.config.trainer.groups_per_step

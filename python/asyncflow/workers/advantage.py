@@ -91,6 +91,7 @@ class AdvantageWorker(Worker):
         with state.lock:
             for step, left in by_step.items():
                 state.extra_groups[step] += max(0, min(len(left), cap - state.extra_groups[step]))
+            state.progressed.notify_all()
 
     def token_advantages(
         self, rewards: np.ndarray, adv: np.ndarray, data: dict[str, list[object]]

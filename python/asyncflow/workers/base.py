@@ -77,6 +77,12 @@ class RunState:
     #: Held while prompt rows are added (feeder) or turned into samples (rollout), and while a
     #: checkpoint snapshots the store: the snapshot then sees each prompt group exactly once.
     snapshot_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Notified, under ``lock``, when ``trained_steps`` or ``extra_groups`` grow: what the
+    #: feeder waits for.
+    progressed: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.progressed = threading.Condition(self.lock)
 
     def add(self, **deltas: int) -> None:
         with self.lock:

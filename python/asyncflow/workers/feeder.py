@@ -73,21 +73,34 @@ class Feeder(Worker):
             group_size=1,
         )
 
+    def _progress(self) -> tuple[int, int]:
+        """What the feeder waits on: the steps trained, and the replacement groups asked for."""
+        state = self.ctx.state
+        return state.trained_steps, state.extra_groups.total()
+
+    def _wait(self, seen: tuple[int, int], what: str) -> None:
+        """Waits until :meth:`_progress` differs from ``seen`` (read before), or the idle wait
+        has passed (the run's stop is noticed then, at the latest)."""
+        state = self.ctx.state
+        with self.waiting(what), state.lock:
+            state.progressed.wait_for(lambda: self._progress() != seen, self._idle_wait)
+
     def step(self) -> bool:
         per_step = self.config.trainer.groups_per_step
+        with self.ctx.state.lock:
+            seen = self._progress()
         if self._replacements():
             return True
+        trained = seen[0]
         if self.next_group >= self.total_groups:
-            if not self.refills or self.ctx.state.trained_steps >= self.config.trainer.max_steps:
+            if not self.refills or trained >= self.config.trainer.max_steps:
                 return False
-            with self.waiting("groups to replace"):  # the last steps may still ask for some
-                self.ctx.stop.wait(0.05)
+            self._wait(seen, "groups to replace")  # the last steps may still ask for some
             return True
         target = self.next_group // per_step
         ahead = self.config.trainer.max_staleness + 1
-        if target > self.ctx.state.trained_steps + ahead:
-            with self.waiting("trainer progress"):
-                self.ctx.stop.wait(0.05)
+        if target > trained + ahead:
+            self._wait(seen, "trainer progress")
             return True
         with self.ctx.state.snapshot_lock, self.busy("feed"):
             count = min(per_step - self.next_group % per_step, self.total_groups - self.next_group)

@@ -210,6 +210,7 @@ class Trainer(Worker):
         state = self.ctx.state
         with state.lock:
             state.trained_steps = s + 1
+            state.progressed.notify_all()
             state.dropped_samples += len(result.dropped_groups) * self.config.rollout.n
             state.staleness.update(result.staleness)
             tokens = state.generated_tokens
