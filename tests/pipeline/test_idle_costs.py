@@ -337,7 +337,7 @@ def test_a_feeder_ahead_of_the_trainer_sleeps_until_a_step_is_trained() -> None:
     feeder = Feeder(ctx, ArithmeticTask())
     assert feeder.step() and feeder.step()  # steps 0 and 1: the trainer may be one behind
     puts = store.calls["put"]
-    waiting = threading.Thread(target=feeder.step)
+    waiting = threading.Thread(target=feeder.step, daemon=True)
     waiting.start()
     waiting.join(timeout=0.5)
     assert waiting.is_alive() and store.calls["put"] == puts  # step 2 waits for step 0
