@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import asyncflow as af
+from asyncflow import checkpoint
 from asyncflow.agents import calculator
 from asyncflow.agents.calculator import CalculatorError, evaluate
 from asyncflow.agents.env import Latency, Step, ToolEnvironment, register_environment
@@ -26,7 +27,7 @@ from asyncflow.agents.rollout import AgentRollout
 from asyncflow.agents.tools import Tool, ToolError, calculator_tool, check_arguments, python_tool
 from asyncflow.agents.trajectory import TrajectoryCompletion
 from asyncflow.config import AgentConfig, Config, ConfigError, LatencyConfig, load
-from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.engines.base import Completion, RolloutEngine, Sampling, StepResult
 from asyncflow.evaluation import verifier
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.base import Problem
@@ -36,7 +37,7 @@ from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import prompt_budget, register_tasks, train
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
 from asyncflow.workers.rollout import PromptGroups
-from asyncflow.workers.steps import StepLoss, sample_fields
+from asyncflow.workers.steps import StepLoss, figure_sums, sample_fields
 
 TOKENIZER = chatml_tokenizer()
 
@@ -89,6 +90,36 @@ def test_the_trainer_reads_the_loss_mask_only_in_agent_runs() -> None:
     assert "loss_mask" not in sample_fields(config)
     config.agent.enabled = True
     assert "loss_mask" in sample_fields(config)
+
+
+def test_a_steps_agent_figures_are_means_over_the_trajectories_it_trained() -> None:
+    def claimed(turns: list[int], cut: list[int], stale: list[bool]) -> StepResult:
+        keep = [i for i, s in enumerate(stale) if not s]
+        data = {
+            "reward": [1.0] * len(keep),
+            "agent_turns": np.array(turns, np.int32)[keep],
+            "tool_seconds": np.full(len(keep), 0.25, np.float32),
+            "agent_truncated": np.array(cut, np.uint8)[keep],
+            "agent_errors": np.zeros(len(keep), np.int32),
+        }
+        part = StepResult()
+        n = len(stale)
+        part.note(
+            np.zeros(n, np.int64), np.zeros(n), np.array(stale), data["reward"], figure_sums(data)
+        )
+        return part
+
+    # Two ranks' parts: the dropped trajectory (2 turns, cut) counts in no mean.
+    step = StepResult.merge(
+        [claimed([1, 3], [0, 1], [False, False]), claimed([2, 4], [1, 0], [True, False])]
+    )
+    assert step.sample_means() == {
+        "agent_errors_mean": 0.0,
+        "agent_truncated_mean": pytest.approx(1 / 3),
+        "agent_turns_mean": pytest.approx(8 / 3),
+        "tool_seconds_mean": 0.25,
+    }
+    assert StepResult().sample_means() == {}  # a run without agents reports none
 
 
 # -- tool calls and tools ---------------------------------------------------------------------
@@ -480,6 +511,59 @@ def test_a_call_that_uses_the_budget_up_cuts_its_trajectory_and_the_row_says_so(
     worker._put_samples(PromptGroups([prompt], [b"2"], np.array([0]), 0), 0, outputs)
     rows = store.read(np.arange(2), "agent_truncated")
     assert [int(c) for c in rows["agent_truncated"]] == [0, 1]
+
+
+class _NoEngine:
+    """A train engine whose state is an empty directory."""
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir()
+
+
+def test_trajectories_in_flight_at_a_checkpoint_come_back_with_every_field(
+    tmp_path: Path,
+) -> None:
+    def call_then_answer(context: str, turn: int) -> str:
+        return format_call(ToolCall("calculator", {"expression": "1+1"})) if turn == 0 else "2"
+
+    engine = ScriptedEngine(call_then_answer)
+    verify = verifier(lambda response, truth: float(response == truth), extra_keys=False)
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=3, max_tokens=1000), TOKENIZER, verify)
+    sampling = Sampling(n=1, max_tokens=200)
+    (group,) = loop.run(engine, [TOKENIZER.encode("q")], [Problem("q", "2")], sampling)
+    (cut,) = AgentLoop(AgentConfig(enabled=True, max_turns=3, max_tokens=20), TOKENIZER).run(
+        engine, [TOKENIZER.encode("q")], [Problem("q", "2")], sampling
+    )[0]
+    assert (group[0].turns, group[0].reward, cut.finish_reason) == (2, 1.0, "length")
+    config = Config()
+    config.agent.enabled = True
+    config.rollout.n = 2
+    store = af.Store()
+    register_tasks(store, reference=False)
+    worker = AgentRollout(Context(store, config, TOKENIZER, Tracer(), RunState()), engine)
+    outputs = [[TrajectoryCompletion.of(group[0]), TrajectoryCompletion.of(cut)]]
+    prompt = np.array(TOKENIZER.encode("q"), np.int64)
+    worker._put_samples(PromptGroups([prompt], [b"2"], np.array([7]), 3), 2, outputs)
+
+    saved = checkpoint.save(tmp_path, 1, _NoEngine(), store, RunState(), {})  # type: ignore[arg-type]
+    fresh = af.Store()
+    assert checkpoint.restore_rows(saved, fresh, config.rollout.n) == 2
+    before, after = store.rows(), fresh.rows()
+    for rows in (before, after):
+        assert list(rows.partitions) == [step_partition(3)] * 2
+        assert [int(g) for g in rows.groups] == [7, 7]
+        assert [int(v) for v in rows.versions] == [2, 2]
+    (fields,) = set(map(tuple, store.ready_fields(before.indexes)))
+    assert {"loss_mask", "token_versions", "agent_turns", "tool_seconds"} <= set(fields)
+    was, now = store.read(before.indexes, list(fields)), fresh.read(after.indexes, list(fields))
+    for name in fields:
+        for x, y in zip(was[name], now[name], strict=True):
+            a, b = np.asarray(x), np.asarray(y)
+            assert (a.dtype, a.shape) == (b.dtype, b.shape) and np.array_equal(a, b), name
+    # The values are the trajectories': the model's tokens masked in, the tool's out.
+    assert [int(t) for t in now["agent_truncated"]] == [0, 1]
+    assert list(np.asarray(now["loss_mask"][0])) == [int(m) for m in group[0].loss_mask]
+    assert 0 in group[0].loss_mask and 1 in group[0].loss_mask
 
 
 class _StallingEnv(_ForgingEnv):

@@ -202,10 +202,30 @@ def test_an_unknown_engine_name_is_a_config_error(tmp_path: Path) -> None:
         run(tmp_path, "rollout.engine=nope", "warm_start.enabled=false")
 
 
-def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(tmp_path: Path) -> None:
+#: The multi-turn tools job (examples/tools.yaml) on a small model, with the tool's answer
+#: computed in process after a short delay.
+TOOLS = [
+    "--config",
+    str(Path(__file__).resolve().parents[2] / "examples" / "tools.yaml"),
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    f"trainer.groups_per_step={GROUPS}",
+    "rollout.n=4",
+    "data.eval_size=8",
+    "rollout.engine=hf",
+    "trainer.engine=hf",
+    "agent.latency.subprocess=false",
+    "agent.latency.median=0.01",
+]
+
+
+@pytest.mark.parametrize("job", [FAST, TOOLS], ids=["addition", "tools"])
+def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(
+    tmp_path: Path, job: list[str]
+) -> None:
     run_dir = tmp_path / "killed"
     args = [
-        *FAST,
+        *job,
         "trainer.max_steps=8",
         "run.checkpoint_every=2",
         "warm_start.steps=20",
@@ -248,6 +268,8 @@ def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(tmp_path: Pat
     assert trained_groups(run_dir) == list(range(8 * GROUPS))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9)), "one record per step"
+    if job is TOOLS:  # each step's trajectories: at least one model turn each
+        assert all(r["agent_turns_mean"] >= 1 for r in metrics(run_dir))
 
 
 def test_two_rollout_engines_share_the_prompt_groups_through_the_router(tmp_path: Path) -> None:

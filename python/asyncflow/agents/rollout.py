@@ -3,7 +3,9 @@ routing as :class:`~asyncflow.workers.rollout.Rollout`, with each call's prompt 
 multi-turn trajectories by the :class:`~asyncflow.agents.loop.AgentLoop` (all of a call's
 trajectories in flight at once). A trajectory is one sample row: ``response_ids`` holds model and
 environment tokens in order, ``loss_mask`` tells which the model wrote, ``agent_reward`` is
-its reward (the reward worker passes it on) and ``agent_truncated`` whether a budget cut it."""
+its reward (the reward worker passes it on) and ``agent_truncated`` whether a budget cut it;
+``agent_turns``, ``tool_seconds`` and ``agent_errors`` (failures of every kind) are the figures the
+trainer reports per step, with ``agent_truncated``, as means over the trajectories it trained."""
 
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ class AgentRollout(Rollout):
                 "answer",
             ]
         }
-        rewards, turns, tool_seconds, cut, rows_group = [], [], [], [], []
+        rewards, turns, tool_seconds, cut, errors, rows_group = [], [], [], [], [], []
         tokens = 0
         for prompt, answer, group, completions in zip(
             work.prompts, work.answers, work.groups, outputs, strict=True
@@ -93,6 +95,7 @@ class AgentRollout(Rollout):
                 rewards.append(t.reward)
                 turns.append(t.turns)
                 tool_seconds.append(t.tool_seconds)
+                errors.append(sum(t.errors.values()))
                 rows_group.append(int(group))
                 # Cut by a budget (the turn's or the trajectory's): only the loop knows, a
                 # call left unanswered at the budget's end looks like an answer's end.
@@ -106,6 +109,7 @@ class AgentRollout(Rollout):
                     "agent_turns": np.array(turns, np.int32),
                     "tool_seconds": np.array(tool_seconds, np.float32),
                     "agent_truncated": np.array(cut, np.uint8),
+                    "agent_errors": np.array(errors, np.int32),
                 },
                 partition=step_partition(work.target),
                 groups=np.array(rows_group),

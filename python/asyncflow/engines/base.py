@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,6 +291,9 @@ class StepResult:
     #: Trained samples by age (policy versions behind the step).
     staleness: Counter[int] = field(default_factory=Counter)
     rewards: list[float] = field(default_factory=list)
+    #: Sums over the trained samples of figures kept per sample (in agent runs: turns, tool
+    #: seconds, cut trajectories, failures), reported as means per trained sample.
+    sample_sums: Counter[str] = field(default_factory=Counter)
     loss_stats: list[dict[str, float]] = field(default_factory=list)
     optimizer: dict[str, float] = field(default_factory=dict)
     #: Tokens of the trained samples; tokens the micro-batches' tensors held (padding too); and
@@ -321,14 +324,25 @@ class StepResult:
         }
 
     def note(
-        self, groups: np.ndarray, ages: np.ndarray, stale: np.ndarray, rewards: Sequence[Any]
+        self,
+        groups: np.ndarray,
+        ages: np.ndarray,
+        stale: np.ndarray,
+        rewards: Sequence[Any],
+        sums: Mapping[str, float] | None = None,
     ) -> None:
         """Records a claim's rows: the ``stale`` ones as dropped, the others as trained (with
-        their ``rewards``)."""
+        their ``rewards``, and their ``sums`` of figures kept per sample)."""
         self.dropped_groups += sorted({int(g) for g in groups[stale]})
         self.trained_groups += sorted({int(g) for g in groups[~stale]})
         self.staleness.update(int(a) for a in ages[~stale])
         self.rewards += [float(r) for r in rewards]
+        self.sample_sums.update(sums or {})
+
+    def sample_means(self) -> dict[str, float]:
+        """Each figure kept per sample, as its mean over the trained samples (``NAME_mean``)."""
+        n = max(len(self.rewards), 1)
+        return {f"{name}_mean": total / n for name, total in sorted(self.sample_sums.items())}
 
     @staticmethod
     def merge(parts: Sequence[StepResult]) -> StepResult:
@@ -342,6 +356,7 @@ class StepResult:
             merged.dropped_groups += p.dropped_groups
             merged.staleness += p.staleness
             merged.rewards += p.rewards
+            merged.sample_sums.update(p.sample_sums)
             merged.loss_stats += p.loss_stats
             merged.tokens += p.tokens
             merged.tensor_tokens += p.tensor_tokens

@@ -28,7 +28,13 @@ from asyncflow.weight_sync import Publisher
 from asyncflow.weight_sync.store_transport import StorePublisher
 from asyncflow.workers.base import StallError, step_partition
 from asyncflow.workers.colocation import release_cached_gpu_memory
-from asyncflow.workers.steps import StepLoss, sample_fields, sample_lengths, update
+from asyncflow.workers.steps import (
+    StepLoss,
+    figure_sums,
+    sample_fields,
+    sample_lengths,
+    update,
+)
 
 
 def agree_on_most(count: int) -> int:
@@ -104,7 +110,7 @@ class RankStep:
         stale = (age > self.config.trainer.max_staleness) | left_out
         keep = np.flatnonzero(~stale)
         data = {name: [values[i] for i in keep] for name, values in claimed.items()}
-        result.note(batch.groups, age, stale, data["reward"])
+        result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
         micro = self._micro_batches(data, result)
         for tb in micro:
             stats = self.engine.forward_backward(tb, self.loss)

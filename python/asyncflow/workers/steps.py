@@ -21,6 +21,9 @@ from asyncflow.workers.batches import pack_width, split_micro_batches, to_train_
 
 #: Fields a training step reads from each sample row.
 SAMPLE_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage", "reward"]
+#: An agent trajectory's figures (one number each, put by the agent rollout), read with its
+#: sample to be reported as their means over each step's trained trajectories.
+AGENT_FIGURES = ["agent_turns", "tool_seconds", "agent_truncated", "agent_errors"]
 
 
 def sample_fields(config: Config) -> list[str]:
@@ -28,8 +31,15 @@ def sample_fields(config: Config) -> list[str]:
     if config.algorithm.advantage == "gae":  # PPO with a critic: an advantage per token
         extra.append("token_advantages")
     if config.agent.enabled:  # multi-turn: only the model's own tokens are trained
-        extra.append("loss_mask")
+        extra += ["loss_mask", *AGENT_FIGURES]
     return [*SAMPLE_FIELDS, *extra]
+
+
+def figure_sums(data: Mapping[str, Sequence[Any]]) -> dict[str, float]:
+    """The sums of the per-sample figures (``AGENT_FIGURES``) among ``data``'s fields."""
+    return {
+        name: float(np.sum(data[name], dtype=np.float64)) for name in AGENT_FIGURES if name in data
+    }
 
 
 class StepLoss:

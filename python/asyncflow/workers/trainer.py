@@ -30,7 +30,13 @@ from asyncflow.engines.base import StepResult, StepTrainEngine, TrainBatch, Trai
 from asyncflow.errors import StoreTimeoutError
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.workers.base import Context, Worker, step_partition
-from asyncflow.workers.steps import StepLoss, sample_fields, sample_lengths, update
+from asyncflow.workers.steps import (
+    StepLoss,
+    figure_sums,
+    sample_fields,
+    sample_lengths,
+    update,
+)
 
 #: Runs in the trainer's thread after each step (evaluation, checkpoints); returns extra metrics.
 StepHook = Callable[[int], dict[str, Any]]
@@ -180,7 +186,7 @@ class Trainer(Worker):
             if keep.size:
                 kept_batches += self._train_on(data, result)
                 batch.ack(batch.indexes[keep])
-            result.note(batch.groups, age, stale, data["reward"])
+            result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
             got += len(batch)
         return kept_batches, result
 
@@ -230,6 +236,7 @@ class Trainer(Worker):
             "busy": self.ctx.tracer.busy_fraction(self._last_step_end, now),
             **result.optimizer,
             **result.padding(),
+            **result.sample_means(),
             **(
                 {}
                 if result.publish_seconds is None
