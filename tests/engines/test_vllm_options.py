@@ -106,6 +106,17 @@ def test_with_cuda_the_engine_captures_cuda_graphs_by_default(
     assert "enable_sleep_mode" not in llm.kwargs
 
 
+@pytest.mark.parametrize("partial", ["off", "continue", "abort"])
+def test_a_step_returns_its_own_tokens_when_weights_change_mid_generation(
+    model: Path, platform: dict[str, bool], partial: str
+) -> None:
+    # Asynchronous scheduling returns a step's tokens one step late: across a weight load in
+    # the request-level loop they would be recorded with the version loaded after them.
+    on_gpu(platform)
+    _, llm = start(model, f"rollout.partial={partial}")
+    assert llm.kwargs.get("async_scheduling", True) is (partial == "off")
+
+
 @pytest.mark.parametrize(("cuda", "setting"), [(True, True), (False, False)])
 def test_an_explicit_enforce_eager_overrides_the_platform_default(
     model: Path, platform: dict[str, bool], cuda: bool, setting: bool

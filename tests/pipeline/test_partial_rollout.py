@@ -26,6 +26,7 @@ from asyncflow.weights import Watcher
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
 from asyncflow.workers.partial import PartialRollout
 from asyncflow.workers.rollout import token_versions
+from asyncflow.workers.steps import kept_rows
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 from asyncflow.workers.trainer import Ledger, Trainer
 from partial_replay import PROMPT, SWITCH, generate_with_switch, policy_versions, replay
@@ -225,6 +226,31 @@ def test_under_drop_a_sample_is_dropped_for_its_oldest_token_though_its_newest_i
     assert outcome is not None
     batches, result = outcome
     assert batches == [] and result.dropped_groups == [0] and not result.trained_groups
+
+
+def test_under_drop_a_group_whose_rows_differ_in_age_is_dropped_whole() -> None:
+    # Sequences of one group admitted on either side of a weight load (more of them than the
+    # engine's slots, or prefills split over steps): rows of versions 0, 0, 1, 1. At step 2
+    # with a bound of 1, keeping the two fresh rows would train half a group, whose advantages
+    # no longer balance.
+    store = af.Store()
+    register_tasks(store, reference=False)
+    store.put(
+        {
+            "response_ids": [np.array([5, 6], np.int64)] * 8,
+            "advantage": np.array([1, -1, 1, -1, 1, -1, 1, -1], np.float32),
+        },
+        partition=step_partition(2),
+        groups=[0] * 4 + [1] * 4,
+        group_size=4,
+        version=[0, 0, 1, 1, 1, 1, 1, 2],
+    )
+    batch = store.claim("train", ["response_ids", "advantage"], 8, whole_groups=True, timeout=5)
+    age, stale, data = kept_rows(batch, 2, 1)
+    by_group = {int(g): bool(s) for g, s in zip(batch.groups, stale, strict=True)}
+    assert by_group == {0: True, 1: False}
+    assert sorted(age[~stale].tolist()) == [0, 1, 1, 1]
+    assert [float(a) for a in data["advantage"]] == [1, -1, 1, -1]
 
 
 def test_weights_that_fail_their_checks_leave_the_engine_whole_on_its_version(

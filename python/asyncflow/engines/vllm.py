@@ -81,8 +81,15 @@ def llm_arguments(model_dir: Path, config: Config, cuda: bool) -> dict[str, Any]
     partial: dict[str, Any] = {}
     if r.partial != "off":
         # Cached prompt blocks would carry keys and values of whichever weights computed
-        # them into sequences admitted later; the loop bounds what is in flight.
-        partial = {"enable_prefix_caching": False, "max_num_seqs": r.max_num_seqs}
+        # them into sequences admitted later; the loop bounds what is in flight. With
+        # asynchronous scheduling (vLLM's default on CUDA) a step returns the tokens of the
+        # step before while it launches the next: tokens sampled by the old weights would come
+        # back after a load and be recorded with the new version.
+        partial = {
+            "enable_prefix_caching": False,
+            "max_num_seqs": r.max_num_seqs,
+            "async_scheduling": False,
+        }
     # Sleep mode puts vLLM's GPU memory in an allocator of its own: only when it is asked for.
     sleep = {"enable_sleep_mode": True} if r.sleep_while_training else {}
     return {

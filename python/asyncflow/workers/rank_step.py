@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,6 +30,7 @@ from asyncflow.workers.colocation import release_cached_gpu_memory
 from asyncflow.workers.steps import (
     StepLoss,
     figure_sums,
+    kept_rows,
     sample_fields,
     sample_lengths,
     update,
@@ -104,12 +104,7 @@ class RankStep:
         if batch is None:
             return None
         result = StepResult()
-        age = s - batch.versions.astype(np.int64)
-        claimed = batch.read()
-        left_out = ~np.isfinite(np.array([float(a) for a in claimed["advantage"]]))
-        stale = (age > self.config.trainer.max_staleness) | left_out
-        keep = np.flatnonzero(~stale)
-        data = {name: [values[i] for i in keep] for name, values in claimed.items()}
+        age, stale, data = kept_rows(batch, s, self.config.trainer.max_staleness)
         result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
         micro = self._micro_batches(data, result)
         for tb in micro:

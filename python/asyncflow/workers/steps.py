@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from asyncflow.algorithms.losses import ALIASES, LossSettings, policy_loss
+from asyncflow.batch import Batch
 from asyncflow.config import KL_IN_REWARD, Config
 from asyncflow.engines.base import TrainBatch, TrainEngine
 from asyncflow.workers.batches import pack_width, split_micro_batches, to_train_batch
@@ -33,6 +34,24 @@ def sample_fields(config: Config) -> list[str]:
     if config.agent.enabled:  # multi-turn: only the model's own tokens are trained
         extra += ["loss_mask", *AGENT_FIGURES]
     return [*SAMPLE_FIELDS, *extra]
+
+
+def kept_rows(
+    batch: Batch, step: int, max_staleness: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, list[Any]]]:
+    """A claim of whole groups as step ``step`` trains it: each row's age (policy versions
+    behind the step), which rows are left out, and the values of the rows kept. A group is left
+    out whole when a row of it is older than ``max_staleness`` (under partial rollout its rows'
+    oldest tokens may come from different versions; a part of a group would lose its
+    advantages' balance) or has no advantage (one the advantage worker left out: a failed
+    reward, or a group without signal under ``algorithm.filter_groups``)."""
+    age = step - batch.versions.astype(np.int64)
+    claimed = batch.read()
+    left_out = ~np.isfinite(np.array([float(a) for a in claimed["advantage"]]))
+    stale = (age > max_staleness) | left_out
+    stale |= np.isin(batch.groups, batch.groups[stale])
+    keep = np.flatnonzero(~stale)
+    return age, stale, {name: [values[i] for i in keep] for name, values in claimed.items()}
 
 
 def figure_sums(data: Mapping[str, Sequence[Any]]) -> dict[str, float]:

@@ -33,6 +33,7 @@ from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.steps import (
     StepLoss,
     figure_sums,
+    kept_rows,
     sample_fields,
     sample_lengths,
     update,
@@ -173,19 +174,13 @@ class Trainer(Worker):
             )
             if len(batch) == 0:
                 continue
-            age = s - batch.versions.astype(np.int64)
-            claimed = batch.read()
-            # Too old (only under the "drop" policy), or left out by the advantage worker (NaN:
-            # a failed reward, or a group without signal under algorithm.filter_groups).
-            left_out = ~np.isfinite(np.array([float(a) for a in claimed["advantage"]]))
-            stale = (age > k) | left_out
-            keep = np.flatnonzero(~stale)
-            data = {name: [values[i] for i in keep] for name, values in claimed.items()}
+            # Too old (only under the "drop" policy), or left out by the advantage worker.
+            age, stale, data = kept_rows(batch, s, k)
             if stale.any():
                 batch.ack(batch.indexes[stale])  # (which frees them: read before)
-            if keep.size:
+            if not stale.all():
                 kept_batches += self._train_on(data, result)
-                batch.ack(batch.indexes[keep])
+                batch.ack(batch.indexes[~stale])
             result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
             got += len(batch)
         return kept_batches, result
