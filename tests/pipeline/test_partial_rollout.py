@@ -26,8 +26,8 @@ from asyncflow.weights import Watcher
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
 from asyncflow.workers.partial import PartialRollout
 from asyncflow.workers.rollout import token_versions
-from asyncflow.workers.steps import kept_rows
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
+from asyncflow.workers.steps import kept_rows
 from asyncflow.workers.trainer import Ledger, Trainer
 from partial_replay import PROMPT, SWITCH, generate_with_switch, policy_versions, replay
 from run_outputs import metrics
