@@ -724,11 +724,16 @@ def validate(c: Config) -> None:
             c.data.max_prompt_length >= 1,
             f"data.max_prompt_length must be at least 1, not {c.data.max_prompt_length}",
         )
-        longest = c.data.max_prompt_length + c.rollout.max_tokens
+        # A trajectory's response is bounded by agent.max_tokens, each of its turns by
+        # rollout.max_tokens.
+        response = "agent.max_tokens" if c.agent.enabled else "rollout.max_tokens"
+        longest = c.data.max_prompt_length + (
+            c.agent.max_tokens if c.agent.enabled else c.rollout.max_tokens
+        )
         _require(
             longest <= c.trainer.micro_batch_tokens,
             f"trainer.micro_batch_tokens ({c.trainer.micro_batch_tokens}) must hold one sample: "
-            f"data.max_prompt_length + rollout.max_tokens = {longest}",
+            f"data.max_prompt_length + {response} = {longest}",
         )
     if c.data.task == "addition-longtail":
         _require(c.data.digits >= 3, "data.task: addition-longtail needs data.digits of at least 3")

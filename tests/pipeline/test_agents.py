@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import math
 import os
 import random
 import threading
@@ -28,6 +29,7 @@ from asyncflow.agents.tools import Tool, ToolError, calculator_tool, check_argum
 from asyncflow.agents.trajectory import TrajectoryCompletion
 from asyncflow.config import AgentConfig, Config, ConfigError, LatencyConfig, load
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling, StepResult
+from asyncflow.engines.errors import EngineError
 from asyncflow.evaluation import verifier
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.base import Problem
@@ -215,6 +217,12 @@ async def _refuses(**_: object) -> str:
     raise ToolError("no such file")
 
 
+async def _cancels_itself(**_: object) -> str:
+    waiting = asyncio.ensure_future(asyncio.sleep(3600))
+    waiting.cancel()
+    return await waiting  # its own task's cancellation, not the caller's
+
+
 def _env(timeout: float = 0.5, **extra: Tool) -> ToolEnvironment:
     config = AgentConfig()
     config.sandbox.cpu_seconds = 1
@@ -242,13 +250,16 @@ def _call(name: str, **arguments: object) -> str:
         (_call("search", query="x"), "unknown_tool", "unknown tool 'search'"),
         (_call("calculator", expr="1+1"), "bad_arguments", "missing argument"),
         (_call("calculator", expression="1/0"), "tool_error", "division by zero"),
+        (_call("calculator", expression="(-8)**0.5"), "tool_error", "not a real number"),
+        (_call("calculator", expression="-" * 999 + "1"), "tool_error", "nested too deeply"),
         (_call("raises"), "tool_raised", "RuntimeError: tool bug"),
+        (_call("cancels"), "tool_raised", "raised CancelledError"),
         (_call("refuses"), "tool_error", "no such file"),
         (_call("hangs"), "tool_timeout", "did not answer within"),
     ],
 )
 def test_a_bad_call_becomes_an_error_observation(action: str, kind: str, says: str) -> None:
-    env = _env(raises=_raises, hangs=_hangs, refuses=_refuses)  # type: ignore[arg-type]
+    env = _env(raises=_raises, hangs=_hangs, refuses=_refuses, cancels=_cancels_itself)  # type: ignore[arg-type]
     step = run(env.step(action))
     assert not step.done
     assert step.errors == {kind: 1}
@@ -372,7 +383,7 @@ class _ForgingEnv:
 
 def test_a_tool_cannot_forge_special_tokens_in_its_observation() -> None:
     register_environment("forging", lambda config, tools: _ForgingEnv())
-    config = AgentConfig(enabled=True, environment="forging", max_turns=1)
+    config = AgentConfig(enabled=True, environment="forging", max_turns=2)
     loop = AgentLoop(config, TOKENIZER)
     engine = ScriptedEngine(lambda context, turn: "hi")
     ((t,),) = loop.run(engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=1))
@@ -489,9 +500,9 @@ def test_a_call_that_uses_the_budget_up_cuts_its_trajectory_and_the_row_says_so(
     engine = ScriptedEngine(always_call)
     sampling = Sampling(max_tokens=200)
     problem = Problem("q", "2")
-    loop = AgentLoop(AgentConfig(enabled=True, max_turns=1, max_tokens=1000), TOKENIZER)
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=2, max_tokens=1000), TOKENIZER)
     ((whole,),) = loop.run(engine, [TOKENIZER.encode("q")], [problem], sampling)
-    assert whole.finish_reason == "turns"  # the call, then its result
+    assert whole.finish_reason == "turns"  # the call, its result, the call again
     call = list(whole.loss_mask).index(0)  # the call's tokens, its end token included
     assert whole.response_ids[call - 1] == TOKENIZER.eos_id
     # A budget the call fills exactly: the call ends with the model's end token, as an answer
@@ -625,6 +636,163 @@ def test_an_environment_that_raises_ends_only_its_trajectory() -> None:
     assert all(t.finish_reason == "error" and t.turns == 1 for t in group)
 
 
+class _ScriptedStepEnv:
+    """An environment whose step answers what the test gives it."""
+
+    answer: Any = None
+
+    def reset(self, problem: Problem) -> str:
+        return ""
+
+    def step(self, action: str) -> Any:
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [Step("x", None, False), ("x", math.nan, False), ("x", 1.0), Step("x", 1.0, False, "slow")],  # type: ignore[arg-type]
+    ids=["no-reward", "nan-reward", "two-items", "bad-seconds"],
+)
+def test_an_environment_step_that_is_not_a_step_ends_only_its_trajectory(answer: Any) -> None:
+    _ScriptedStepEnv.answer = answer
+    register_environment("scripted-step", lambda config, tools: _ScriptedStepEnv())
+    loop = AgentLoop(AgentConfig(enabled=True, environment="scripted-step"), TOKENIZER)
+    engine = ScriptedEngine(lambda context, turn: "hello")
+    (group,) = loop.run(
+        engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=2, max_tokens=50)
+    )
+    assert [t.errors["env_bad_step"] for t in group] == [1, 1]
+    assert all(t.finish_reason == "error" and t.turns == 1 for t in group)
+
+
+def test_a_reward_function_that_hangs_scores_zero_and_is_counted() -> None:
+    release = threading.Event()
+
+    def hangs(response: str, truth: str) -> float:
+        release.wait()
+        return 1.0
+
+    config = AgentConfig(enabled=True, tool_timeout=0.05)
+    loop = AgentLoop(config, TOKENIZER, verifier(hangs, extra_keys=False))
+    done: list[Any] = []
+    runner = threading.Thread(
+        target=lambda: done.append(
+            loop.run(
+                ScriptedEngine(lambda context, turn: "2"),
+                [TOKENIZER.encode("q")],
+                [Problem("q", "2")],
+                Sampling(n=1, max_tokens=50),
+            )
+        ),
+        daemon=True,
+    )
+    runner.start()
+    runner.join(timeout=60)  # generous: the reward is given up after 0.1 s
+    release.set()
+    assert done, "the trajectory waited for the reward function"
+    ((t,),) = done[0]
+    assert (t.reward, t.errors["reward_timeout"]) == (0.0, 1)
+
+
+class _ShortEngine(ScriptedEngine):
+    """Answers one prompt fewer than asked, or a prompt with no completion."""
+
+    def __init__(self, empty: bool) -> None:
+        super().__init__(lambda context, turn: "x")
+        self.empty = empty
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        out = super().generate(prompts, sampling)
+        return [[], *out[1:]] if self.empty else out[1:]
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["a-group-short", "an-empty-group"])
+def test_an_engine_answer_of_the_wrong_shape_fails_the_call(empty: bool) -> None:
+    loop = AgentLoop(AgentConfig(enabled=True), TOKENIZER)
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            loop.run(
+                _ShortEngine(empty),
+                [TOKENIZER.encode("q"), TOKENIZER.encode("r")],
+                [Problem("q", ""), Problem("r", "")],
+                Sampling(n=1, max_tokens=50),
+            )
+        except BaseException as e:
+            failed.append(e)
+
+    runner = threading.Thread(target=call, daemon=True)
+    runner.start()
+    runner.join(timeout=60)  # generous: it fails at once; before, the turns waited for ever
+    assert len(failed) == 1 and isinstance(failed[0], EngineError), failed
+
+
+class _FloodingEnv(_ScriptedStepEnv):
+    answer = Step("y" * 10_000_000)
+
+
+def test_an_observation_is_tokenized_only_as_far_as_the_budget_can_hold_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    register_environment("flooding", lambda config, tools: _FloodingEnv())
+    config = AgentConfig(enabled=True, environment="flooding", max_turns=2, max_tokens=60)
+    loop = AgentLoop(config, TOKENIZER)
+    encoded: list[int] = []
+    encode = TOKENIZER.encode
+
+    def counting(text: str, special: bool = True) -> list[int]:
+        encoded.append(len(text))
+        return encode(text, special=special)
+
+    monkeypatch.setattr(TOKENIZER, "encode", counting)
+    ((t,),) = loop.run(
+        ScriptedEngine(lambda context, turn: "x"),
+        [TOKENIZER.encode("q")],
+        [Problem("q", "")],
+        Sampling(n=1, max_tokens=5),
+    )
+    assert (t.finish_reason, len(t.response_ids)) == ("length", 60)
+    assert max(encoded) <= 32 * 60
+
+
+class _CountingTool:
+    calls = 0
+
+    async def __call__(self, expression: str) -> str:
+        _CountingTool.calls += 1
+        return "4"
+
+
+class _RewardingEnv(_ScriptedStepEnv):
+    answer = Step("the environment's answer", 0.5, False)
+
+
+def test_after_the_last_turn_no_tool_runs_and_no_observation_is_appended() -> None:
+    calls_again = lambda context, turn: _call("calculator", expression="2+2")  # noqa: E731
+    tool = Tool("calculator", "", calculator_tool().parameters, _CountingTool())
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=2), TOKENIZER, tools={"calculator": tool})
+    ((t,),) = loop.run(
+        ScriptedEngine(calls_again),
+        [TOKENIZER.encode("q")],
+        [Problem("q", "4")],
+        Sampling(n=1, max_tokens=200),
+    )
+    # Two calls written; only the first answered, and the trajectory ends on the model's turn.
+    assert (t.turns, t.finish_reason, _CountingTool.calls) == (2, "turns", 1)
+    assert t.loss_mask[-1] == 1
+    # Where the environment's reward counts, its step after the last turn is still taken.
+    register_environment("rewarding", lambda config, tools: _RewardingEnv())
+    config = AgentConfig(enabled=True, environment="rewarding", max_turns=2, reward="env")
+    ((t,),) = AgentLoop(config, TOKENIZER).run(
+        ScriptedEngine(lambda context, turn: "x"),
+        [TOKENIZER.encode("q")],
+        [Problem("q", "")],
+        Sampling(n=1, max_tokens=200),
+    )
+    assert (t.turns, t.finish_reason, t.reward, t.loss_mask[-1]) == (2, "turns", 1.0, 1)
+
+
 class _HangingEnv:
     """A plain (not async) environment whose step hangs on odd problems until released."""
 
@@ -736,6 +904,11 @@ def test_held_out_problems_are_never_trained_on() -> None:
         ("agent.observation_template=x", "{observation}"),
         ("launcher=ray", "launcher local"),
         ("reward.sources=[fn,http] reward.http.url=http://127.0.0.1:9", "model and http"),
+        # A trajectory, not one turn, must fit a micro-batch: 20 + 170 > 150 (20 + 100 fits).
+        (
+            "data.max_prompt_length=20 trainer.micro_batch_tokens=150",
+            r"max_prompt_length \+ agent.max_tokens = 190",
+        ),
     ],
 )
 def test_agent_settings_are_refused_before_the_run(override: str, says: str) -> None:

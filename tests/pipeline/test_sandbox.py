@@ -212,3 +212,26 @@ def check_unprivileged(tmp_path: Path) -> None:
         pytest.skip("no user namespace can be made here (documented limitation)")
     assert exit_code == 0, output
     assert output == "-1\ngone\nFalse 2\n"
+
+
+def test_a_run_cancelled_while_its_process_starts_leaves_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = asyncio.Event()
+
+    async def slow_start(workdir: str, settings: dict[str, int]) -> asyncio.subprocess.Process:
+        started.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("never started")
+
+    async def cancel_while_starting() -> None:
+        run = asyncio.ensure_future(run_python("print(1)", LIMITS))
+        await started.wait()
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sandbox, "_start", slow_start)
+    asyncio.run(cancel_while_starting())
+    assert list(tmp_path.iterdir()) == []

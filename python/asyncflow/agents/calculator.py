@@ -37,6 +37,8 @@ MAX_BITS = int(MAX_DIGITS * 3.33)
 
 
 def _check_size(value: Number) -> Number:
+    if isinstance(value, complex):  # a negative number to a fractional power
+        raise CalculatorError("the result is not a real number")
     if isinstance(value, int) and value.bit_length() > MAX_BITS:
         raise CalculatorError("result too large")
     return value
@@ -78,7 +80,12 @@ def evaluate(expression: str) -> Number:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as e:
         raise CalculatorError(f"cannot parse {expression!r}: {e.msg}") from None
-    return _eval(tree)
+    except RecursionError:  # e.g. a thousand signs in a row
+        raise CalculatorError("expression nested too deeply") from None
+    try:
+        return _eval(tree)
+    except RecursionError:
+        raise CalculatorError("expression nested too deeply") from None
 
 
 def format_number(value: Number) -> str:

@@ -144,8 +144,20 @@ class ToolEnvironment:
             return f"error: {call.name} did not answer within {self.timeout:g} s", "tool_timeout"
         except ToolError as e:
             return f"error: {call.name}: {e}", "tool_error"
+        except asyncio.CancelledError as e:
+            if cancelled_by_caller():
+                raise
+            return f"error: {call.name} raised {type(e).__name__}", "tool_raised"
         except Exception as e:  # a tool's own bug must not end the trajectory
             return f"error: {call.name} raised {type(e).__name__}: {e}", "tool_raised"
+
+
+def cancelled_by_caller() -> bool:
+    """Whether the task running is being cancelled (the run stopping, a timeout), as opposed to
+    a ``CancelledError`` that some code it awaited raised of its own (a tool's or an
+    environment's bug, to be counted like any other)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 _ENVIRONMENTS: dict[str, EnvironmentFactory] = {"tools": ToolEnvironment.from_config}

@@ -8,8 +8,9 @@ that become ready meanwhile make the next call. While one trajectory waits on a 
 generates the others' turns: it idles only when every trajectory is waiting on its environment.
 
 A plain (not ``async``) environment method and the reward function run in a daemon thread per
-call: one that hangs is given up at its timeout and holds no thread that the engine or the other
-trajectories need, nor the run's end (a thread cannot be killed; it is left to finish).
+call: one that hangs is given up at its timeout (``agent.tool_timeout`` twice over) and holds no
+thread that the engine or the other trajectories need, nor the run's end (a thread cannot be
+killed; it is left to finish).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -25,11 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from asyncflow.agents.env import Environment, Step, environment_factory
+from asyncflow.agents.env import Environment, Step, cancelled_by_caller, environment_factory
 from asyncflow.agents.parser import create_parser
 from asyncflow.agents.tools import Tool, create_tool
 from asyncflow.agents.trajectory import Trajectory
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.engines.errors import EngineError
 from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.tasks.base import Problem
 
@@ -44,6 +47,11 @@ GATHER_TICKS = 4
 
 #: Whether an answer text solves a problem (reward.fn as the evaluation's verifier).
 Verify = Callable[[str, Problem], float]
+
+#: Characters of an observation tokenized at most per token of the trajectory's budget: the
+#: tokens beyond the budget are cut anyway, and a tool that prints megabytes would otherwise
+#: hold the event loop (and every trajectory on it) while they are tokenized.
+CHARS_PER_TOKEN = 32
 
 
 class TurnBatcher:
@@ -82,20 +90,33 @@ class TurnBatcher:
             if not batch:
                 continue
             version = self.engine.version
+            call = loop.run_in_executor(
+                executor, self.engine.generate, [ids for ids, _ in batch], self.sampling
+            )
             try:
-                outputs = await loop.run_in_executor(
-                    executor, self.engine.generate, [ids for ids, _ in batch], self.sampling
-                )
-            except Exception as e:
+                outputs = await asyncio.shield(call)
+                turns = [group[0] for group in outputs]
+                if len(turns) != len(batch):
+                    raise EngineError(
+                        f"the engine answered {len(turns)} of a call's {len(batch)} prompts"
+                    )
+            except asyncio.CancelledError:
+                # A generation call cannot be interrupted: it is waited for without holding
+                # the event loop, whose other tasks (tools, sandboxes) wind down meanwhile.
+                await asyncio.wait([call])
+                raise
+            except Exception as e:  # the engine's failure, or an answer of the wrong shape
+                if isinstance(e, IndexError):
+                    e = EngineError("the engine answered a prompt with no completion")
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(e)
                 continue
             self.calls += 1
             self.turns += len(batch)
-            for (_, future), group in zip(batch, outputs, strict=True):
+            for (_, future), turn in zip(batch, turns, strict=True):
                 if not future.done():
-                    future.set_result((group[0], version))
+                    future.set_result((turn, version))
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -143,10 +164,22 @@ async def _until_set(event: threading.Event) -> None:
 
 
 def _as_step(result: Any) -> Step:
-    if isinstance(result, Step):
-        return result
-    observation, reward, done = result
-    return Step(str(observation), float(reward), bool(done))
+    """An environment's step checked: a :class:`Step` or ``(observation, reward, done)``, with
+    a finite reward; raises ``TypeError`` or ``ValueError`` otherwise."""
+    if not isinstance(result, Step):
+        observation, reward, done = result
+        result = Step(observation, reward, done)
+    reward = float(result.reward)
+    if not math.isfinite(reward):
+        raise ValueError(f"reward {reward} is not finite")
+    return Step(
+        str(result.observation),
+        reward,
+        bool(result.done),
+        float(result.tool_seconds),
+        int(result.tool_calls),
+        Counter(result.errors),
+    )
 
 
 def check_names(config: AgentConfig) -> None:
@@ -214,18 +247,22 @@ class AgentLoop:
                 for _ in range(sampling.n)
             )
         )
-        waiting: list[asyncio.Future[Any]] = [jobs]
+        # The batcher too: if it ever ended, the turns waiting on it would wait for ever.
+        waiting: list[asyncio.Future[Any]] = [jobs, server]
         if stop is not None:
             waiting.append(asyncio.create_task(_until_set(stop)))
         try:
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if server.done():
+                server.result()  # raises what ended it
+                raise EngineError("the agent loop's turn batcher ended")
             if not jobs.done():
                 return None
             flat = jobs.result()
         finally:
-            for task in (*waiting, server):
+            for task in waiting:
                 task.cancel()
-            await asyncio.gather(*waiting, server, return_exceptions=True)
+            await asyncio.gather(*waiting, return_exceptions=True)
         for t in flat:
             self._count(t)
         self.totals["engine_calls"] += batcher.calls
@@ -246,6 +283,7 @@ class AgentLoop:
         """The observation wrapped in the template, as ids; the observation's own text is read
         without special tokens, so a tool cannot end the turn or write one for the model."""
         head, tail = self._wrap
+        text = text[: CHARS_PER_TOKEN * self.config.max_tokens]
         return head + self.tokenizer.encode(text, special=False) + tail
 
     async def trajectory(
@@ -281,6 +319,10 @@ class AgentLoop:
             t.final_text = self.tokenizer.decode(ids)
             if not ids or ids[-1] != self.eos:  # cut short by the turn's or the budget's end
                 return self._finish(t, "length")
+            last = t.turns >= self.config.max_turns
+            if last and self.config.reward == "verifier":
+                # Nothing the environment answers would be read or counted: no tool runs.
+                return self._finish(t, "turns")
             ok, result = await self._env_call(t, env.step, t.final_text)
             if not ok:
                 return self._finish(t, "error")
@@ -294,6 +336,8 @@ class AgentLoop:
             t.errors.update(step.errors)
             if step.done:
                 return self._finish(t, "stop")
+            if last:  # its reward counted; its observation would never be read
+                return self._finish(t, "turns")
             obs = self.observation_ids(step.observation)
             if len(t.response_ids) + len(obs) > budget:
                 t.add_observation(obs[: budget - len(t.response_ids)])
@@ -308,6 +352,11 @@ class AgentLoop:
             return True, await asyncio.wait_for(_call(fn, *args), self.config.tool_timeout * 2)
         except TimeoutError:
             t.errors["env_timeout"] += 1
+        except asyncio.CancelledError as e:
+            if cancelled_by_caller():
+                raise
+            log.warning("agent environment failed: %s", type(e).__name__)
+            t.errors["env_raised"] += 1
         except Exception as e:
             log.warning("agent environment failed: %s: %s", type(e).__name__, e)
             t.errors["env_raised"] += 1
@@ -327,6 +376,11 @@ class AgentLoop:
         score = t.env_reward if mode in ("env", "both") else 0.0
         if mode in ("verifier", "both") and self.verify is not None:
             # A user's function, off the event loop: a slow one holds up no other trajectory,
-            # and an ``async def`` one gets a loop of its own there.
-            score += await in_thread(self.verify, t.final_text, problem)
+            # and an ``async def`` one gets a loop of its own there. One that hangs scores 0.
+            try:
+                score += await asyncio.wait_for(
+                    in_thread(self.verify, t.final_text, problem), self.config.tool_timeout * 2
+                )
+            except TimeoutError:
+                t.errors["reward_timeout"] += 1
         return score

@@ -105,17 +105,9 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
         return await _run(code, limits)
 
 
-async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
-    workdir = tempfile.mkdtemp(prefix="asyncflow-sandbox-")
-    Path(workdir).chmod(0o777)  # the child may run under an unprivileged user id
-    settings = {
-        "cpu": limits.cpu_seconds,
-        "memory": limits.memory_bytes,
-        "processes": limits.processes,
-        "file": limits.file_bytes,
-    }
-    started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
+async def _start(workdir: str, settings: dict[str, int]) -> asyncio.subprocess.Process:
+    """The sandbox's launcher, in ``workdir``, with its limits."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-I",
         "-S",
@@ -128,6 +120,23 @@ async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
         env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
         start_new_session=True,  # its own process group, killed as a whole
     )
+
+
+async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
+    workdir = tempfile.mkdtemp(prefix="asyncflow-sandbox-")
+    Path(workdir).chmod(0o777)  # the child may run under an unprivileged user id
+    settings = {
+        "cpu": limits.cpu_seconds,
+        "memory": limits.memory_bytes,
+        "processes": limits.processes,
+        "file": limits.file_bytes,
+    }
+    started = time.monotonic()
+    try:
+        proc = await _start(workdir, settings)
+    except BaseException:  # cancelled (a timeout, the run's stop) while it started
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     assert proc.stdin is not None and proc.stdout is not None
     timed_out = False
     try:
