@@ -307,9 +307,11 @@ def test_several_calls_in_a_turn_are_each_answered() -> None:
 class ScriptedEngine(RolloutEngine):
     """Answers each turn from ``script(prompt_text, turn)``; records every call's inputs."""
 
-    def __init__(self, script) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, script, end_id: int = TOKENIZER.eos_id) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
         self.script = script
+        #: The token each turn ends with (the tokenizer's end token unless told otherwise).
+        self.end_id = end_id
         self.calls: list[list[list[int]]] = []
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
@@ -318,9 +320,10 @@ class ScriptedEngine(RolloutEngine):
         for p in prompts:
             context = TOKENIZER.decode(p) if TOKENIZER.eos_id not in p else _full_text(p)
             turn = context.count("<tool_response>")
-            ids = [*TOKENIZER.encode(self.script(context, turn)), TOKENIZER.eos_id]
+            ids = [*TOKENIZER.encode(self.script(context, turn)), self.end_id]
+            reason = "stop" if len(ids) <= sampling.max_tokens else "length"
             ids = ids[: sampling.max_tokens]
-            out.append([Completion(ids, [-0.5] * len(ids), TOKENIZER.decode(ids))])
+            out.append([Completion(ids, [-0.5] * len(ids), TOKENIZER.decode(ids), reason)])
         return out
 
     def load_weights(self, version, weights) -> None:  # type: ignore[no-untyped-def]
@@ -491,6 +494,21 @@ def test_an_async_reward_function_scores_trajectories_in_the_agent_loop() -> Non
     )
     assert right[0].final_text == "2" and right[0].reward == 1.0
     assert wrong[0].reward == 0.0
+
+
+def test_a_turn_the_engine_stopped_on_another_end_token_is_a_whole_turn() -> None:
+    # A chat model whose generation settings name a second end token (Qwen's <|endoftext|>
+    # beside <|im_end|>): vLLM stops there and says so.
+    (other_end,) = TOKENIZER.encode("<|im_start|>")
+    script = lambda context, turn: _call("calculator", expression="2+2") if turn == 0 else "4"  # noqa: E731
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=3, max_tokens=1000), TOKENIZER)
+    ((t,),) = loop.run(
+        ScriptedEngine(script, end_id=other_end),
+        [TOKENIZER.encode("q")],
+        [Problem("q", "4")],
+        Sampling(n=1, max_tokens=200),
+    )
+    assert (t.turns, t.tool_calls, t.finish_reason, t.final_text) == (2, 1, "stop", "4")
 
 
 def test_a_call_that_uses_the_budget_up_cuts_its_trajectory_and_the_row_says_so() -> None:

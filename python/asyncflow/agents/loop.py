@@ -317,7 +317,10 @@ class AgentLoop:
             ids, logprobs = completion.token_ids[:room], completion.logprobs[:room]
             t.add_model_turn(ids, logprobs, [version] * len(ids))
             t.final_text = self.tokenizer.decode(ids)
-            if not ids or ids[-1] != self.eos:  # cut short by the turn's or the budget's end
+            # Cut short by the turn's or the budget's end. A turn that ended is one the engine
+            # stopped: on the tokenizer's end token, or on another that the model's generation
+            # settings name (a chat model may have several).
+            if not ids or len(completion.token_ids) > room or completion.finish_reason != "stop":
                 return self._finish(t, "length")
             last = t.turns >= self.config.max_turns
             if last and self.config.reward == "verifier":
