@@ -107,6 +107,46 @@ def test_samples_carry_the_version_their_generation_started_with() -> None:
     assert list(ctx.store.rows(partition=step_partition(0)).versions) == [0, 0]
 
 
+class OutlastsItsLease(ReloadedMidCall):
+    """Generates until the prompts' lease has been renewed ``renewals`` times."""
+
+    def __init__(self, renewed: list[float], renewals: int) -> None:
+        super().__init__()
+        self.renewed, self.renewals = renewed, renewals
+        self.enough = threading.Event()
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        assert self.enough.wait(timeout=120), "the lease was not renewed"  # generous
+        return super().generate(prompts, sampling)
+
+
+@pytest.mark.slow
+def test_a_generation_call_that_outlasts_its_prompt_lease_still_delivers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 3 s lease renewed every second; the call lasts five renewals, past the lease's end.
+    ctx = context("store.lease_timeout=3")
+    put_prompt(ctx.store)
+    renewed: list[float] = []
+    engine = OutlastsItsLease(renewed, renewals=5)
+    renew = af.Batch.renew
+
+    def counted(batch: af.Batch, timeout: float | None = None) -> float:
+        left = renew(batch, timeout)
+        renewed.append(left)
+        if len(renewed) >= engine.renewals:
+            engine.enough.set()
+        return left
+
+    monkeypatch.setattr(af.Batch, "renew", counted)
+    Rollout(ctx, engine).step()
+    assert list(ctx.store.rows(partition=step_partition(0)).versions) == [0, 0]
+    assert len(ctx.store.rows(partition=PROMPTS)) == 0  # acked
+    assert len(renewed) >= 5 and all(left > 0 for left in renewed)
+    time.sleep(1.5)  # past the next renewal's time: none comes after the call
+    assert len(renewed) == 5
+
+
 class Saturated(ReloadedMidCall):
     def wait_for_room(self, timeout: float) -> bool:
         return False

@@ -121,11 +121,7 @@ class PartialRollout(Rollout):
         if now - self._renewed_at < self.config.store.lease_timeout / 3:
             return
         self._renewed_at = now
-        leases: dict[int | None, Batch] = {}
-        for entry in self.groups.values():
-            work = entry.work
-            held = [work.batch] if work.assignments is None else [a.batch for a in work.assignments]
-            leases.update((b.lease, b) for b in held if b is not None)
+        leases = {b.lease: b for entry in self.groups.values() for b in entry.work.leases()}
         for batch in leases.values():
             batch.renew()
 
