@@ -345,6 +345,8 @@ class StoreSettings:
     token: str | None = None
     shards: int = 8
     memory_limit: str = "2GiB"
+    #: Seconds claimed rows stay leased to a worker that stops renewing them (one that dies):
+    #: workers renew the leases of rows they work on every third of it.
     lease_timeout: float = 60.0
 
 

@@ -24,7 +24,15 @@ from asyncflow.tasks.dataset import DatasetTask
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
-from asyncflow.workers.base import PROMPTS, Context, RunState, StallError, step_partition
+from asyncflow.workers.base import (
+    LEASES,
+    PROMPTS,
+    Context,
+    LeaseKeeper,
+    RunState,
+    StallError,
+    step_partition,
+)
 from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.rollout import Rollout
 from asyncflow.workers.trainer import Ledger, Trainer
@@ -143,8 +151,35 @@ def test_a_generation_call_that_outlasts_its_prompt_lease_still_delivers(
     assert list(ctx.store.rows(partition=step_partition(0)).versions) == [0, 0]
     assert len(ctx.store.rows(partition=PROMPTS)) == 0  # acked
     assert len(renewed) >= 5 and all(left > 0 for left in renewed)
-    time.sleep(1.5)  # past the next renewal's time: none comes after the call
-    assert len(renewed) == 5
+    assert len(LEASES) == 0, "the leases are let go with the call"
+
+
+class Renewals:
+    """A claim whose renewals are counted; ``enough`` is set at the ``wanted``-th."""
+
+    def __init__(self, wanted: int) -> None:
+        self.count, self.wanted = 0, wanted
+        self.enough = threading.Event()
+
+    def renew(self, timeout: float | None = None) -> float:
+        self.count += 1
+        if self.count >= self.wanted:
+            self.enough.set()
+        return 1.0
+
+
+def test_one_keeper_renews_each_block_of_work_at_its_own_period_until_it_ends() -> None:
+    keeper = LeaseKeeper()
+    fast, slow, other = Renewals(20), Renewals(2), Renewals(1)
+    with keeper.kept([slow], 0.2):  # type: ignore[list-item]
+        with keeper.kept([fast, other], 0.005):  # type: ignore[list-item]
+            assert fast.enough.wait(60) and other.enough.wait(60)  # generous
+            assert len(keeper) == 2
+        assert slow.enough.wait(60)
+        assert slow.count < fast.count
+        after = fast.count
+    assert len(keeper) == 0
+    assert fast.count <= after + 1  # at most a renewal under way as the block ended
 
 
 class Saturated(ReloadedMidCall):

@@ -7,18 +7,21 @@ whose input fields are ready, computes, writes its output fields to the same row
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from asyncflow.batch import Batch
 from asyncflow.config import Config
-from asyncflow.errors import StoreTimeoutError
+from asyncflow.errors import StoreError, StoreTimeoutError
 from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.store import Store
 from asyncflow.tasks.prompts import PromptEncoder
@@ -149,6 +152,68 @@ class Context:
         )
 
 
+class LeaseKeeper:
+    """Renews the leases of claimed rows while work on them is under way (see :meth:`kept`),
+    from one thread of the process's own: a block of work costs a registration, not a thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        #: Each block under way: when its leases are next due, how often, and its claims.
+        self._blocks: dict[int, tuple[float, float, list[Batch]]] = {}
+        self._keys = itertools.count()
+        self._wake_at = math.inf
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        """Blocks of work under way."""
+        with self._cond:
+            return len(self._blocks)
+
+    @contextlib.contextmanager
+    def kept(self, batches: list[Batch], period: float) -> Iterator[None]:
+        """Renews the leases of ``batches`` every ``period`` seconds while the block runs: work
+        that outlasts a lease would otherwise have its rows handed out again and its ack
+        refused. A renewal the store refuses (the lease ended already) is left to that ack."""
+        due = time.monotonic() + period
+        with self._cond:
+            key = next(self._keys)
+            self._blocks[key] = (due, period, batches)
+            if self._thread is None or not self._thread.is_alive():  # (also after a fork)
+                self._thread = threading.Thread(target=self._run, name="leases", daemon=True)
+                self._thread.start()
+            elif due < self._wake_at:
+                self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                del self._blocks[key]
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [k for k, (at, _, _) in self._blocks.items() if at <= now]
+                if not due:
+                    self._wake_at = min(
+                        (at for at, _, _ in self._blocks.values()), default=math.inf
+                    )
+                    self._cond.wait(None if self._wake_at == math.inf else self._wake_at - now)
+                    continue
+                renewing = []
+                for k in due:
+                    _, period, batches = self._blocks[k]
+                    self._blocks[k] = (now + period, period, batches)
+                    renewing += batches
+            for batch in renewing:
+                with contextlib.suppress(StoreError):
+                    batch.renew()
+
+
+#: The process's lease keeper.
+LEASES = LeaseKeeper()
+
+
 class Worker(ABC):
     """A loop of :meth:`step` until the run stops or the worker is done."""
 
@@ -177,6 +242,11 @@ class Worker(ABC):
 
     def waiting(self, name: str) -> Any:
         return self.ctx.tracer.span(self.role, "wait", name)
+
+    def holding(self, *batches: Batch) -> contextlib.AbstractContextManager[None]:
+        """Keeps the leases of ``batches`` while the block runs (see :class:`LeaseKeeper`): for
+        work on claimed rows that may take longer than ``store.lease_timeout``."""
+        return LEASES.kept(list(batches), self.config.store.lease_timeout / 3)
 
     def claim(
         self,

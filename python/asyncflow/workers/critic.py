@@ -82,7 +82,7 @@ class CriticWorker(Worker):
         batch = self.claim_quietly("critic", SCORE_FIELDS, 64)
         if len(batch) == 0:
             return False
-        with self.busy("values"):
+        with self.busy("values"), self.holding(batch):
             data = batch.read()
             out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
             for part, tb in self.micro_batches(data):
@@ -102,7 +102,7 @@ class CriticWorker(Worker):
             batch = self.claim_quietly("critic_train", self.train_fields, self.rows_per_update)
             if len(batch) == 0:
                 return False
-            with self.busy("critic update"):
+            with self.busy("critic update"), self.holding(batch):
                 data = batch.read()
                 learnt = [TRAINED in f for f in self.store.ready_fields(batch.indexes)]
                 kept = [

@@ -25,7 +25,7 @@ from asyncflow.errors import StoreTimeoutError
 from asyncflow.store import Store
 from asyncflow.weight_sync import Publisher
 from asyncflow.weight_sync.store_transport import StorePublisher
-from asyncflow.workers.base import StallError, step_partition
+from asyncflow.workers.base import LEASES, StallError, step_partition
 from asyncflow.workers.colocation import release_cached_gpu_memory
 from asyncflow.workers.steps import (
     StepLoss,
@@ -106,12 +106,13 @@ class RankStep:
         result = StepResult()
         age, stale, data = kept_rows(batch, s, self.config.trainer.max_staleness)
         result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
-        micro = self._micro_batches(data, result)
-        for tb in micro:
-            stats = self.engine.forward_backward(tb, self.loss)
-            if tb.response_mask.any():  # padding micro-batches train nothing
-                result.loss_stats.append(stats)
-        result.optimizer = update(self.engine, micro, self.loss, self.config.trainer.ppo_epochs)
+        with LEASES.kept([batch], self.config.store.lease_timeout / 3):
+            micro = self._micro_batches(data, result)
+            for tb in micro:
+                stats = self.engine.forward_backward(tb, self.loss)
+                if tb.response_mask.any():  # padding micro-batches train nothing
+                    result.loss_stats.append(stats)
+            result.optimizer = update(self.engine, micro, self.loss, self.config.trainer.ppo_epochs)
         batch.ack()
         self.engine.version = s + 1
         started = time.perf_counter()

@@ -24,7 +24,7 @@ class ReferenceWorker(Worker):
         batch = self.claim("reference", ["prompt_ids", "response_ids"], 64)
         if len(batch) == 0:
             return True
-        with self.busy("reference logprobs"):
+        with self.busy("reference logprobs"), self.holding(batch):
             data = batch.read()
             prompts, responses = data["prompt_ids"], data["response_ids"]
             lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]

@@ -151,7 +151,7 @@ class RewardModelWorker(Worker):
         batch = self.claim("reward_model", ["prompt_ids", "response_ids", "answer"], 256)
         if len(batch) == 0:
             return True
-        with self.busy("score"):
+        with self.busy("score"), self.holding(batch):
             rows = claimed_rows(batch, self.ctx, self.config)
             scores = self.source.score(rows)
             values = np.full(len(rows), np.nan, np.float32)
@@ -242,7 +242,7 @@ class RewardWorker(Worker):
         batch = self.claim("reward", self.fields, 256)
         if len(batch) == 0:
             return True
-        with self.busy("verify"):
+        with self.busy("verify"), self.holding(batch):
             rows = claimed_rows(batch, self.ctx, self.config)
             rewards, failures = self.sources.score(rows)
             if self.model_weight is not None:  # NaN where the model worker failed (reported)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,28 +52,6 @@ class PromptGroups:
         """The claims whose leases hold these prompts, each once."""
         held = [self.batch] if self.assignments is None else [a.batch for a in self.assignments]
         return list({b.lease: b for b in held if b is not None}.values())
-
-
-@contextlib.contextmanager
-def leases_kept(batches: list[Batch], period: float) -> Iterator[None]:
-    """Renews the leases of ``batches`` every ``period`` seconds while the block runs: a call
-    that outlasts a lease would otherwise have its prompts handed out again and its ack refused.
-    A renewal the store refuses (the lease ended already) is left to that ack to report."""
-    done = threading.Event()
-
-    def renew() -> None:
-        while not done.wait(period):
-            for batch in batches:
-                with contextlib.suppress(StoreError):
-                    batch.renew()
-
-    renewer = threading.Thread(target=renew, name="lease-renewer", daemon=True)
-    renewer.start()
-    try:
-        yield
-    finally:
-        done.set()
-        renewer.join()
 
 
 class Rollout(Worker):
@@ -274,7 +251,7 @@ class Rollout(Worker):
             # while this call is in flight, and a sample is as old as the oldest policy that
             # wrote it.
             version = self.engine.version
-            with leases_kept(work.leases(), self.config.store.lease_timeout / 3):
+            with self.holding(*work.leases()):
                 outputs = self._generate(work, version)
         if outputs is None:  # the run stopped during the call: the prompts go back
             self._settle(work, done=False)

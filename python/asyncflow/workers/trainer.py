@@ -179,7 +179,8 @@ class Trainer(Worker):
             if stale.any():
                 batch.ack(batch.indexes[stale])  # (which frees them: read before)
             if not stale.all():
-                kept_batches += self._train_on(data, result)
+                with self.holding(batch):
+                    kept_batches += self._train_on(data, result)
                 batch.ack(batch.indexes[~stale])
             result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
             got += len(batch)
