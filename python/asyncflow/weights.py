@@ -19,6 +19,7 @@ import torch
 from asyncflow.errors import StoreError, UnknownIndexError
 from asyncflow.store import Store
 from asyncflow.weight_sync.source import WeightSource
+from asyncflow.weight_sync.versions import put_version
 
 if TYPE_CHECKING:
     from asyncflow.engines.base import RolloutEngine
@@ -26,25 +27,21 @@ if TYPE_CHECKING:
 PARTITION = "__weights__"
 PREFIX = "weights/"
 MANIFEST = PREFIX + "__manifest__"
-#: Older versions are deleted once this many newer ones exist (readers may still be loading).
+#: Versions kept, the newest included (readers may still be loading the one before it).
 KEEP_VERSIONS = 2
 #: Seconds a watcher's poller waits in the store for a publication before reading again.
 WAKE_WAIT = 1.0
 
 
 def publish(store: Store, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Puts ``weights`` as version ``version`` and deletes versions older than the last few."""
+    """Puts ``weights`` as version ``version``, the store's newest from then on; of the older
+    versions, the newest ``KEEP_VERSIONS - 1`` are kept (see :func:`put_version`)."""
     fields: dict[str, object] = {}
     for name, tensor in weights:
         fields[PREFIX + name] = tensor.detach().cpu().contiguous().unsqueeze(0)
     names = "\n".join(f.removeprefix(PREFIX) for f in fields)
     fields[MANIFEST] = [names.encode()]
-    store.put(fields, partition=PARTITION, version=version)
-    rows = store.rows(partition=PARTITION)
-    keep = sorted(int(v) for v in rows.versions)[-KEEP_VERSIONS:]
-    stale = [int(i) for i, v in zip(rows.indexes, rows.versions, strict=True) if int(v) not in keep]
-    if stale:
-        store.delete(stale)
+    put_version(store, PARTITION, fields, version, KEEP_VERSIONS)
 
 
 def published(store: Store) -> dict[int, int]:
@@ -188,13 +185,13 @@ class Watcher(WeightSource):
             try:
                 self._watch()
             except StoreError:
-                # A failed read (the store gone, a daemon restarting) ends this poller; the next
-                # waiter starts another, so that a store that comes back is watched again (its
-                # task registered again: a daemon that kept no journal has forgotten it).
+                # A failed read (the store gone, a daemon restarting): read again after
+                # ``interval`` while anyone waits, the task registered again (a daemon that
+                # kept no journal has forgotten it), so that a store that comes back is watched.
                 with self._changed:
                     self._registered = False
-                    self._poller = None
-                return
+                time.sleep(self.interval)
+                continue
             if self._stopped():
                 with self._changed:
                     self._changed.notify_all()
@@ -236,8 +233,15 @@ class Watcher(WeightSource):
             batch.ack()
 
     def load(self, engine: RolloutEngine, version: int) -> int:
-        """Loads exactly ``version`` (the store keeps the last few) into ``engine``."""
-        got, tensors = fetch(self.store, version)
+        """Loads ``version`` into ``engine``, or the newest if newer ones have replaced it in the
+        store meanwhile (it keeps the last few); returns the version loaded."""
+        try:
+            got, tensors = fetch(self.store, version)
+        except LookupError:  # (a row deleted under the read, too)
+            newest = latest_version(self.store)
+            if newest is None or newest <= version:
+                raise
+            got, tensors = fetch(self.store, newest)
         engine.load_weights(got, tensors)
         return got
 

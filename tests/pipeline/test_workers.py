@@ -34,7 +34,7 @@ from asyncflow.workers.base import (
     step_partition,
 )
 from asyncflow.workers.feeder import Feeder
-from asyncflow.workers.rollout import Rollout
+from asyncflow.workers.rollout import Rollout, load_version
 from asyncflow.workers.trainer import Ledger, Trainer
 
 
@@ -262,30 +262,74 @@ def test_waiting_workers_see_new_weights_once_they_are_published() -> None:
     publisher.join()
 
 
-def test_waiters_see_new_weights_after_a_store_read_failed_once() -> None:
-    """A failed read (a daemon restarting) ends the poller that made it; the next waiter starts
-    another, so the versions published after it are still seen."""
+class FailingOnce:
+    """A store whose first listing fails (a daemon restarting); ``failed`` is set then."""
+
+    def __init__(self, store: af.Store) -> None:
+        self.store = store
+        self.failed = threading.Event()
+
+    def rows(self, **kwargs: object) -> af.Rows:
+        if not self.failed.is_set():
+            self.failed.set()
+            raise af.errors.ConnectionError("the daemon restarts")
+        return self.store.rows(**kwargs)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+@pytest.mark.parametrize("waiting", ["throughout", "after"])
+def test_waiters_see_new_weights_after_a_store_read_failed_once(waiting: str) -> None:
+    """A failed read (a daemon restarting) is tried again while anyone waits: a waiter that
+    waited through it, and one that came after, both see the version published next."""
     store = af.Store()
-    failures = [af.errors.ConnectionError("the daemon restarts")]
-
-    class FailingOnce:
-        def rows(self, **kwargs: object) -> af.Rows:
-            if failures:
-                raise failures.pop()
-            return store.rows(**kwargs)  # type: ignore[arg-type]
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(store, name)
-
-    watcher = weights.Watcher(FailingOnce(), interval=0.01)  # type: ignore[arg-type]
-    deadline = time.monotonic() + 30
-    while failures:  # until the poller's read has failed
-        assert not watcher.wait_for(1, timeout=0.1)
-        assert time.monotonic() < deadline
+    flaky = FailingOnce(store)
+    watcher = weights.Watcher(flaky, interval=0.01)  # type: ignore[arg-type]
+    seen: list[bool] = []
+    patience = 60.0 if waiting == "throughout" else 1.0  # generous; or gives up unanswered
+    first = threading.Thread(target=lambda: seen.append(watcher.wait_for(1, patience)), daemon=True)
+    first.start()
+    assert flaky.failed.wait(60)  # generous
+    if waiting == "after":
+        first.join(timeout=120)
+        assert seen == [False]
+        seen.clear()
+        first = threading.Thread(target=lambda: seen.append(watcher.wait_for(1, 60)), daemon=True)
+        first.start()
     weights.publish(store, 1, [("w", torch.zeros(2))])
-    started = time.monotonic()
-    assert watcher.wait_for(1, timeout=60)
-    assert time.monotonic() - started < 30
+    first.join(timeout=120)
+    assert seen == [True]
+
+
+def test_a_version_published_below_ones_left_in_the_store_is_the_newest() -> None:
+    # A daemon that outlived an earlier run (or a resume against it) still holds its versions.
+    store = af.Store()
+    for v in (10, 11):
+        weights.publish(store, v, [("w", torch.full((2,), float(v)))])
+    weights.publish(store, 9, [("w", torch.full((2,), 9.0))])
+    assert weights.latest_version(store) == 9
+    assert weights.fetch(store)[1][0][1].tolist() == [9.0, 9.0]
+    weights.publish(store, 10, [("w", torch.full((2,), 100.0))])
+    assert sorted(weights.published(store)) == [9, 10]
+    assert weights.fetch(store, 10)[1][0][1].tolist() == [100.0, 100.0]
+
+
+def test_publishing_needs_room_for_the_versions_kept_only() -> None:
+    # Room for two versions of 4 KiB and a little more: the third goes in once the first left.
+    store = af.Store(memory_limit=2 * 4096 + 2048)
+    for v in range(5):
+        weights.publish(store, v, [("w", torch.zeros(1024))])
+    assert sorted(weights.published(store)) == [3, 4]
+
+
+def test_a_version_replaced_before_it_was_read_loads_the_newest_instead() -> None:
+    ctx = context()
+    for v in (1, 2, 3):  # version 1 read as the newest, then two more published before the load
+        weights.publish(ctx.store, v, [("w", torch.zeros(2))])
+    engine = Loads()
+    assert load_version(ctx.weights, engine, 1) is None
+    assert engine.version == 3
 
 
 def test_a_version_is_published_only_once_its_manifest_is_ready() -> None:

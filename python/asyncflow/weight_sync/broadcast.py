@@ -28,27 +28,23 @@ from asyncflow.store import Store
 from asyncflow.weight_sync import Publisher, Receiver, WeightSyncError
 from asyncflow.weight_sync.group import Group
 from asyncflow.weight_sync.layout import Layout, as_bytes, pack
+from asyncflow.weight_sync.versions import put_version
 
 #: The store partition and field of the announced versions' layouts.
 PARTITION = "__weight_layouts__"
 LAYOUT = "weight_layout"
-#: Layouts kept (older ones are deleted as new ones are announced).
+#: Layouts kept, the newest included.
 KEEP_LAYOUTS = 2
 #: int64 header sent before the buckets: version, total bytes, bucket size.
 HEADER = 3
 
 
 def announce(store: Store, layout: Layout, extra: dict[str, bytes] | None = None) -> None:
-    """Puts ``layout`` (and the transport's ``extra`` fields) in the store and deletes layouts
-    older than the last few."""
+    """Puts ``layout`` (and the transport's ``extra`` fields) in the store, keeping the newest
+    ``KEEP_LAYOUTS - 1`` older layouts (see :func:`put_version`)."""
     fields = {name: [value] for name, value in (extra or {}).items()}
     fields[LAYOUT] = [layout.to_json().encode()]
-    store.put(fields, partition=PARTITION, version=layout.version)
-    rows = store.rows(partition=PARTITION)
-    keep = sorted(int(v) for v in rows.versions)[-KEEP_LAYOUTS:]
-    stale = [int(i) for i, v in zip(rows.indexes, rows.versions, strict=True) if int(v) not in keep]
-    if stale:
-        store.delete(stale)
+    put_version(store, PARTITION, fields, layout.version, KEEP_LAYOUTS)
 
 
 def announced(store: Store) -> dict[int, int]:

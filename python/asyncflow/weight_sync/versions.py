@@ -1,0 +1,26 @@
+"""Versions kept in a pinned partition of the store (the weights themselves, or the layouts of
+a weight-sync group's versions): one row per version, the newest few kept for readers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from asyncflow.store import Store
+
+
+def put_version(
+    store: Store, partition: str, fields: Mapping[str, Any], version: int, keep: int
+) -> None:
+    """Puts ``fields`` as ``version`` of ``partition``, first deleting the rows no reader needs
+    any more: every row of that version or a newer one (left by an earlier run against the same
+    daemon, or a version published again) and all but the newest ``keep - 1`` older ones. So at
+    most ``keep`` versions hold memory while the new one goes in, and the newest is the one
+    just put."""
+    rows = store.rows(partition=partition)
+    older = sorted({int(v) for v in rows.versions if int(v) < version})
+    kept = set(older[len(older) - (keep - 1) :]) if keep > 1 else set()
+    stale = [int(i) for i, v in zip(rows.indexes, rows.versions, strict=True) if int(v) not in kept]
+    if stale:
+        store.delete(stale)
+    store.put(dict(fields), partition=partition, version=version)
