@@ -41,6 +41,7 @@ class Counting(af.Store):
 
     def rows(self, *args: Any, **kwargs: Any) -> af.Rows:
         self.calls["rows"] += 1
+        self.calls[f"rows of {kwargs.get('partition')}"] += 1
         return super().rows(*args, **kwargs)
 
     def ready_fields(self, indexes: Any) -> list[list[str]]:
@@ -168,7 +169,7 @@ def test_a_watcher_registers_its_task_again_with_a_store_that_forgot_it() -> Non
     watcher = weights.Watcher(store, interval=0.001, wake_wait=5)
     assert not watcher.wait_for(1, timeout=0.2)
     deadline = time.monotonic() + 60
-    while watcher._poller is not None:  # the failed claim ended the first poller
+    while store.forget:  # until the watcher's claim has failed
         assert time.monotonic() < deadline
         time.sleep(0.01)
     weights.publish(store, 1, [("w", torch.ones(2))])
@@ -319,12 +320,12 @@ def test_samples_already_in_are_left_out_the_step_listed_only_after_a_refused_pu
     first = worker._claim()
     assert first is not None and first.groups.tolist() == [0, 1]
     worker._deliver(first, 0, Shared().generate([[3], [3]], worker.sampling))
-    assert store.calls["rows"] == 1
+    assert store.calls["rows of step-0"] == 1
     assert sorted(store.rows(partition="step-0").groups.tolist()) == [0, 0, 1, 1]
     second = worker._claim()
     assert second is not None and second.groups.tolist() == [2]
     worker._deliver(second, 0, Shared().generate([[3]], worker.sampling))  # nothing in: no listing
-    assert store.calls["rows"] == 2  # (the check above listed once)
+    assert store.calls["rows of step-0"] == 2  # (the check above listed once)
     assert sorted(store.rows(partition="step-0").groups.tolist()) == [0, 0, 1, 1, 2, 2]
     # Every prompt was acked, the one whose samples were in included.
     assert len(store.claim("rollout", "prompt_ids", 3, timeout=0, allow_partial=True)) == 0

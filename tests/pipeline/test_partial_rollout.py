@@ -167,9 +167,9 @@ def test_the_store_records_each_tokens_version_and_the_row_is_as_old_as_its_olde
     ctx = context(f"rollout.partial={mode}")
     weights.publish(ctx.store, 0, versions[0].items())
     engine = HFRolloutEngine(model_dir, ctx.config)
-    put_prompts(ctx.store, target=0)
-    run_until_samples(PartialRollout(ctx, engine), 0, 2, {SWITCH: versions[1]})
-    row_versions, data = read_samples(ctx.store, 0)
+    put_prompts(ctx.store, target=1)  # (a step the trainer is not past when version 1 is out)
+    run_until_samples(PartialRollout(ctx, engine), 1, 2, {SWITCH: versions[1]})
+    row_versions, data = read_samples(ctx.store, 1)
     assert engine.version == 1
     for k in range(2):
         tokens = data["response_ids"][k].tolist()
@@ -246,7 +246,8 @@ def test_under_drop_a_group_whose_rows_differ_in_age_is_dropped_whole() -> None:
         version=[0, 0, 1, 1, 1, 1, 1, 2],
     )
     batch = store.claim("train", ["response_ids", "advantage"], 8, whole_groups=True, timeout=5)
-    age, stale, data = kept_rows(batch, 2, 1)
+    age, stale, again, data = kept_rows(batch, 2, 1)
+    assert not again.any()
     by_group = {int(g): bool(s) for g, s in zip(batch.groups, stale, strict=True)}
     assert by_group == {0: True, 1: False}
     assert sorted(age[~stale].tolist()) == [0, 1, 1, 1]
@@ -275,15 +276,15 @@ def test_a_truncated_publication_is_reported_and_generation_goes_on_with_the_old
     ctx = context("rollout.partial=continue")
     weights.publish(ctx.store, 0, versions[0].items())
     engine = HFRolloutEngine(model_dir, ctx.config)
-    put_prompts(ctx.store, target=0)
+    put_prompts(ctx.store, target=1)
     name = next(iter(versions[1]))
     truncated = {**versions[1], name: versions[1][name][:5]}  # its first rows only
-    run_until_samples(PartialRollout(ctx, engine), 0, 2, {2: truncated})
+    run_until_samples(PartialRollout(ctx, engine), 1, 2, {2: truncated})
     assert engine.version == 0
     assert (
         len(ctx.state.weight_failures) == 1 and "weights v1 failed" in ctx.state.weight_failures[0]
     )
-    _, data = read_samples(ctx.store, 0)
+    _, data = read_samples(ctx.store, 1)
     assert all(set(v.tolist()) == {0} for v in data["token_versions"])
 
 

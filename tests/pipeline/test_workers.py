@@ -35,6 +35,7 @@ from asyncflow.workers.base import (
 )
 from asyncflow.workers.feeder import Feeder
 from asyncflow.workers.rollout import Rollout, load_version
+from asyncflow.workers.steps import kept_rows
 from asyncflow.workers.trainer import Ledger, Trainer
 
 
@@ -113,6 +114,27 @@ def test_samples_carry_the_version_their_generation_started_with() -> None:
     put_prompt(ctx.store)
     Rollout(ctx, ReloadedMidCall()).step()
     assert list(ctx.store.rows(partition=step_partition(0)).versions) == [0, 0]
+
+
+def test_prompts_of_a_step_already_trained_are_acked_and_their_samples_not_put() -> None:
+    # Version 1 is out: step 0 was trained whole. A prompt of step 0 claimable again was
+    # delivered by a holder that died before acking it; its samples again would sit untrained.
+    ctx = context()
+    weights.publish(ctx.store, 1, [("w", torch.zeros(2))])
+    put_prompt(ctx.store, target=0)
+    Rollout(ctx, ReloadedMidCall()).step()
+    assert len(ctx.store.rows(partition=step_partition(0))) == 0
+    assert len(ctx.store.rows(partition=PROMPTS)) == 0  # acked
+
+
+def test_a_second_copy_of_a_group_the_step_had_is_let_go_uncounted() -> None:
+    ctx = context()
+    put_samples(ctx.store, group=0)
+    put_samples(ctx.store, group=1)
+    batch = ctx.store.claim("train", ["advantage"], 4, whole_groups=True, timeout=5)
+    _, stale, again, data = kept_rows(batch, 0, 1, had=[1])
+    assert [int(g) for g in batch.groups[again]] == [1, 1]
+    assert not stale.any() and len(data["advantage"]) == 2
 
 
 class OutlastsItsLease(ReloadedMidCall):

@@ -104,7 +104,7 @@ class RankStep:
         if batch is None:
             return None
         result = StepResult()
-        age, stale, data = kept_rows(batch, s, self.config.trainer.max_staleness)
+        age, stale, _, data = kept_rows(batch, s, self.config.trainer.max_staleness)
         result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
         with LEASES.kept([batch], self.config.store.lease_timeout / 3):
             micro = self._micro_batches(data, result)

@@ -276,14 +276,22 @@ class Rollout(Worker):
                 work, outputs = self._drop_rerouted(work, outputs)
                 if not work.prompts:
                     return
+            newest = self.ctx.weights.latest()
+            if newest is not None and newest > work.target:
+                # The trainer is past the step (it published the version that follows it) and
+                # so had every group it needed: these prompts were delivered already, by a
+                # holder that died after putting their samples and before acking them. Their
+                # samples again would never be trained.
+                self._settle(work, done=True)
+                return
             try:
                 self._put_samples(work, version, outputs)
             except errors.BadRequestError:
                 # Refused, as a put that would give a group more rows than its size is: some
-                # groups' samples are in already. Put the others.
+                # groups' samples are in already. Put the others (all of them again, if those in
+                # were trained and freed meanwhile; a put refused for another reason is refused
+                # again, and that error raised).
                 fresh, fresh_outputs = self._drop_already_put(work, outputs)
-                if len(fresh.groups) == len(work.groups):
-                    raise
                 if fresh.prompts:
                     self._put_samples(fresh, version, fresh_outputs)
             self._settle(work, done=True)

@@ -37,21 +37,26 @@ def sample_fields(config: Config) -> list[str]:
 
 
 def kept_rows(
-    batch: Batch, step: int, max_staleness: int
-) -> tuple[np.ndarray, np.ndarray, dict[str, list[Any]]]:
+    batch: Batch, step: int, max_staleness: int, had: Sequence[int] = ()
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, list[Any]]]:
     """A claim of whole groups as step ``step`` trains it: each row's age (policy versions
-    behind the step), which rows are left out, and the values of the rows kept. A group is left
-    out whole when a row of it is older than ``max_staleness`` (under partial rollout its rows'
-    oldest tokens may come from different versions; a part of a group would lose its
-    advantages' balance) or has no advantage (one the advantage worker left out: a failed
-    reward, or a group without signal under ``algorithm.filter_groups``)."""
+    behind the step); which rows are left out, counted as dropped; which are left out uncounted;
+    and the values of the rows kept. A group is dropped whole when a row of it is older than
+    ``max_staleness`` (under partial rollout its rows' oldest tokens may come from different
+    versions; a part of a group would lose its advantages' balance) or has no advantage (one the
+    advantage worker left out: a failed reward, or a group without signal under
+    ``algorithm.filter_groups``). A group the step ``had`` already (trained or dropped) is a
+    second copy: put again by a rollout that died after putting it and before acking its
+    prompts, once the first copy had been trained and freed."""
     age = step - batch.versions.astype(np.int64)
     claimed = batch.read()
+    again = np.isin(batch.groups, np.asarray(had, np.int64))
     left_out = ~np.isfinite(np.array([float(a) for a in claimed["advantage"]]))
-    stale = (age > max_staleness) | left_out
+    stale = ((age > max_staleness) | left_out) & ~again
     stale |= np.isin(batch.groups, batch.groups[stale])
-    keep = np.flatnonzero(~stale)
-    return age, stale, {name: [values[i] for i in keep] for name, values in claimed.items()}
+    keep = np.flatnonzero(~(stale | again))
+    data = {name: [values[i] for i in keep] for name, values in claimed.items()}
+    return age, stale, again, data
 
 
 def figure_sums(data: Mapping[str, Sequence[Any]]) -> dict[str, float]:

@@ -174,16 +174,21 @@ class Trainer(Worker):
             )
             if len(batch) == 0:
                 continue
-            # Too old (only under the "drop" policy), or left out by the advantage worker.
-            age, stale, data = kept_rows(batch, s, k)
-            if stale.any():
-                batch.ack(batch.indexes[stale])  # (which frees them: read before)
-            if not stale.all():
+            # Too old (only under the "drop" policy), left out by the advantage worker, or a
+            # second copy of a group this step had (see kept_rows).
+            had = result.trained_groups + result.dropped_groups
+            age, stale, again, data = kept_rows(batch, s, k, had)
+            if (stale | again).any():
+                batch.ack(batch.indexes[stale | again])  # (which frees them: read before)
+            if data["reward"]:
                 with self.holding(batch):
                     kept_batches += self._train_on(data, result)
-                batch.ack(batch.indexes[~stale])
-            result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
-            got += len(batch)
+                batch.ack(batch.indexes[~(stale | again)])
+            first = ~again
+            result.note(
+                batch.groups[first], age[first], stale[first], data["reward"], figure_sums(data)
+            )
+            got += int(first.sum())
         return kept_batches, result
 
     def _rows_wanted(self, s: int) -> int:
