@@ -152,6 +152,10 @@ class Context:
         )
 
 
+#: Seconds between a lease keeper's looks while no work is under way.
+KEEPER_IDLE = 5.0
+
+
 class LeaseKeeper:
     """Renews the leases of claimed rows while work on them is under way (see :meth:`kept`),
     from one thread of the process's own: a block of work costs a registration, not a thread."""
@@ -161,6 +165,7 @@ class LeaseKeeper:
         #: Each block under way: when its leases are next due, how often, and its claims.
         self._blocks: dict[int, tuple[float, float, list[Batch]]] = {}
         self._keys = itertools.count()
+        #: When the thread looks next; a block due sooner wakes it.
         self._wake_at = math.inf
         self._thread: threading.Thread | None = None
 
@@ -195,10 +200,11 @@ class LeaseKeeper:
                 now = time.monotonic()
                 due = [k for k, (at, _, _) in self._blocks.items() if at <= now]
                 if not due:
-                    self._wake_at = min(
-                        (at for at, _, _ in self._blocks.values()), default=math.inf
-                    )
-                    self._cond.wait(None if self._wake_at == math.inf else self._wake_at - now)
+                    # With no block under way, a look every KEEPER_IDLE seconds: a block then
+                    # registered (due a lease's third later) need not wake the thread.
+                    idle = now + KEEPER_IDLE
+                    self._wake_at = min((at for at, _, _ in self._blocks.values()), default=idle)
+                    self._cond.wait(self._wake_at - now)
                     continue
                 renewing = []
                 for k in due:
