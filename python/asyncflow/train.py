@@ -325,11 +325,13 @@ class Run:
                 evals.append((step, acc))
                 # The trainer waits for evaluation: time-to-accuracy figures subtract it.
                 extra |= {"eval_accuracy": acc, "eval_seconds": time.monotonic() - since}
+            return extra
+
+        def after_logged(step: int) -> None:
             if step % c.run.checkpoint_every == 0 and step < c.trainer.max_steps:
                 checkpoint.save(
                     self.run_dir, step, trainer_engine, store, state, figures, self.critic
                 )
-            return extra
 
         register_tasks(
             store,
@@ -343,7 +345,7 @@ class Run:
         self.critic = next((w for w in middle if isinstance(w, CriticWorker)), None)
         if self.critic is not None and ckpt is not None:
             self.critic.engine.load(ckpt / "critic")
-        trainer = Trainer(ctx, trainer_engine, metrics, ledger, after_step)
+        trainer = Trainer(ctx, trainer_engine, metrics, ledger, after_step, after_logged)
         workers = [Feeder(ctx, task, start_group), *middle, trainer]
         try:
             with self.reporter.steps(c.trainer.max_steps, state.trained_steps) as tick:

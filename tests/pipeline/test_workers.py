@@ -14,7 +14,14 @@ import torch
 import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow import weights
-from asyncflow.engines.base import Completion, LossFn, RolloutEngine, Sampling, TrainBatch
+from asyncflow.engines.base import (
+    Completion,
+    LossFn,
+    RolloutEngine,
+    Sampling,
+    StepResult,
+    TrainBatch,
+)
 from asyncflow.engines.errors import WeightLoadError
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.models.chatml import chatml_tokenizer
@@ -83,6 +90,23 @@ def test_a_non_streaming_trainer_waits_for_the_whole_step(
     # The barrier hands the step back: the micro-batch claims that follow get all of it.
     batch = ctx.store.claim("train", trainer.fields, 4, timeout=1, partition=step_partition(0))
     assert len(batch) == 4
+
+
+def test_a_steps_checkpoint_is_taken_once_its_record_is_logged(
+    tmp_path: Path, metrics: MetricsLog
+) -> None:
+    # A kill between the two would otherwise resume past a step whose record was never written.
+    logged_then: list[list[int]] = []
+    trainer = Trainer(
+        context(),
+        None,  # type: ignore[arg-type]
+        metrics,
+        Ledger(tmp_path / "ledger"),
+        lambda step: {"eval_accuracy": 0.5},
+        lambda step: logged_then.append([r["step"] for r in metrics.history]),
+    )
+    trainer._record(0, StepResult())
+    assert logged_then == [[1]] and metrics.history[0]["eval_accuracy"] == 0.5
 
 
 class ReloadedMidCall(RolloutEngine):

@@ -39,8 +39,10 @@ from asyncflow.workers.steps import (
     update,
 )
 
-#: Runs in the trainer's thread after each step (evaluation, checkpoints); returns extra metrics.
+#: Runs in the trainer's thread after each step (evaluation); returns extra metrics.
 StepHook = Callable[[int], dict[str, Any]]
+#: Runs in the trainer's thread once a step's record is logged (checkpoints).
+LoggedHook = Callable[[int], None]
 
 
 class Ledger:
@@ -76,12 +78,16 @@ class Trainer(Worker):
         metrics: MetricsLog,
         ledger: Ledger,
         after_step: StepHook | None = None,
+        after_logged: LoggedHook | None = None,
     ) -> None:
         super().__init__(ctx)
         self.engine = engine
         self.metrics = metrics
         self.ledger = ledger
         self.after_step = after_step
+        #: After the record: a checkpoint taken before it, and a kill between the two, would
+        #: resume past a step whose record was never written.
+        self.after_logged = after_logged
         self.loss = StepLoss(self.config, ctx.tokenizer.pad_id)
         self.fields = sample_fields(self.config)
         self.rows_per_step = self.loss.rows_per_step
@@ -249,6 +255,8 @@ class Trainer(Worker):
         if self.after_step is not None:
             record |= self.after_step(s + 1)
         self.metrics.log(record)
+        if self.after_logged is not None:
+            self.after_logged(s + 1)
 
 
 def _mean_stats(stats: list[dict[str, float]]) -> dict[str, float]:
