@@ -31,6 +31,7 @@ from asyncflow.tasks.dataset import DatasetTask
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
+from asyncflow.weight_sync.versions import put_version
 from asyncflow.workers.base import (
     LEASES,
     PROMPTS,
@@ -359,6 +360,16 @@ def test_a_version_published_below_ones_left_in_the_store_is_the_newest() -> Non
     weights.publish(store, 10, [("w", torch.full((2,), 100.0))])
     assert sorted(weights.published(store)) == [9, 10]
     assert weights.fetch(store, 10)[1][0][1].tolist() == [100.0, 100.0]
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 4])
+def test_a_put_version_keeps_the_newest_versions_it_is_told_to(keep: int) -> None:
+    store = af.Store()
+    for v in range(1, 5):
+        put_version(store, "versions", {"x": np.zeros(1)}, v, keep)
+    assert sorted(int(v) for v in store.rows(partition="versions").versions) == list(
+        range(5 - keep, 5)
+    )
 
 
 def test_publishing_needs_room_for_the_versions_kept_only() -> None:

@@ -18,8 +18,7 @@ def put_version(
     most ``keep`` versions hold memory while the new one goes in, and the newest is the one
     just put."""
     rows = store.rows(partition=partition)
-    older = sorted({int(v) for v in rows.versions if int(v) < version})
-    kept = set(older[len(older) - (keep - 1) :]) if keep > 1 else set()
+    kept = set(sorted({int(v) for v in rows.versions if int(v) < version})[::-1][: keep - 1])
     stale = [int(i) for i, v in zip(rows.indexes, rows.versions, strict=True) if int(v) not in kept]
     if stale:
         store.delete(stale)
