@@ -728,10 +728,12 @@ def validate(c: Config) -> None:
         )
         # A trajectory's response is bounded by agent.max_tokens, each of its turns by
         # rollout.max_tokens.
-        response = "agent.max_tokens" if c.agent.enabled else "rollout.max_tokens"
-        longest = c.data.max_prompt_length + (
-            c.agent.max_tokens if c.agent.enabled else c.rollout.max_tokens
+        response, most = (
+            ("agent.max_tokens", c.agent.max_tokens)
+            if c.agent.enabled
+            else ("rollout.max_tokens", c.rollout.max_tokens)
         )
+        longest = c.data.max_prompt_length + most
         _require(
             longest <= c.trainer.micro_batch_tokens,
             f"trainer.micro_batch_tokens ({c.trainer.micro_batch_tokens}) must hold one sample: "

@@ -218,8 +218,8 @@ class Renewals:
 def test_one_keeper_renews_each_block_of_work_at_its_own_period_until_it_ends() -> None:
     keeper = LeaseKeeper()
     fast, slow, other = Renewals(20), Renewals(2), Renewals(1)
-    with keeper.kept([slow], 0.2):  # type: ignore[list-item]
-        with keeper.kept([fast, other], 0.005):  # type: ignore[list-item]
+    with keeper.kept([slow], 0.6):  # type: ignore[list-item]  # (renewed every 0.2 s)
+        with keeper.kept([fast, other], 0.015):  # type: ignore[list-item]
             assert fast.enough.wait(60) and other.enough.wait(60)  # generous
             assert len(keeper) == 2
         assert slow.enough.wait(60)

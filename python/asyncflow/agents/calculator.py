@@ -77,14 +77,10 @@ def evaluate(expression: str) -> Number:
     if len(expression) > MAX_LENGTH:
         raise CalculatorError(f"expression longer than {MAX_LENGTH} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        return _eval(ast.parse(expression.strip(), mode="eval"))
     except SyntaxError as e:
         raise CalculatorError(f"cannot parse {expression!r}: {e.msg}") from None
-    except RecursionError:  # e.g. a thousand signs in a row
-        raise CalculatorError("expression nested too deeply") from None
-    try:
-        return _eval(tree)
-    except RecursionError:
+    except RecursionError:  # e.g. a thousand signs in a row, parsed or evaluated
         raise CalculatorError("expression nested too deeply") from None
 
 

@@ -175,10 +175,11 @@ class LeaseKeeper:
             return len(self._blocks)
 
     @contextlib.contextmanager
-    def kept(self, batches: list[Batch], period: float) -> Iterator[None]:
-        """Renews the leases of ``batches`` every ``period`` seconds while the block runs: work
-        that outlasts a lease would otherwise have its rows handed out again and its ack
-        refused. A renewal the store refuses (the lease ended already) is left to that ack."""
+    def kept(self, batches: list[Batch], lease_timeout: float) -> Iterator[None]:
+        """Renews the leases of ``batches`` every third of ``lease_timeout`` while the block
+        runs: work that outlasts a lease would otherwise have its rows handed out again and its
+        ack refused. A renewal the store refuses (the lease ended already) is left to that ack."""
+        period = lease_timeout / 3
         due = time.monotonic() + period
         with self._cond:
             key = next(self._keys)
@@ -252,7 +253,7 @@ class Worker(ABC):
     def holding(self, *batches: Batch) -> contextlib.AbstractContextManager[None]:
         """Keeps the leases of ``batches`` while the block runs (see :class:`LeaseKeeper`): for
         work on claimed rows that may take longer than ``store.lease_timeout``."""
-        return LEASES.kept(list(batches), self.config.store.lease_timeout / 3)
+        return LEASES.kept(list(batches), self.config.store.lease_timeout)
 
     def claim(
         self,

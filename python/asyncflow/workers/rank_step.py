@@ -106,7 +106,7 @@ class RankStep:
         result = StepResult()
         age, stale, _, data = kept_rows(batch, s, self.config.trainer.max_staleness)
         result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
-        with LEASES.kept([batch], self.config.store.lease_timeout / 3):
+        with LEASES.kept([batch], self.config.store.lease_timeout):
             micro = self._micro_batches(data, result)
             for tb in micro:
                 stats = self.engine.forward_backward(tb, self.loss)
