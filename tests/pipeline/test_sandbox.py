@@ -5,6 +5,7 @@ that the file runs in seconds."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -166,6 +167,32 @@ def test_the_code_cannot_unmount_its_proc_to_see_the_host_processes() -> None:
     assert processes == "2"
 
 
+def write_probe(path: Path) -> str:
+    """Code that tries to write ``path``; prints the error number it got, or ``wrote``."""
+    return (
+        "import os\n"
+        f"try:\n    open({str(path)!r}, 'w').write('x')\n    print('wrote')\n"
+        "except OSError as e:\n    print(e.errno)\n"
+    )
+
+
+def test_only_the_working_directory_is_writable() -> None:
+    with tempfile.TemporaryDirectory(prefix="asyncflow-sandbox-test-") as where:
+        Path(where).chmod(0o777)  # writable by whatever user the code runs as
+        outside = Path(where) / "planted"
+        result = sandboxed(
+            write_probe(outside)
+            + "open('mine', 'w').write('kept')\n"
+            + "print(open('mine').read(), os.environ['TMPDIR'] == os.getcwd())\n"
+            + "open('/dev/null', 'w').write('x')\n"
+        )
+        if not result.files_isolated:
+            pytest.skip("no mount namespace can be made here (documented limitation)")
+        assert result.ok, result.output
+        assert result.output == f"{errno.EROFS}\nkept True\n"
+        assert not outside.exists()
+
+
 UNPRIVILEGED = 4321  # a user id no file here belongs to
 SYSTEM_PYTHON = Path("/usr/bin/python3")  # readable by any user, unlike an interpreter in /root
 
@@ -189,13 +216,16 @@ def check_unprivileged(tmp_path: Path) -> None:
     (package / "__init__.py").write_text("")
     for module in (sandbox.__file__, sandbox.CHILD):
         shutil.copy(module, package)
+    owned = tmp_path / "owned"  # the caller's own files: writable to the caller, not the code
+    owned.mkdir()
+    os.chown(owned, UNPRIVILEGED, UNPRIVILEGED)
     code = (
         "import ctypes, os\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
         "print(libc.umount2(b'/proc', 2))\n"  # 2: MNT_DETACH
         f"try:\n    os.kill({os.getpid()}, 0)\nexcept ProcessLookupError:\n    print('gone')\n"
         "print(os.getuid() == 0, len([p for p in os.listdir('/proc') if p.isdigit()]))\n"
-    )
+    ) + write_probe(owned / "planted")
     driver = (
         "import asyncio, json\n"
         "from asyncflow.agents.sandbox import run_python\n"
@@ -211,7 +241,8 @@ def check_unprivileged(tmp_path: Path) -> None:
     if not isolated:
         pytest.skip("no user namespace can be made here (documented limitation)")
     assert exit_code == 0, output
-    assert output == "-1\ngone\nFalse 2\n"
+    assert output == f"-1\ngone\nFalse 2\n{errno.EROFS}\n"
+    assert not (owned / "planted").exists()
 
 
 def test_a_run_cancelled_while_its_process_starts_leaves_no_directory(

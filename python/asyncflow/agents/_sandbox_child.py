@@ -7,12 +7,13 @@ Three processes, so that the code cannot reach the caller:
   namespace when not root), forks the *init* and, once the init reports, ends with the code's own
   exit status (the same signal when the code was killed by one);
 - the *init* is PID 1 of the new PID namespace: it mounts a fresh ``/proc`` (only the sandbox's
-  processes are visible), forks the code, reaps whatever the code leaves, and reports the code's
-  wait status. When it ends, the kernel kills every process left in the namespace, including
-  those that left the process group with ``setsid``;
+  processes are visible), makes every mount read-only but the working directory, forks the
+  code, reaps whatever the code leaves, and reports the code's wait status. When it ends, the
+  kernel kills every process left in the namespace, including those that left the process group
+  with ``setsid``;
 - the *code* process sets the limits, drops root (as root, to a user id of its own), writes the
-  ``sandbox:net=N,pid=N`` header line and runs the code. It cannot run as PID 1: the kernel does
-  not deliver SIGXCPU (the CPU limit) to a namespace's init.
+  ``sandbox:net=N,pid=N,fs=N`` header line and runs the code. It cannot run as PID 1: the kernel
+  does not deliver SIGXCPU (the CPU limit) to a namespace's init.
 """
 
 import contextlib
@@ -28,7 +29,9 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 0x1000, 0x4000, 0x40000
+SYS_MOUNT_SETATTR = 442  # the same number on every architecture
+AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 #: As root, the code runs as ``UID_BASE`` plus the launcher's PID: a user id of its own among the
@@ -74,11 +77,39 @@ def isolate() -> tuple[bool, bool]:
     return unshare(user | CLONE_NEWNET), False
 
 
-def mount_proc() -> None:
+class MountAttr(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("set", "clear", "propagation", "userns")]
+
+
+def set_read_only(path: bytes, read_only: bool, flags: int = 0) -> bool:
+    """``mount_setattr(2)`` (Linux 5.12): the mount at ``path`` made read-only or writable."""
+    attr = MountAttr(MOUNT_ATTR_RDONLY, 0) if read_only else MountAttr(0, MOUNT_ATTR_RDONLY)
+    return bool(
+        libc.syscall(
+            SYS_MOUNT_SETATTR,
+            ctypes.c_int(AT_FDCWD),
+            path,
+            ctypes.c_uint(flags),
+            ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)),
+        )
+        == 0
+    )
+
+
+def mount_namespace() -> bool:
     """Inside the new mount namespace: its mounts made private first (else a mount here could
-    reach the host's through shared propagation), then a ``/proc`` of the new PID namespace."""
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-        libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    reach the host's through shared propagation), then a ``/proc`` of the new PID namespace, then
+    every mount read-only but the working directory (bound onto itself first, so that it is a
+    mount of its own). Whether the files outside the working directory were made read-only."""
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    here = os.getcwdb()  # noqa: PTH109 (bytes for libc; no pathlib import in the launcher)
+    if libc.mount(here, here, None, MS_BIND, None) != 0:
+        return False
+    os.chdir(here)  # the working directory held the mount beneath the new one
+    return set_read_only(b"/", True, AT_RECURSIVE) and set_read_only(here, False)
 
 
 class CapHeader(ctypes.Structure):
@@ -137,15 +168,14 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
             sys.stderr.flush()
 
 
-def init(code: str, settings: dict[str, int], header: str, report: int) -> None:
+def init(code: str, settings: dict[str, int], isolated: str, report: int) -> None:
     """PID 1 of the sandbox (or a plain child where no PID namespace could be made)."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the launcher killed: so is the sandbox
-    if os.getpid() == 1:
-        mount_proc()
+    files = os.getpid() == 1 and mount_namespace()
     child = os.fork()
     if child == 0:
         os.close(report)
-        os._exit(run_code(code, settings, header))
+        os._exit(run_code(code, settings, f"sandbox:{isolated},fs={int(files)}\n"))
     while True:  # reap orphans too, until the code itself ends
         pid, status = os.waitpid(-1, 0)
         if pid == child:
@@ -158,13 +188,13 @@ def main() -> None:
     code = sys.stdin.read()
     settings["launcher"] = os.getpid()
     network, pid = isolate()
-    header = f"sandbox:net={int(network)},pid={int(pid)}\n"
+    isolated = f"net={int(network)},pid={int(pid)}"
     read, write = os.pipe()
     child = os.fork()
     if child == 0:
         try:
             os.close(read)
-            init(code, settings, header, write)
+            init(code, settings, isolated, write)
             os._exit(0)
         except BaseException:  # a launcher failure, not the code's: reported as one
             traceback.print_exc()

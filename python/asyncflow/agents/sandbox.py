@@ -1,15 +1,16 @@
 """Runs untrusted Python in a child process with limits: CPU seconds and address space
 (``setrlimit``), a wall-clock timeout after which the child's whole process group is killed,
 output truncated to a byte budget, no network (a fresh, empty network namespace), PID and mount
-namespaces of its own (it sees and can signal only its own processes, and none outlives the run),
-and, when we run as root, a user id of its own with a cap on its processes.
+namespaces of its own (it sees and can signal only its own processes, and none outlives the run;
+every file outside its working directory is read-only to it), and, when we run as root, a user id
+of its own with a cap on its processes.
 
 The limits are applied by a small launcher (:mod:`asyncflow.agents._sandbox_child`) that the child
 runs before the code, not by a ``preexec_fn``: forking a threaded process and running Python
 between ``fork`` and ``exec`` can deadlock. Limitations, stated plainly: without root the process
 cap counts all of the user's processes (so it is not set) and the code keeps the caller's user
-(it can read and write the caller's files), and there is no filesystem isolation beyond the
-working directory and (as root) the unprivileged user.
+(it can read the caller's files; it can write them only where no mount namespace could be made),
+and nothing hides files from reading beyond (as root) the unprivileged user's permissions.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CHILD = Path(__file__).with_name("_sandbox_child.py")
-HEADER = re.compile(rb"sandbox:net=(?P<net>[01]),pid=(?P<pid>[01])")
+HEADER = re.compile(rb"sandbox:net=(?P<net>[01]),pid=(?P<pid>[01]),fs=(?P<fs>[01])")
 #: Seconds between looks at whether the child has exited.
 POLL = 0.005
 
@@ -61,6 +62,8 @@ class SandboxResult:
     #: Whether the code ran in PID and mount namespaces of its own (it saw and could signal only
     #: its own processes, and everything it started was killed with it).
     processes_isolated: bool
+    #: Whether every file outside its working directory was read-only to the code.
+    files_isolated: bool
 
     @property
     def ok(self) -> bool:
@@ -117,7 +120,7 @@ async def _start(workdir: str, settings: dict[str, int]) -> asyncio.subprocess.P
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         cwd=workdir,
-        env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
+        env={"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
         start_new_session=True,  # its own process group, killed as a whole
     )
 
@@ -178,4 +181,5 @@ async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
         time.monotonic() - started,
         bool(made and made["net"] == b"1"),
         bool(made and made["pid"] == b"1"),
+        bool(made and made["fs"] == b"1"),
     )
