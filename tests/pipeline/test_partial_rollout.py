@@ -411,6 +411,38 @@ def test_a_group_in_flight_longer_than_its_lease_keeps_it(model_dir: Path) -> No
     assert len(again) == 0, "its prompt is acked"
 
 
+def test_a_decode_step_longer_than_the_lease_keeps_it(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leases are kept while the worker is busy elsewhere: a decode step (or a weight load)
+    that outlasts the lease does not hand the group's prompt out again."""
+    lease = 3.0
+    store = af.Store(lease_timeout=lease)
+    register_tasks(store, reference=False)
+    config = settings(
+        "rollout.partial=continue", "rollout.max_tokens=6", f"store.lease_timeout={lease}"
+    )
+    ctx = Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+    ctx.weights = Watcher(store, 0.0)
+    engine = HFRolloutEngine(model_dir, config)
+    step = engine.step
+
+    def slow_step() -> list[Request]:
+        time.sleep(2 * lease)  # the lease would run out twice over during it
+        return step()
+
+    worker = PartialRollout(ctx, engine)
+    put_prompts(store, target=0)
+    worker.step()  # admitted: its lease starts
+    monkeypatch.setattr(engine, "step", slow_step)
+    worker.step()
+    again = store.claim("rollout", "prompt_ids", 1, timeout=0.1, allow_partial=True)
+    assert len(again) == 0, "its prompt was handed out again during the step"
+    monkeypatch.setattr(engine, "step", step)
+    run_until_samples(worker, 0, 2, {})
+    assert len(store.rows(partition=step_partition(0))) == 2
+
+
 def test_a_routed_engine_takes_only_the_groups_it_has_room_for(model_dir: Path) -> None:
     """With a router, as without: of the 3 groups routed to it (3 per call), the engine takes the
     2 whose sequences fit (4 slots, 2 sequences a group); the third stays for later or for

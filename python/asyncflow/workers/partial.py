@@ -12,14 +12,14 @@ sample's version, by which staleness is judged, is that of its oldest token.
 A group's samples go into the store together once all of its sequences have finished, and only
 then are its prompt rows acked: a worker that dies loses only its in-flight sequences, whose
 prompts return to the store (released here, or when their lease expires). A group may stay in
-flight longer than ``store.lease_timeout`` (queued behind others, or long), so the worker renews
-the leases of the groups it holds every third of that timeout.
+flight longer than ``store.lease_timeout`` (queued behind others, or long), so the process's lease
+keeper renews the leases of the groups it holds every third of that timeout, whatever the worker
+is doing meanwhile (a long decode step, a weight load).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,10 +36,12 @@ from asyncflow.workers.routing import Dispatcher
 
 @dataclass
 class _Group:
-    """One prompt group in flight: its work item and its finished samples so far."""
+    """One prompt group in flight: its work item, its finished samples so far, and the keeping of
+    its prompt's lease."""
 
     work: PromptGroups
     done: dict[int, Completion] = field(default_factory=dict)
+    kept: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 
 class PartialRollout(Rollout):
@@ -62,12 +64,10 @@ class PartialRollout(Rollout):
         self.groups: dict[int, _Group] = {}
         #: Admission waits for this version under the ``wait`` staleness policy.
         self._needs_version = 0
-        self._renewed_at = time.monotonic()
 
     def step(self) -> bool:
         try:
             self._update_weights()
-            self._renew_leases()
             self._admit()
             if self.engine.in_flight():
                 with self.busy(f"decode v{self.engine.version}"):
@@ -113,18 +113,6 @@ class PartialRollout(Rollout):
             return
         self.sync_weights()
 
-    def _renew_leases(self) -> None:
-        """Renews the prompt leases of the groups in flight once a third of
-        ``store.lease_timeout`` has passed since the last renewal: a lease that ran out would
-        fail the group's ack once it is done, and hand its prompts to another worker meanwhile."""
-        now = time.monotonic()
-        if now - self._renewed_at < self.config.store.lease_timeout / 3:
-            return
-        self._renewed_at = now
-        leases = {b.lease: b for entry in self.groups.values() for b in entry.work.leases()}
-        for batch in leases.values():
-            batch.renew()
-
     def _room(self) -> int:
         return self.config.rollout.max_num_seqs - self.engine.in_flight()
 
@@ -156,10 +144,14 @@ class PartialRollout(Rollout):
             group = int(one.groups[0])
             if group in self.groups:
                 # Its lease ran out while it was generating and it came back to us: the new
-                # lease is the one to ack with; its sequences are already in flight.
-                self.groups[group].work = one
+                # lease is the one to keep and ack with; its sequences are already in flight.
+                entry = self.groups[group]
+                entry.kept.close()
+                entry.work = one
+                entry.kept.enter_context(self.holding(*one.leases()))
                 continue
-            self.groups[group] = _Group(one)
+            self.groups[group] = entry = _Group(one)
+            entry.kept.enter_context(self.holding(*one.leases()))
             for i in range(n):
                 sampling = replace(self.sampling, n=1)
                 self.engine.add_request(Request((group, i), one.prompts[0].tolist(), sampling))
@@ -173,6 +165,7 @@ class PartialRollout(Rollout):
         if len(entry.done) < self.sampling.n:
             return
         del self.groups[group]
+        entry.kept.close()
         outputs = [[entry.done[k] for k in range(self.sampling.n)]]
         self._deliver(entry.work, self.engine.version, outputs)
 
@@ -180,6 +173,7 @@ class PartialRollout(Rollout):
         """Hands the prompts of every unfinished group back (none of their tokens is kept)."""
         groups, self.groups = self.groups, {}
         for entry in groups.values():
+            entry.kept.close()
             # Should the store refuse, the prompts' leases expire and return them anyway.
             with contextlib.suppress(StoreError):
                 self._settle(entry.work, done=False)
