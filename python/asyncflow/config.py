@@ -161,10 +161,10 @@ class RolloutConfig:
 class TrainerConfig:
     #: ``auto`` picks DeepSpeed when installed, else ``hf``; or a registered engine name.
     engine: str = "auto"
-    #: Optimiser steps. The default job's RL costs about a second a step on 2 CPU cores; at 30
+    #: RL steps (each ``ppo_epochs`` optimiser steps). The default job's RL costs about a second a step on 2 CPU cores; at 30
     #: steps two seeds of three stopped short of 0.90 held-out accuracy while still rising.
     max_steps: int = 100
-    #: Prompt groups per optimizer step.
+    #: Prompt groups per RL step.
     groups_per_step: int = 32
     lr: float = 3e-4
     weight_decay: float = 0.0

@@ -125,6 +125,16 @@ def test_the_learning_rate_warms_up_linearly_then_stays_constant() -> None:
     assert [factor(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
 
 
+def test_the_epochs_of_one_rl_step_share_its_learning_rate() -> None:
+    """The schedule counts RL steps: with 3 optimiser steps to each, it reaches its floor at
+    ``max_steps`` RL steps, not a third of the way."""
+    settings = {"warmup_steps": 2, "lr_schedule": "cosine", "max_steps": 6, "min_lr_ratio": 0.1}
+    once = lr_factor(TrainerConfig(**settings))
+    thrice = lr_factor(TrainerConfig(ppo_epochs=3, **settings))
+    assert [thrice(s) for s in range(3 * 8)] == [once(s // 3) for s in range(3 * 8)]
+    assert thrice(3 * 5) > thrice(3 * 6) == pytest.approx(0.1)
+
+
 def test_the_cosine_schedule_decays_to_its_floor_at_the_last_step() -> None:
     factor = lr_factor(
         TrainerConfig(warmup_steps=2, lr_schedule="cosine", max_steps=12, min_lr_ratio=0.1)

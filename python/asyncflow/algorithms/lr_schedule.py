@@ -11,9 +11,11 @@ from asyncflow.config import TrainerConfig
 
 def lr_factor(t: TrainerConfig) -> Callable[[int], float]:
     """Linear warm-up over ``warmup_steps`` (from ``1/warmup_steps``, so no step is wasted at
-    zero), then constant, or a cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+    zero), then constant, or a cosine decay to ``min_lr_ratio`` at ``max_steps``. Steps are RL
+    steps: the ``ppo_epochs`` optimiser steps of one share its rate."""
 
-    def factor(step: int) -> float:
+    def factor(optimiser_step: int) -> float:
+        step = optimiser_step // t.ppo_epochs
         if step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
         if t.lr_schedule == "constant":
