@@ -161,8 +161,9 @@ class RolloutConfig:
 class TrainerConfig:
     #: ``auto`` picks DeepSpeed when installed, else ``hf``; or a registered engine name.
     engine: str = "auto"
-    #: RL steps (each ``ppo_epochs`` optimiser steps). The default job's RL costs about a second a step on 2 CPU cores; at 30
-    #: steps two seeds of three stopped short of 0.90 held-out accuracy while still rising.
+    #: RL steps (each ``ppo_epochs`` optimiser steps). The default job's RL costs about a second
+    #: a step on 2 CPU cores; at 30 steps two seeds of three stopped short of 0.90 held-out
+    #: accuracy while still rising.
     max_steps: int = 100
     #: Prompt groups per RL step.
     groups_per_step: int = 32

@@ -26,10 +26,13 @@ def exact(text: str, problem: Problem) -> float:
     return exact_match(text, problem.answer)
 
 
-def verifier(reward: RewardFn, extra_keys: bool, batched: bool = False) -> Verify:
-    """The run's reward function as a verifier of held-out answers: a batched one is given
-    one-element lists, an ``async def`` one is awaited. An answer it cannot score (it raises,
-    or returns what is not a finite number) scores 0, with a warning naming the problem."""
+def verifier(
+    reward: RewardFn, extra_keys: bool, batched: bool = False, failed: float = 0.0
+) -> Verify:
+    """The run's reward function as a verifier of answers: a batched one is given one-element
+    lists, an ``async def`` one is awaited. An answer it cannot score (it raises, or returns
+    what is not a finite number) scores ``failed``, with a warning naming the problem: 0 for
+    held-out evaluation, NaN for training (its group is left out, as in single-turn runs)."""
 
     def verify(text: str, p: Problem) -> float:
         kwargs: dict[str, Any] = {"extra_info": dict(p.extra)} if extra_keys else {}
@@ -43,11 +46,11 @@ def verifier(reward: RewardFn, extra_keys: bool, batched: bool = False) -> Verif
                 value = asyncio.run(_awaited(value))
             score = float(next(iter(cast(Iterable[Any], value))) if batched else value)
         except Exception as e:  # a user function
-            log.warning("the reward function failed on held-out problem %r: %s", p.key[:80], e)
-            return 0.0
+            log.warning("the reward function failed on problem %r: %s", p.key[:80], e)
+            return failed
         if not math.isfinite(score):
-            log.warning("the reward function gave %s on held-out problem %r", score, p.key[:80])
-            return 0.0
+            log.warning("the reward function gave %s on problem %r", score, p.key[:80])
+            return failed
         return score
 
     return verify

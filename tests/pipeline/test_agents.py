@@ -20,6 +20,7 @@ import torch
 import asyncflow as af
 from asyncflow import checkpoint
 from asyncflow.agents import calculator
+from asyncflow.agents import rollout as agent_rollout
 from asyncflow.agents.calculator import CalculatorError, evaluate
 from asyncflow.agents.env import Latency, Step, ToolEnvironment, register_environment
 from asyncflow.agents.loop import AgentLoop
@@ -683,7 +684,33 @@ def test_an_environment_step_that_is_not_a_step_ends_only_its_trajectory(answer:
     assert all(t.finish_reason == "error" and t.turns == 1 for t in group)
 
 
-def test_a_reward_function_that_hangs_scores_zero_and_is_counted() -> None:
+@pytest.mark.parametrize("gives", ["raises", "nan"])
+def test_an_answer_the_reward_function_fails_to_score_is_left_out_of_training(
+    gives: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a reward of 0 to train on: NaN, which leaves its group out (as in single-turn runs),
+    counted; held-out evaluation still scores it 0."""
+
+    def broken(response: str, truth: str) -> float:
+        if gives == "raises":
+            raise RuntimeError("judge down")
+        return math.nan
+
+    monkeypatch.setattr(agent_rollout, "resolve_reward", lambda fn, extra: broken)
+    config = Config()
+    config.agent.enabled = True
+    ctx = Context(af.Store(), config, TOKENIZER, Tracer(), RunState())
+    ((t,),) = agent_rollout.agent_loop_for(ctx).run(
+        ScriptedEngine(lambda context, turn: "2"),
+        [TOKENIZER.encode("q")],
+        [Problem("q", "2")],
+        Sampling(n=1, max_tokens=50),
+    )
+    assert math.isnan(t.reward) and t.errors["reward_failed"] == 1
+    assert verifier(broken, extra_keys=False)("2", Problem("q", "2")) == 0.0
+
+
+def test_a_reward_function_that_hangs_is_left_out_and_counted() -> None:
     release = threading.Event()
 
     def hangs(response: str, truth: str) -> float:
@@ -709,7 +736,7 @@ def test_a_reward_function_that_hangs_scores_zero_and_is_counted() -> None:
     release.set()
     assert done, "the trajectory waited for the reward function"
     ((t,),) = done[0]
-    assert (t.reward, t.errors["reward_timeout"]) == (0.0, 1)
+    assert math.isnan(t.reward) and t.errors["reward_timeout"] == 1
 
 
 class _ShortEngine(ScriptedEngine):

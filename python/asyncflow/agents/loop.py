@@ -379,11 +379,16 @@ class AgentLoop:
         score = t.env_reward if mode in ("env", "both") else 0.0
         if mode in ("verifier", "both") and self.verify is not None:
             # A user's function, off the event loop: a slow one holds up no other trajectory,
-            # and an ``async def`` one gets a loop of its own there. One that hangs scores 0.
+            # and an ``async def`` one gets a loop of its own there. A trajectory it failed to
+            # score (NaN: it raised, gave no finite number, or hung) is left out of training.
             try:
-                score += await asyncio.wait_for(
+                verified = await asyncio.wait_for(
                     in_thread(self.verify, t.final_text, problem), self.config.tool_timeout * 2
                 )
             except TimeoutError:
                 t.errors["reward_timeout"] += 1
+                return math.nan
+            if math.isnan(verified):
+                t.errors["reward_failed"] += 1
+            score += verified
         return score

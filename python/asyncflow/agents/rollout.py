@@ -9,6 +9,8 @@ trainer reports per step, with ``agent_truncated``, as means over the trajectori
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from asyncflow.agents.loop import AgentLoop
@@ -23,10 +25,11 @@ from asyncflow.workers.routing import Dispatcher
 
 
 def agent_loop_for(ctx: Context) -> AgentLoop:
-    """The run's agent loop, judging answers with ``reward.fn`` as held-out evaluation does."""
+    """The run's agent loop, judging answers with ``reward.fn`` as held-out evaluation does,
+    but an answer it fails to score is NaN: the trajectory's group is left out of training."""
     c = ctx.config
     extra = bool(c.data.extra_keys)
-    verify = verifier(resolve_reward(c.reward.fn, extra), extra, c.reward.batched)
+    verify = verifier(resolve_reward(c.reward.fn, extra), extra, c.reward.batched, math.nan)
     return AgentLoop(c.agent, ctx.tokenizer, verify)
 
 

@@ -260,11 +260,15 @@ class RewardWorker(Worker):
     def _pass_on_agent_rewards(self) -> bool:
         """Agent runs: the agent loop scored each trajectory already (``agent.reward``: the
         verifier on its last model turn, the environment's rewards, or both), as it alone knows
-        where the answer ends and tool output begins."""
+        where the answer ends and tool output begins. A NaN one it failed to score (counted in
+        the trajectory's errors): its group is left out of training."""
         batch = self.claim("reward", ["agent_reward"], 256)
         if len(batch) == 0:
             return True
         rewards = np.array([float(r) for r in batch.read()["agent_reward"]], np.float32)
+        if failed := int(np.isnan(rewards).sum()):
+            log.warning("%d trajectories could not be scored; their groups are left out", failed)
+            self.ctx.state.add(reward_failures=failed)
         self.store.put({"reward": rewards}, indexes=batch.indexes)
         batch.ack()
         return True
