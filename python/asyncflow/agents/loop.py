@@ -210,7 +210,6 @@ class AgentLoop:
             else {name: create_tool(name, config) for name in config.tools}
         )
         self.make_env = environment_factory(config.environment)
-        self.eos = tokenizer.eos_id
         # The template's own text around the observation, tokenized once (its special tokens
         # are the real ones); ``format`` unescapes ``{{``/``}}`` as it would on the whole.
         head, tail = config.observation_template.split("{observation}", 1)

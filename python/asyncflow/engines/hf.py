@@ -95,7 +95,8 @@ def sample(
     device = model_device(model)
     rows = [p for p in prompts for _ in range(sampling.n)]
     width = max(len(p) for p in rows)
-    pad, eos = tokenizer.pad_id, tokenizer.eos_id
+    pad, stops = tokenizer.pad_id, tokenizer.stop_ids
+    stop_tensor = torch.tensor(sorted(stops), device=device)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
     generator = None
@@ -128,7 +129,7 @@ def sample(
         token = torch.where(done, torch.full_like(token, pad), token)
         out_ids[:, t] = token
         out_lp[:, t] = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-        finished_now = ~done & (token == eos)
+        finished_now = ~done & torch.isin(token, stop_tensor)
         lengths = torch.where(finished_now, torch.full_like(lengths, t + 1), lengths)
         done |= finished_now
         if bool(done.all()):
@@ -142,7 +143,7 @@ def sample(
     for i in range(len(rows)):
         ids = all_ids[i][: int(all_lengths[i])]
         text = tokenizer.decode(ids)
-        reason = "stop" if eos in ids else "length"
+        reason = "stop" if ids and ids[-1] in stops else "length"
         for s in sampling.stop:
             if s in text:
                 text, reason = text[: text.index(s)], "stop"
@@ -173,7 +174,7 @@ class HFRolloutEngine(RolloutEngine):
         self.device = engine_device("rollout.device", config.rollout.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, config.model.dtype).to(self.device).eval()
-        self.loop = DecodeLoop(self.model, self.tokenizer.eos_id, config.rollout.max_num_seqs)
+        self.loop = DecodeLoop(self.model, self.tokenizer.stop_ids, config.rollout.max_num_seqs)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         return sample(self.model, prompts, sampling, self.tokenizer)

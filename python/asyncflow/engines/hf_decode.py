@@ -40,10 +40,10 @@ class _Running:
 class DecodeLoop:
     """Continuous batching of requests over one transformers model."""
 
-    def __init__(self, model: Any, eos_id: int, max_num_seqs: int) -> None:
+    def __init__(self, model: Any, stop_ids: frozenset[int], max_num_seqs: int) -> None:
         self.model = model
         self.device = model_device(model)
-        self.eos_id = eos_id
+        self.stop_ids = stop_ids
         self.max_num_seqs = max_num_seqs
         self.queued: deque[Request] = deque()
         self.running: list[_Running] = []
@@ -98,7 +98,7 @@ class DecodeLoop:
         request.logprobs.append(logprob)
         request.versions.append(version)
         seq.pending = [token]
-        if token == self.eos_id:
+        if token in self.stop_ids:
             request.finish_reason = "stop"
         elif request.remaining <= 0:
             request.finish_reason = "length"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,6 +18,8 @@ Messages = Sequence[Mapping[str, Any]]
 class Tokenizer(Protocol):
     pad_id: int
     eos_id: int
+    #: The tokens that end a response: ``eos_id`` and any other end of turn the model names.
+    stop_ids: frozenset[int]
 
     def encode(self, text: str, *, special: bool = True) -> list[int]: ...
 
@@ -31,7 +34,9 @@ class Tokenizer(Protocol):
 class HFTokenizer:
     """A Hugging Face tokenizer behind the interface the workers use."""
 
-    def __init__(self, tokenizer: Any, source: str = "tokenizer") -> None:
+    def __init__(
+        self, tokenizer: Any, source: str = "tokenizer", stop_ids: Sequence[int] = ()
+    ) -> None:
         self._tok = tokenizer
         self.source = source
         if tokenizer.eos_token_id is None:
@@ -39,6 +44,7 @@ class HFTokenizer:
         self.eos_id = int(tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id
+        self.stop_ids = frozenset({self.eos_id, *map(int, stop_ids)})
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> HFTokenizer:
@@ -48,7 +54,7 @@ class HFTokenizer:
             tok = AutoTokenizer.from_pretrained(str(directory))
         except (OSError, ValueError) as e:
             raise ValueError(f"{directory} holds no Hugging Face tokenizer: {e}") from e
-        return cls(tok, str(directory))
+        return cls(tok, str(directory), generation_stop_ids(Path(directory)))
 
     def __len__(self) -> int:
         return len(self._tok)
@@ -70,10 +76,9 @@ class HFTokenizer:
         return plain
 
     def decode(self, ids: list[int]) -> str:
-        """Text up to the first eos token, without special tokens."""
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+        """Text up to the first stop token, without special tokens."""
+        end = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return str(self._tok.decode(ids[:end], skip_special_tokens=True))
 
     @property
     def has_chat_template(self) -> bool:
@@ -85,6 +90,23 @@ class HFTokenizer:
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
         )
         return self.encode(str(text))
+
+
+def generation_stop_ids(model_dir: Path) -> list[int]:
+    """The end tokens a model's ``generation_config.json`` names (``eos_token_id``: one or a
+    list), which a chat model may end its turn with rather than its tokenizer's eos (Gemma's
+    ``<end_of_turn>``, Phi-3's ``<|end|>``); vLLM stops on them too."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        named = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path} is not a generation config: {e}") from e
+    ids = named if isinstance(named, list) else [] if named is None else [named]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them: {named!r}")
+    return ids
 
 
 def load_tokenizer(model_dir: str | Path) -> HFTokenizer:

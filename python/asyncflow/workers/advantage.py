@@ -142,8 +142,8 @@ class AdvantageWorker(Worker):
         if self.config.agent.enabled:
             cut = np.array([bool(c) for c in data["agent_truncated"]], bool)
             return lengths, cut, self.config.agent.max_tokens
-        eos = self.ctx.tokenizer.eos_id
-        ended = np.array([len(r) > 0 and int(r[-1]) == eos for r in responses])
+        stops = self.ctx.tokenizer.stop_ids
+        ended = np.array([len(r) > 0 and int(r[-1]) in stops for r in responses])
         bound = self.config.rollout.max_tokens
         return lengths, (lengths >= bound) & ~ended, bound
 

@@ -287,6 +287,7 @@ class EmulatedTokenizer:
     carry no text (the emulated verifier reads none), so decoding is free."""
 
     pad_id, eos_id = 0, 1
+    stop_ids = frozenset({eos_id})
     has_chat_template = False
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
