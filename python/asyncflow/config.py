@@ -100,7 +100,9 @@ class DataConfig:
 class WarmStartConfig:
     """A short supervised pass that makes the built-in model sometimes right (pass@k > pass@1)."""
 
-    enabled: bool = True
+    #: Unset: on for the built-in model, off for a model of one's own (``model.path``), which
+    #: the built-in task's bare-answer demonstrations would otherwise fine-tune.
+    enabled: bool | None = None
     steps: int = 600
     batch_size: int = 256
     lr: float = 3e-3

@@ -102,6 +102,13 @@ def logprob_agreement(
     return worst
 
 
+def warm_starts(config: Config) -> bool:
+    """Whether the run begins with the warm start (``warm_start.enabled``, or by default only
+    for the built-in model)."""
+    enabled = config.warm_start.enabled
+    return config.model.path is None if enabled is None else enabled
+
+
 def prompt_budget(config: Config, model_dir: Path) -> int | None:
     """``data.max_prompt_length``, or what the model's positions leave once a response is added
     (None when the model does not say): ``rollout.max_tokens``, or in agent runs a whole
@@ -188,7 +195,7 @@ class Run:
     def prepare_model(self, task: Task, prompts: PromptEncoder, base: Path) -> Path:
         c = self.config
         warm = self.run_dir / "warm_start"
-        if not c.warm_start.enabled:
+        if not warm_starts(c):
             return base
         if (warm / "config.json").exists():
             return warm

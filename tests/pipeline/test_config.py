@@ -8,6 +8,7 @@ import pytest
 
 from asyncflow import config as cfg
 from asyncflow.bench import e2e_suite
+from asyncflow.train import warm_starts
 
 
 def test_defaults_are_the_embedded_job() -> None:
@@ -166,3 +167,21 @@ def test_the_gsm_synthetic_example_is_valid_once_its_data_is_made(tmp_path: Path
         "gsm8k",
         "extra_info.solution",
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warm"),
+    [
+        ([], True),
+        (["model.path=MINE"], False),
+        (["model.path=MINE", "warm_start.enabled=true"], True),
+        (["warm_start.enabled=false"], False),
+    ],
+)
+def test_the_warm_start_is_for_the_built_in_model_unless_asked(
+    overrides: list[str], warm: bool, tmp_path: Path
+) -> None:
+    """Its demonstrations are the built-in task's bare answers: a model of one's own is not
+    fine-tuned on them unless the config says so."""
+    overrides = [o.replace("MINE", str(tmp_path)) for o in overrides]
+    assert warm_starts(cfg.load(None, overrides)) is warm
