@@ -90,9 +90,11 @@ class DataConfig:
     #: longer ones are left out (``filter``, counted in the summary) or cut from the left.
     max_prompt_length: int | None = None
     truncation: Literal["filter", "truncate_left"] = "filter"
-    #: Built-in task: operand digits (``addition-longtail``: the most), and held-out problems for
-    #: evaluation.
+    #: Built-in task: operand digits (``addition-longtail``: the most).
     digits: int = 2
+    #: Held-out problems for evaluation: the built-in task's, or, for a dataset without
+    #: ``eval_file``, distinct prompts drawn from ``train_file`` at random (the same for every
+    #: seed) and kept out of training.
     eval_size: int = 500
 
 

@@ -265,8 +265,26 @@ def test_held_out_rows_are_not_trained_on_even_when_repeated(tmp_path: Path) -> 
     held_out = [p.prompt for p in task.eval_set()]
     stream = task.train_stream(seed=0)
     trained = {next(stream).prompt for _ in range(200)}
-    assert held_out == [f"{i}+1=" for i in range(5)]
-    assert trained == {f"{i}+1=" for i in range(5, 12)}
+    assert len(set(held_out)) == 5 and held_out == sorted(held_out, key=prompts.index)
+    assert trained == set(prompts) - set(held_out)
+
+
+def test_the_held_out_prompts_are_drawn_from_the_whole_file_the_same_for_every_run(
+    tmp_path: Path,
+) -> None:
+    """Not the file's first rows: a file sorted by kind would hold out its first kind only."""
+    rows = [
+        {"prompt": f"{kind} {i}", "reward_model": {"ground_truth": "1"}}
+        for kind in ("easy", "hard")
+        for i in range(50)
+    ]
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=20)
+    held_out = [[str(p.prompt) for p in load_task(data, encoder(tmp_path / "t")).eval_set()]]
+    held_out.append([str(p.prompt) for p in load_task(data, encoder(tmp_path / "t")).eval_set()])
+    assert held_out[0] == held_out[1]
+    kinds = [p.split()[0] for p in held_out[0]]
+    assert 0 < kinds.count("easy") < 20
 
 
 def test_a_dataset_without_training_rows_left_is_refused(tmp_path: Path) -> None:

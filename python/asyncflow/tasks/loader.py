@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from asyncflow.config import DataConfig
 from asyncflow.errors import ConfigError
 from asyncflow.tasks.arithmetic import ArithmeticTask, LongTailAdditionTask
@@ -51,13 +53,20 @@ def _check_generated(prompts: PromptEncoder, problem: Problem) -> None:
         )
 
 
+#: The held-out sample is the same for every run (and every ``run.seed``): seeds are compared on
+#: the same problems.
+HELD_OUT_SEED = 0
+
+
 def split_held_out(rows: list[Problem], size: int) -> tuple[list[Problem], list[Problem]]:
-    """Holds out the first ``size`` distinct prompts of ``rows``; every row asking one of them,
-    later duplicates included, stays out of training, so no held-out prompt is ever trained on."""
-    held_out: dict[str, Problem] = {}
+    """Holds out ``size`` distinct prompts of ``rows`` drawn at random (a file sorted by kind or
+    difficulty would otherwise give its first kind only), in file order; every row asking one
+    of them, duplicates included, stays out of training, so no held-out prompt is trained on."""
+    first: dict[str, Problem] = {}
     for row in rows:
-        if len(held_out) == size:
-            break
-        held_out.setdefault(row.key, row)
-    train = [row for row in rows if row.key not in held_out]
-    return list(held_out.values()), train
+        first.setdefault(row.key, row)
+    keys = list(first)
+    drawn = np.random.default_rng(HELD_OUT_SEED).permutation(len(keys))[:size]
+    held = {keys[i] for i in drawn}
+    train = [row for row in rows if row.key not in held]
+    return [first[k] for k in keys if k in held], train
