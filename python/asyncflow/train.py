@@ -109,26 +109,31 @@ def warm_starts(config: Config) -> bool:
     return config.model.path is None if enabled is None else enabled
 
 
-def prompt_budget(config: Config, model_dir: Path) -> int | None:
-    """``data.max_prompt_length``, or what the model's positions leave once a response is added
-    (None when the model does not say): ``rollout.max_tokens``, or in agent runs a whole
-    trajectory's ``agent.max_tokens`` (model and environment turns), should it be the larger."""
+def prompt_budget(config: Config, model_dir: Path) -> int:
+    """``data.max_prompt_length``, or what the tightest bound on a sample leaves once a response
+    is added: the model's positions, ``rollout.max_model_len`` and the trainer's micro-batch
+    (``trainer.micro_batch_tokens``, which must hold a whole sample). The response is
+    ``rollout.max_tokens``, or in agent runs a whole trajectory's ``agent.max_tokens`` (model and
+    environment turns), should it be the larger."""
     if config.data.max_prompt_length is not None:
         return config.data.max_prompt_length
     hf_config = json.loads((model_dir / "config.json").read_text())
-    positions = [hf_config.get("max_position_embeddings"), config.rollout.max_model_len]
-    known = [int(p) for p in positions if p is not None]
-    if not known:
-        return None
+    # A multimodal model's (Gemma 3, Qwen2-VL) language model says it in its own section.
+    positions = hf_config.get("max_position_embeddings")
+    if positions is None:
+        positions = (hf_config.get("text_config") or {}).get("max_position_embeddings")
+    bounds = {
+        "the model's positions": positions,
+        "rollout.max_model_len": config.rollout.max_model_len,
+        "trainer.micro_batch_tokens": config.trainer.micro_batch_tokens,
+    }
+    bound, most = min(((k, int(v)) for k, v in bounds.items() if v is not None), key=lambda b: b[1])
     response, name = config.rollout.max_tokens, "rollout.max_tokens"
     if config.agent.enabled and config.agent.max_tokens > response:
         response, name = config.agent.max_tokens, "agent.max_tokens"
-    if min(known) <= response:
-        raise ConfigError(
-            f"the model's {min(known)} positions leave no room for a prompt before "
-            f"{name} ({response})"
-        )
-    return min(known) - response
+    if most <= response:
+        raise ConfigError(f"{bound} ({most}) leave no room for a prompt before {name} ({response})")
+    return most - response
 
 
 def register_tasks(

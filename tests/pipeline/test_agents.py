@@ -190,7 +190,7 @@ def test_the_prompt_budget_leaves_room_for_a_whole_trajectory(tmp_path: Path) ->
     assert prompt_budget(load(None, sizes), tmp_path) == 92
     assert prompt_budget(load(None, [*sizes, "agent.enabled=true"]), tmp_path) == 22
     too_long = load(None, [*sizes, "agent.enabled=true", "agent.max_tokens=192"])
-    with pytest.raises(ConfigError, match=r"192 positions .* agent.max_tokens \(192\)"):
+    with pytest.raises(ConfigError, match=r"positions \(192\) .* agent.max_tokens \(192\)"):
         prompt_budget(too_long, tmp_path)
 
 

@@ -30,6 +30,7 @@ from asyncflow.tasks.dataset import read_problems
 from asyncflow.tasks.loader import load_task
 from asyncflow.tasks.prompts import PromptEncoder, PromptError
 from asyncflow.tasks.records import DatasetError
+from asyncflow.train import prompt_budget
 from asyncflow.workers.reward import (
     exact_match,
     gsm8k_match,
@@ -411,3 +412,15 @@ def test_the_warm_start_demonstrates_a_worked_answer_column(tmp_path: Path) -> N
     data = DataConfig(task="dataset", train_file=str(path), demonstration_key="extra_info.solution")
     problems, _ = read_problems(path, data, encoder(tmp_path / "tok"))
     assert [p.demonstration for p in problems] == [r["extra_info"]["solution"] for r in rows]
+
+
+def test_the_prompt_budget_is_the_tightest_bound_on_a_sample(tmp_path: Path) -> None:
+    """A prompt the trainer's micro-batch could not hold with its response is left out when the
+    data is read (it failed the run mid-way before), and a multimodal model's positions are read
+    from its language model's section."""
+    (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 8192}}')
+    sizes = ["model.max_positions=16384", "rollout.max_tokens=100"]
+    assert prompt_budget(load_config(None, sizes), tmp_path) == 4096 - 100  # the micro-batch
+    wider = [*sizes, "trainer.micro_batch_tokens=16384"]
+    assert prompt_budget(load_config(None, wider), tmp_path) == 8192 - 100  # the positions
+    assert prompt_budget(load_config(None, [*wider, "rollout.max_model_len=1000"]), tmp_path) == 900
