@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import random
 import re
@@ -360,6 +361,43 @@ def test_the_reward_function_gets_the_extra_keys() -> None:
     problem = Problem("1+1=", "2", {"extra_info.index": 7})
     assert unpack_answer(pack_answer(problem, True), True) == ("2", {"extra_info.index": 7})
     assert unpack_answer(pack_answer(problem, False), False) == ("2", {})
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "score"),
+    [
+        ("so 3, then 85.", "85", 1.0),
+        ("The answer is 1,234", "1,234", 1.0),
+        ("The answer is 1234", "1,234", 1.0),
+        ("The answer is 1,234", "1234", 1.0),
+        ("it is -2.5", "-2.5", 1.0),
+        ("1,234 or maybe 12", "1234", 0.0),
+        ("no number", "3", 0.0),
+        ("3", "three", 0.0),
+    ],
+)
+def test_numeric_match_reads_thousands_separators_on_both_sides(
+    response: str, truth: str, score: float
+) -> None:
+    assert numeric_match(response, truth) == score
+
+
+def test_a_dataset_reads_as_its_reward_function_will_see_it(tmp_path: Path) -> None:
+    """A whole number read as a float is its integer's text; extra values are what JSON holds,
+    the same in held-out evaluation as in training, and one JSON cannot hold is refused."""
+    rows = [{"prompt": f"{i}+1=", "answer": float(i + 1), "info": {"i": i}} for i in range(3)]
+    data = DataConfig(
+        task="dataset", train_file="", answer_key="answer", extra_keys=["info"], eval_size=1
+    )
+    problems, _ = read_problems(write_rows(tmp_path / "t.parquet", rows), data, encoder(tmp_path))
+    assert [(p.answer, dict(p.extra)) for p in problems] == [
+        (str(i + 1), {"info": {"i": i}}) for i in range(3)
+    ]
+    again = unpack_answer(pack_answer(problems[0], True), True)
+    assert again == (problems[0].answer, dict(problems[0].extra))
+    dated = [{"prompt": "1+1=", "answer": "2", "info": dt.date(2026, 1, 1)}]
+    with pytest.raises(DatasetError, match=r"row 0 key 'info': an extra value must be"):
+        read_problems(write_rows(tmp_path / "d.parquet", dated), data, encoder(tmp_path))
 
 
 def test_rewards_by_name_or_import_path() -> None:

@@ -8,6 +8,7 @@ missing answer or extra key is refused naming the file, the row and the key. Pro
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,9 +52,27 @@ def _problem(row: dict[str, Any], data: DataConfig, where: str) -> Problem:
             f"{where} key {data.answer_key!r}: the ground truth must be a scalar, not "
             f"{type(answer).__name__}"
         )
-    extra = {key: values[key] for key in data.extra_keys}
+    # The values a reward function is given are what the store carries for training (JSON),
+    # the same for held-out evaluation: refused here, naming the row, if JSON cannot hold them.
+    extra = {}
+    for key in data.extra_keys:
+        try:
+            extra[key] = json.loads(json.dumps(values[key], allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise DatasetError(
+                f"{where} key {key!r}: an extra value must be what JSON holds "
+                f"(text, numbers, lists, maps): {e}"
+            ) from None
     demonstration = str(values[data.demonstration_key]) if data.demonstration_key else None
-    return Problem(prompt, str(answer), extra, demonstration)
+    return Problem(prompt, _text(answer), extra, demonstration)
+
+
+def _text(answer: Any) -> str:
+    """A ground truth as text; a whole number read as a float (an integer column with a missing
+    value becomes floats) is written as the integer it is: ``2``, not ``2.0``."""
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer)
 
 
 def read_problems(

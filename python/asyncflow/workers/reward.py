@@ -56,13 +56,18 @@ def exact_match(response: str, truth: str, extra_info: Mapping[str, Any] | None 
     return 1.0 if response.strip() == truth.strip() else 0.0
 
 
+#: A number in text, with thousands separators or not: ``-1,234.5``.
+NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
 def numeric_match(response: str, truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
-    """1 if the response's last number equals the ground truth's number."""
-    words = [
-        w for w in response.replace(",", " ").split() if w.lstrip("-").replace(".", "", 1).isdigit()
-    ]
+    """1 if the response's last number equals the ground truth's number (thousands separators
+    ignored in both: ``1,234`` is 1234)."""
+    numbers = NUMBER.findall(response)
     try:
-        return 1.0 if words and float(words[-1]) == float(truth.strip()) else 0.0
+        if not numbers:
+            return 0.0
+        return 1.0 if float(numbers[-1].replace(",", "")) == float(truth.replace(",", "")) else 0.0
     except ValueError:
         return 0.0
 
