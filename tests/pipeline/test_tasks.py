@@ -462,3 +462,27 @@ def test_the_prompt_budget_is_the_tightest_bound_on_a_sample(tmp_path: Path) -> 
     wider = [*sizes, "trainer.micro_batch_tokens=16384"]
     assert prompt_budget(load_config(None, wider), tmp_path) == 8192 - 100  # the positions
     assert prompt_budget(load_config(None, [*wider, "rollout.max_model_len=1000"]), tmp_path) == 900
+
+
+@pytest.mark.parametrize("text", ["a\u2028b", "a\u2029b", "a\x85b", "é"])
+@pytest.mark.parametrize("bom", [False, True])
+def test_json_lines_with_any_unicode_are_read(tmp_path: Path, text: str, bom: bool) -> None:
+    """Characters that end a line for Python but not for JSON lines (written unescaped by
+    ``ensure_ascii=False``), and a byte-order mark."""
+    rows = [{"prompt": f"{text} {i}", "reward_model": {"ground_truth": "1"}} for i in range(2)]
+    lines = "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows)
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(("\ufeff" if bom else "").encode() + lines.encode())
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=1)
+    problems, _ = read_problems(path, data, encoder(tmp_path / "tok"))
+    assert [p.prompt for p in problems] == [r["prompt"] for r in rows]
+
+
+def test_json_that_is_not_utf8_is_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(
+        '{"prompt": "caf\xe9", "reward_model": {"ground_truth": "1"}}'.encode("latin-1")
+    )
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=1)
+    with pytest.raises(DatasetError, match=r"t.jsonl: JSON must be UTF-8"):
+        read_problems(path, data, encoder(tmp_path / "tok"))

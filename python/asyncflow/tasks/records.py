@@ -52,8 +52,11 @@ def read_records(path: str | Path, fmt: str = "auto") -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
-    """A JSON array of objects, or one object per line."""
-    text = path.read_text()
+    """A JSON array of objects, or one object per line (UTF-8, a byte-order mark allowed)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: JSON must be UTF-8: {e}") from e
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -62,7 +65,9 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         numbered = list(enumerate(rows))
     else:
         numbered = []
-        for i, line in enumerate(text.splitlines()):
+        # Lines end at a newline only: U+2028, U+2029 and U+0085, which a JSON string may hold
+        # unescaped, are characters of their line.
+        for i, line in enumerate(text.split("\n")):
             if not line.strip():
                 continue
             try:
