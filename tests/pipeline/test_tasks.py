@@ -8,10 +8,12 @@ import random
 import re
 import threading
 from pathlib import Path
+from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from asyncflow.cli import main
 from asyncflow.config import ConfigError, DataConfig
@@ -486,3 +488,42 @@ def test_json_that_is_not_utf8_is_refused_naming_the_file(tmp_path: Path) -> Non
     data = DataConfig(task="dataset", train_file=str(path), eval_size=1)
     with pytest.raises(DatasetError, match=r"t.jsonl: JSON must be UTF-8"):
         read_problems(path, data, encoder(tmp_path / "tok"))
+
+
+def bos_adding_tokenizer(d: Path) -> Path:
+    """A tokenizer that starts every text with ``<s>`` by itself (a post-processor, as Llama's
+    and Gemma's do), one character a token, and a chat template that writes the BOS itself."""
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate([*specials, *"0123456789+=[]/INST "])}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    template = "{{ bos_token }}{% for m in messages %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    template += "{% endfor %}"
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=template,
+    )
+    fast.save_pretrained(str(d))
+    return d
+
+
+@pytest.mark.parametrize("chat_template", ["auto", False])
+def test_a_prompt_starts_with_the_bos_its_tokenizer_adds_once(
+    tmp_path: Path, chat_template: Literal["auto"] | bool
+) -> None:
+    """A plain-text prompt gets the BOS the model's tokenizer adds, as vLLM gives a text prompt;
+    a chat rendered by a template that writes it has it once."""
+    tok = load_tokenizer(bos_adding_tokenizer(tmp_path))
+    data = DataConfig(chat_template=chat_template)
+    ids = PromptEncoder.for_data(tok, data, None).encode("2+2=")
+    assert ids[0] == 1 and ids.count(1) == 1

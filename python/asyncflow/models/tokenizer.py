@@ -25,6 +25,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def encode_prompt(self, text: str) -> list[int]: ...
+
     @property
     def has_chat_template(self) -> bool: ...
 
@@ -65,6 +67,11 @@ class HFTokenizer:
         output), which could otherwise end a turn or open one in the model's name."""
         tok = self._tok if special else self._plain
         return list(tok.encode(text, add_special_tokens=False, split_special_tokens=not special))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain-text prompt as the model's tokenizer encodes one by itself: with the special
+        tokens it adds (a base model's BOS), as vLLM does with a text prompt."""
+        return list(self._tok.encode(text, add_special_tokens=True))
 
     @functools.cached_property
     def _plain(self) -> Any:

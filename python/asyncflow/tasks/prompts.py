@@ -41,7 +41,7 @@ class PromptEncoder:
         return cls(tokenizer, data.chat_template, data.system_prompt, max_length, data.truncation)
 
     def __post_init__(self) -> None:
-        self._cache: dict[str, list[int]] = {}
+        self._cache: dict[tuple[str, str], list[int]] = {}
 
     @property
     def templated(self) -> bool:
@@ -73,7 +73,7 @@ class PromptEncoder:
         chat = self.messages(prompt)
         if chat is None:
             assert isinstance(prompt, str)
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         try:
             return self.tokenizer.encode_chat(chat)
         except Exception as e:  # a template is a program: any error is the data's or its own
@@ -86,7 +86,7 @@ class PromptEncoder:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The ids the policy reads: rendered, cut from the left under ``truncate_left``."""
-        key = prompt if isinstance(prompt, str) else repr(prompt)
+        key = ("text", prompt) if isinstance(prompt, str) else ("chat", repr(prompt))
         ids = self._cache.get(key)
         if ids is None:
             ids = self.render(prompt)

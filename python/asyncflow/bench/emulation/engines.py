@@ -296,6 +296,9 @@ class EmulatedTokenizer:
     def decode(self, ids: list[int]) -> str:
         return ""
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def encode_chat(self, messages: Messages) -> list[int]:
         raise NotImplementedError("emulated prompts are plain text")
 
