@@ -527,3 +527,16 @@ def test_a_prompt_starts_with_the_bos_its_tokenizer_adds_once(
     data = DataConfig(chat_template=chat_template)
     ids = PromptEncoder.for_data(tok, data, None).encode("2+2=")
     assert ids[0] == 1 and ids.count(1) == 1
+
+
+def test_training_rows_that_ask_a_held_out_prompt_are_left_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    train = write_rows(tmp_path / "train.jsonl", sums(10))
+    test = write_rows(tmp_path / "test.jsonl", sums(10)[7:])
+    data = DataConfig(task="dataset", train_file=str(train), eval_file=str(test))
+    task = load_task(data, encoder(tmp_path / "tok"))
+    stream = task.train_stream(seed=0)
+    trained = {str(next(stream).prompt) for _ in range(100)}
+    assert trained == {str(p) for p in (r["prompt"] for r in sums(7))}
+    assert "3 rows of" in caplog.text

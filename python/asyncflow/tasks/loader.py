@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from asyncflow.config import DataConfig
@@ -11,6 +13,8 @@ from asyncflow.tasks.base import Problem, Task
 from asyncflow.tasks.dataset import DatasetTask, read_problems
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
 from asyncflow.tasks.prompts import PromptEncoder, PromptError
+
+log = logging.getLogger(__name__)
 
 
 def load_task(data: DataConfig, prompts: PromptEncoder) -> Task:
@@ -29,12 +33,22 @@ def load_task(data: DataConfig, prompts: PromptEncoder) -> Task:
     counts = {"train": too_long}
     if data.eval_file is not None:
         held_out, counts["eval"] = read_problems(data.eval_file, data, prompts)
+        asked = {p.key for p in held_out}
+        kept = [row for row in train if row.key not in asked]
+        if len(kept) < len(train):  # held-out problems are never trained on
+            log.warning(
+                "%d rows of %s ask a prompt of %s: left out of training",
+                len(train) - len(kept),
+                data.train_file,
+                data.eval_file,
+            )
+        train = kept
     else:
         held_out, train = split_held_out(train, data.eval_size)
     if not train:
+        held = data.eval_file or f"data.eval_size={data.eval_size}"
         raise ConfigError(
-            f"{data.train_file} has no training rows left once data.eval_size="
-            f"{data.eval_size} prompts are held out"
+            f"{data.train_file} has no training rows left once the prompts of {held} are held out"
         )
     return DatasetTask(train, held_out, counts)
 
