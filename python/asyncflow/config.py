@@ -580,6 +580,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ConfigError as e:
                 errors.append(str(e))
+        # Each says "{key} must be X, not {value!r}": one message naming every X.
+        head, tail = f"{key} must be ", f", not {value!r}"
+        if all(e.startswith(head) and e.endswith(tail) for e in errors):
+            wanted = " or ".join(e.removeprefix(head).removesuffix(tail) for e in errors)
+            raise ConfigError(f"{head}{wanted}{tail}")
         raise ConfigError(errors[0])
     if origin is Literal:
         choices = typing.get_args(hint)
