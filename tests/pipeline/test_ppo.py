@@ -79,6 +79,40 @@ def test_gae_of_a_multi_turn_row_steps_over_the_environments_tokens() -> None:
         gae(rewards, values, 0.9, 0.5, mask=np.ones(3))
 
 
+def test_a_row_left_out_of_the_loss_moves_no_other_rows_whitened_advantages() -> None:
+    """Under ``overlong: filter`` a cut row has no advantage; its values, whatever they are,
+    leave the others' advantages as they would be without it."""
+    config = cfg.load(
+        None,
+        [
+            "rollout.n=3",
+            "algorithm.advantage=gae",
+            "algorithm.overlong=filter",
+            "rollout.max_tokens=3",
+        ],
+    )
+    worker = AdvantageWorker(Context(af.Store(), config, chatml_tokenizer(), Tracer(), RunState()))
+    eos = worker.ctx.tokenizer.eos_id
+    # Rows 0 and 1 ended; row 2 was cut at rollout.max_tokens.
+    responses = [np.array([5, eos]), np.array([6, 7, eos]), np.array([5, 6, 7])]
+    rewards = np.array([1.0, 0.0, 0.0])
+
+    def advantages(cut_values: float) -> list[np.ndarray]:
+        values = [np.array([0.2, 0.4]), np.array([0.1, 0.3, 0.5]), np.full(3, cut_values)]
+        data: dict[str, list[object]] = {"response_ids": list(responses), "values": values}
+        adv, _ = worker.advantages(rewards, np.zeros(3, np.int64), data)
+        shaped = worker.token_advantages(worker.shaped_rewards, adv, data)
+        return shaped["token_advantages"]  # type: ignore[return-value]
+
+    low, high = advantages(0.0), advantages(5.0)
+    for a, b in zip(low, high, strict=True):
+        np.testing.assert_allclose(a, b)
+    assert not high[2].any() and high[0].any()
+    # Whitened over the two rows in the loss alone.
+    flat = np.concatenate(high[:2])
+    assert abs(flat.mean()) < 1e-5 and flat.std() == pytest.approx(1.0, rel=1e-4)
+
+
 def test_the_value_loss_is_clipped_around_the_scoring_values() -> None:
     values = torch.tensor([[1.0, 0.0]], requires_grad=True)
     old = torch.tensor([[0.5, 0.5]])

@@ -113,10 +113,12 @@ class AdvantageWorker(Worker):
             advantages, returns[i] = gae(r, values[i], a.gamma, a.lam, masks[i])
             raw.append(advantages)
         token_adv = [np.zeros(v.size, np.float32) for v in values]
-        kept_masks = [masks[i] for i in keep.tolist()]
-        for i, white in zip(keep.tolist(), whiten(raw, kept_masks), strict=True):
-            # Left out of the loss (overlong filtered): no gradient from its tokens.
-            token_adv[i] = white if adv[i] != 0 else np.zeros_like(white)
+        # Whitened over the rows in the loss: one left out of it (overlong filtered: advantage
+        # 0, no gradient from its tokens) moves no other row's advantages.
+        learnt = [k for k, i in enumerate(keep.tolist()) if adv[i] != 0]
+        white = whiten([raw[k] for k in learnt], [masks[keep[k]] for k in learnt])
+        for k, w in zip(learnt, white, strict=True):
+            token_adv[keep[k]] = w
         mean = np.full(adv.shape, np.nan, np.float32)
         mean[keep] = [float(token_adv[i].mean()) if token_adv[i].size else 0.0 for i in keep]
         return {
