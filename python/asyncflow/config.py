@@ -230,17 +230,22 @@ KL_IN_REWARD = ("reinforce++", "gae")
 @dataclass
 class AlgorithmConfig:
     #: ``grpo``/``rloo`` (group baselines), ``reinforce++`` (rewards less ``trainer.kl_coef``
-    #: times the sequence's KL to the reference, normalised over the whole batch), or ``gae``:
-    #: PPO with a critic (see ``critic``), per-token advantages by GAE from its values.
+    #: times the sequence's KL to the reference, normalised over the groups the advantage worker
+    #: claims together: up to 32, those rewarded by then, not a whole step), or ``gae``: PPO with
+    #: a critic (see ``critic``), per-token advantages by GAE from its values.
     advantage: Literal["grpo", "rloo", "reinforce++", "gae"] = "grpo"
     #: GAE's discount and lambda (Ziegler et al. 2019, arXiv 1909.08593: 1 and 0.95).
     gamma: float = 1.0
     lam: float = 0.95
     #: GRPO: divide by the group's reward standard deviation.
     normalize_std: bool = True
-    #: ``token-mean`` (``token``): mean over all response tokens of a step;
-    #: ``seq-mean-token-mean`` (``sequence``): mean of per-sequence means;
-    #: ``seq-mean-token-sum``: mean of per-sequence sums (scaled by ``rollout.max_tokens``).
+    #: ``token-mean`` (``token``): the step's token losses summed and divided by a constant,
+    #: rows per step times ``rollout.max_tokens`` (Dr. GRPO's normaliser: a micro-batch's share
+    #: is known before the step's other samples are; DAPO divides by the tokens the step holds);
+    #: ``seq-mean-token-mean`` (``sequence``): per-sequence means summed, divided by rows per
+    #: step; ``seq-mean-token-sum``: per-sequence sums, divided by rows per step times
+    #: ``rollout.max_tokens``. Rows per step is ``groups_per_step`` times ``rollout.n``, also
+    #: when a step trains fewer (groups left out).
     loss_aggregation: Literal[
         "token", "sequence", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum"
     ] = "token"

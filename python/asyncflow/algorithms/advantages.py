@@ -60,7 +60,7 @@ def failed_groups(rewards: np.ndarray, groups: np.ndarray) -> np.ndarray:
 
 
 def batch_normalised(rewards: np.ndarray) -> np.ndarray:
-    """REINFORCE++: ``(r - mean(batch)) / (std(batch) + eps)`` over the whole batch, no groups."""
+    """REINFORCE++: ``(r - mean) / (std + eps)`` over all of ``rewards``, no groups."""
     rewards = np.asarray(rewards, dtype=np.float64)
     if rewards.size == 0:
         return rewards.astype(np.float32)
