@@ -137,11 +137,12 @@ class Batch:
                 if fields is None:
                     continue
                 raise BadRequestError(f"field {name!r} holds bytes; read() it instead")
-            stacked = pad(values, pad_value)
-            if stacked.dtype == np.uint16:  # the store's bfloat16
+            if values and values[0].dtype == np.uint16:  # the store's bfloat16, as its bits
+                bits = torch.tensor(pad_value, dtype=torch.bfloat16).view(torch.int16).item()
+                stacked = pad(values, np.int16(bits).view(np.uint16))
                 out[name] = torch.from_numpy(stacked.view(np.int16)).view(torch.bfloat16)
             else:
-                out[name] = torch.from_numpy(stacked)
+                out[name] = torch.from_numpy(pad(values, pad_value))
         return out
 
     def ack(self, indexes: Sequence[int] | np.ndarray | None = None) -> None:

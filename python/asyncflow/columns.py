@@ -14,6 +14,7 @@ copies each field once into its own memory.
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,17 @@ def uint64_array(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     """A 1-D sequence of non-negative integers (row indexes, token counts) as a contiguous uint64
     array, or ``BadRequestError`` naming ``what``."""
     arr = _asarray(values, BadRequestError, what)
+    if arr.size and arr.ndim == 1 and arr.dtype.kind in "fO" and not isinstance(values, np.ndarray):
+        # NumPy makes floats of a list mixing uint64 (``batch.indexes``) with Python ints.
+        try:
+            ints = [operator.index(v) for v in values]
+        except TypeError:
+            raise BadRequestError(f"{what} must be a 1-D sequence of integers") from None
+        if min(ints) < 0:
+            raise BadRequestError(f"{what} cannot be negative")
+        if max(ints) >= 1 << 64:
+            raise BadRequestError(f"{what}: {max(ints)} is beyond a row index's 64 bits")
+        return np.array(ints, dtype=np.uint64)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
         raise BadRequestError(f"{what} must be a 1-D sequence of integers")
     if not arr.size:
@@ -161,7 +173,7 @@ def _cells(name: str, value: Sequence[Any]) -> tuple[list[np.ndarray], str | Non
     return cells, dtypes.pop()
 
 
-def pad(values: Sequence[np.ndarray], pad_value: float) -> np.ndarray:
+def pad(values: Sequence[np.ndarray], pad_value: float | np.generic) -> np.ndarray:
     """Stacks per-row arrays into one array, padding the first dimension with ``pad_value``."""
     if not values:
         return np.empty((0,))

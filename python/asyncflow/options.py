@@ -78,7 +78,7 @@ class PutOptions:
     """How ``Store.put`` writes.
 
     Without ``indexes`` a put creates new rows in ``partition`` (default ``"default"``), with
-    optional GRPO ``groups`` (one id per row, or one for all; ``group_size`` declares a group's
+    optional GRPO ``groups`` (one id per row; ``group_size`` declares a group's
     full size when it is written over several puts), policy ``version`` (one, or one per row)
     and ``tags`` (one mapping for every row, or one per row); per-row values are kept as arrays,
     and tags as one dict per row. With ``indexes`` it fills (or
@@ -118,5 +118,7 @@ def _per_row(value: int | Indexes, dtype: type) -> np.ndarray:
 
 
 def _tag_rows(tags: Mapping[str, str] | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
-    rows = [tags] if isinstance(tags, Mapping) else list(tags)
+    rows = [tags] if isinstance(tags, Mapping) else tags
+    if isinstance(rows, (str, bytes)) or not all(isinstance(r, Mapping) for r in rows):
+        raise BadRequestError(f"tags must be a mapping or one mapping per row, not {tags!r:.80}")
     return [{str(k): str(v) for k, v in row.items()} for row in rows]

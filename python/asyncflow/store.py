@@ -20,7 +20,7 @@ import numpy as np
 from asyncflow import _native
 from asyncflow.batch import Batch
 from asyncflow.columns import to_native, uint64_array
-from asyncflow.errors import BadRequestError
+from asyncflow.errors import BadRequestError, StoreError
 from asyncflow.options import DEFAULT_TIMEOUT, ClaimOptions, Indexes, PutOptions
 from asyncflow.units import parse_size
 
@@ -126,7 +126,11 @@ class Store:
         return store
 
     def __repr__(self) -> str:
-        s = self.stats()
+        # Cheap and safe for a debugger or a log line: no waiting on a daemon that is gone.
+        try:
+            s = self._native.stats()
+        except StoreError as e:
+            return f"<asyncflow.Store unreachable: {e}>"
         return f"<asyncflow.Store {s['transport']} rows={s['live_rows']} memory={s['memory_used']}>"
 
     @_arguments
@@ -137,6 +141,8 @@ class Store:
         prefixes: it can claim only their rows, and other partitions' rows are not kept for it.
         Registering the same name again is a no-op (with a different scope, an error).
         """
+        if isinstance(partitions, str):  # one prefix, not its characters
+            partitions = [partitions]
         self._native.register_task(name, None if partitions is None else list(partitions))
 
     @_arguments
@@ -201,6 +207,9 @@ class Store:
         if lease is None:
             return
         subset = None if indexes is None else _index_array(indexes)
+        if subset is not None and len(np.unique(subset)) < len(subset):
+            # Counted once by the store, twice by the batch: its other rows would go unsettled.
+            raise BadRequestError("a row index is given twice")
         if isinstance(batch, Batch):
             batch._drop_cells()
         (self._native.ack if acked else self._native.release)(lease, subset)

@@ -47,6 +47,41 @@ def test_bfloat16_tensors_come_back_as_bfloat16(store: af.Store) -> None:
     assert torch.equal(out, t)
 
 
+@pytest.mark.parametrize("pad_value", [1.0, -100.0, float("nan")])
+def test_ragged_bfloat16_rows_are_padded_with_the_value_asked(
+    store: af.Store, pad_value: float
+) -> None:
+    store.register_task("t")
+    rows = [torch.tensor([0.5, 2.0]).to(torch.bfloat16), torch.tensor([3.0]).to(torch.bfloat16)]
+    store.put({"w": rows})
+    out = store.claim("t", "w", 2, timeout=1).to_torch(pad_value=pad_value)["w"]
+    assert out.dtype == torch.bfloat16 and out[0].tolist() == [0.5, 2.0] and out[1, 0] == 3.0
+    torch.testing.assert_close(out[1, 1].float(), torch.tensor(pad_value), equal_nan=True)
+
+
+def test_a_partition_prefix_given_as_one_string_is_one_prefix(store: af.Store) -> None:
+    store.register_task("t", partitions="s-1")
+    store.put({"x": [1.0]}, partition="s-1")
+    store.put({"x": [2.0]}, partition="e")  # "e" is a character of "s-1", not a prefix
+    batch = store.claim("t", "x", 2, timeout=0.2, allow_partial=True)
+    assert [float(v) for v in batch.read()["x"]] == [1.0]
+
+
+def test_a_list_of_claimed_indexes_and_plain_ints_is_read(store: af.Store) -> None:
+    idx = store.put({"x": [1.0, 2.0]})
+    mixed = [idx[0], int(idx[1])]  # NumPy alone would make float64 of these
+    assert [float(v) for v in store.read(mixed, "x")["x"]] == [1.0, 2.0]
+
+
+def test_the_repr_of_a_store_that_cannot_answer_says_so_at_once(store: af.Store) -> None:
+    class Gone:
+        def stats(self) -> dict[str, Any]:
+            raise af.ConnectionError("the daemon is gone")
+
+    store._native = Gone()  # type: ignore[assignment]
+    assert repr(store) == "<asyncflow.Store unreachable: the daemon is gone>"
+
+
 def test_scalars_ragged_arrays_and_text_keep_their_shapes(store: af.Store) -> None:
     idx = store.put(
         {"reward": [1.0, 0.5], "ids": [np.array([1, 2, 3]), np.array([4])], "text": ["a", b"bc"]}

@@ -169,3 +169,24 @@ def test_bad_timeouts(seeded: tuple[af.Store, np.ndarray]) -> None:
         rejected(store, af.BadRequestError, claim)
         with pytest.raises(af.BadRequestError, match="lease_timeout"):
             af.Store(lease_timeout=huge)
+
+
+def test_a_row_index_given_twice_to_a_partial_ack_is_refused(
+    seeded: tuple[af.Store, np.ndarray],
+) -> None:
+    """Counted once by the store, it would have counted twice in the batch: its other row was
+    then left unsettled by the block's end, delivered again once its lease ran out."""
+    store, _ = seeded
+    with store.claim("t", ["ids"], 2, timeout=1) as batch:
+        first = int(batch.indexes[0])
+        rejected(store, af.BadRequestError, lambda: batch.ack([first, first]), "given twice")
+    again = store.claim("t", ["ids"], 2, timeout=0.1, allow_partial=True)
+    assert len(again) == 0, "the block acked both rows"
+
+
+@pytest.mark.parametrize("tags", [[("k", "v")], "abc", [None]])
+def test_tags_that_are_not_mappings_are_refused(
+    seeded: tuple[af.Store, np.ndarray], tags: object
+) -> None:
+    store, _ = seeded
+    rejected(store, af.BadRequestError, lambda: store.put({"r": [1.0]}, tags=tags), "tags must")
