@@ -108,6 +108,7 @@ class Store:
         lease_timeout: seconds a claim's lease lasts before its rows are delivered again.
     """
 
+    @_arguments
     def __init__(
         self,
         shards: int = 8,

@@ -150,7 +150,20 @@ def test_options_of_the_wrong_type_are_bad_requests(make_store: Callable[..., af
         store.claim("t", "x", 1, timeout="soon")
     with pytest.raises(af.BadRequestError, match="need step"):
         store.claim("t", "x", 1, dp_size=2, timeout=1)
+    # The cost model is read only with step: without it, asking for one is refused too.
+    for cost in [{"cost": "attention"}, {"linear_weight": 5.0}]:
+        with pytest.raises(af.BadRequestError, match="need step"):
+            store.claim("t", "x", 1, timeout=1, **cost)
+    with pytest.raises(af.BadRequestError, match="unknown cost model"):
+        store.claim("t", "x", 1, timeout=1, cost="bogus")
     assert store.stats()["active_leases"] == 0
+
+
+@pytest.mark.parametrize("shards", [0, -1, 2**40])
+def test_a_shard_count_out_of_range_is_a_bad_request(shards: int) -> None:
+    """Not an abort of the process trying to allocate 2**40 shards."""
+    with pytest.raises(af.BadRequestError, match=r"shards|negative"):
+        af.Store(shards=shards)
 
 
 def test_options_objects_are_read_afresh_whatever_was_seen_before(

@@ -24,5 +24,5 @@ pub use index::{
 pub use memory::{MemoryBudget, MemoryGuard};
 pub use payload::{Cell, Chunk, ChunkLayout, copy_into_chunk};
 pub use schema::{DType, FieldSchema};
-pub use store::{Claimable, Clock, Column, ReadColumn, Store, StoreConfig, StoreStats};
+pub use store::{Claimable, Clock, Column, MAX_SHARDS, ReadColumn, Store, StoreConfig, StoreStats};
 pub use wait::Wait;

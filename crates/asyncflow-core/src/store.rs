@@ -21,6 +21,9 @@ use crate::schema::FieldSchema;
 use crate::shards::Shards;
 use crate::wait::{Attempt, Wait, block_on};
 
+/// The most payload shards a store may have (each is a lock and a table of its own).
+pub const MAX_SHARDS: usize = 1 << 16;
+
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     pub shards: usize,
@@ -188,8 +191,11 @@ impl Store {
     /// A store whose leases run on `clock`. Waits (claim and put timeouts) still run on the
     /// monotonic clock: a driven clock decides when leases expire, not how long a call blocks.
     pub fn with_clock(config: StoreConfig, clock: Clock) -> Result<Self> {
-        if config.shards == 0 {
-            return Err(StoreError::bad_request("a store needs at least one shard"));
+        if !(1..=MAX_SHARDS).contains(&config.shards) {
+            return Err(StoreError::bad_request(format!(
+                "a store has from 1 to {MAX_SHARDS} shards, not {}",
+                config.shards
+            )));
         }
         if config.lease_timeout.is_zero() {
             return Err(StoreError::bad_request("lease_timeout must be positive"));

@@ -103,18 +103,20 @@ impl ClaimOptions {
     }
 
     /// How the claim is shared: `None` without `step`, when every sharing option must keep the
-    /// core's default (the cost model is only read with `step`).
+    /// core's default (the cost model included: it is only read with `step`).
     fn share(&self) -> PyResult<Option<Share>> {
+        let cost = cost_model(&self.cost, self.linear_weight)?;
         let Some(step) = self.step else {
-            if self.share_with(0, CostModel::default()) != Share::default() {
+            let weighed = self.linear_weight.is_some_and(|w| w != CostModel::DEFAULT_LINEAR_WEIGHT);
+            if self.share_with(0, cost) != Share::default() || weighed {
                 return Err(to_py(StoreError::bad_request(
-                    "replica, dp_*, replica_*, balance_field and equal_count share a step's \
-                     batch; they need step",
+                    "replica, dp_*, replica_*, balance_field, equal_count, cost and \
+                     linear_weight share a step's batch; they need step",
                 )));
             }
             return Ok(None);
         };
-        Ok(Some(self.share_with(step, cost_model(&self.cost, self.linear_weight)?)))
+        Ok(Some(self.share_with(step, cost)))
     }
 
     fn share_with(&self, step: u64, cost: CostModel) -> Share {

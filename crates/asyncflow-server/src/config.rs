@@ -192,8 +192,7 @@ fn size_flag(flag: &str, text: &str) -> Result<u64> {
 
 /// The longest `--lease-timeout`: a year (a deadline this far out never overflows a clock).
 pub const MAX_LEASE_SECS: f64 = 365.0 * 24.0 * 3600.0;
-/// The most payload shards.
-pub const MAX_SHARDS: usize = 1 << 16;
+pub use asyncflow_core::MAX_SHARDS;
 
 /// Seconds given as a float, as a duration in `(0, max]`.
 pub fn seconds(flag: &str, value: f64, max: f64) -> Result<Duration> {
