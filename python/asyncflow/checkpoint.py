@@ -38,8 +38,15 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+def saved(run_dir: Path) -> list[Path]:
+    """The run's checkpoints, oldest first (by step number: ``step-1000000`` after
+    ``step-999999``)."""
+    found = checkpoints_dir(run_dir).glob("step-*[0-9]")
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
 def latest(run_dir: Path) -> Path | None:
-    found = sorted(checkpoints_dir(run_dir).glob("step-*[0-9]"))
+    found = saved(run_dir)
     return found[-1] if found else None
 
 
@@ -146,7 +153,7 @@ def save(
     (tmp / "state.json").write_text(json.dumps(info, indent=1) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    for old in sorted(checkpoints_dir(run_dir).glob("step-*[0-9]"))[:-KEEP]:
+    for old in saved(run_dir)[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

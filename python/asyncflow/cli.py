@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -105,6 +106,7 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"asyncflow train: invalid configuration: {e}", file=sys.stderr)
         return 2
+    _stop_on_sigterm()
     try:
         summary = train(config, run_dir=args.run_dir, resume=args.resume)
     except ConfigError as e:
@@ -112,6 +114,17 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     print(f"summary written to {summary['run_dir']}/summary.json")
     return 0
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, a scheduler ending the job) stops the run as Ctrl-C does: its cleanup
+    runs (the store daemon and engines it started are stopped, the trace written), then it exits
+    with status 143. Without this the process died at once and left its children running."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _one_thread_per_worker() -> None:

@@ -23,6 +23,9 @@ from asyncflow.store import Store
 
 #: Environment variable holding the token when ``connect`` is given none.
 TOKEN_ENV = "ASYNCFLOW_TOKEN"
+#: Set by a parent that wants the daemon to end with it (see :class:`DaemonProcess`): its PID.
+PARENT_ENV = "ASYNCFLOW_EXIT_WITH_PARENT"
+PR_SET_PDEATHSIG = 1
 
 
 def connect(
@@ -76,7 +79,18 @@ def new_token() -> str:
 def serve(args: Sequence[str] = (), program: str = "asyncflow store serve") -> int:
     """Runs the daemon (the ``asyncflow-store`` binary's code) with these command-line flags until
     SIGTERM or SIGINT; returns its exit code. Usage and errors name ``program``, the command
-    that ran it."""
+    that ran it.
+
+    With ``$ASYNCFLOW_EXIT_WITH_PARENT`` set to its parent's PID, the kernel sends it SIGTERM
+    (a clean stop) when that parent ends, however it ends: a job killed outright leaves no
+    daemon behind."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is not None and sys.platform == "linux":
+        import ctypes  # noqa: PLC0415 - only for a daemon its parent asked to end with it
+
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != int(parent):  # ended before the request was made
+            return 1
     return _native.serve(list(args), program)
 
 
@@ -89,8 +103,10 @@ class DaemonProcess:
     token the daemon demands; it reaches the daemon in its environment (``$ASYNCFLOW_TOKEN``),
     never on its command line, which every local user can read. Without one the daemon demands
     ``$ASYNCFLOW_TOKEN`` if this process has it set, else nothing: then any local user can
-    connect to it, even on loopback, and read or clear every row. Used by the training job,
-    tests and benchmarks; also a context manager.
+    connect to it, even on loopback, and read or clear every row. ``exit_with_parent`` ends it
+    when the thread that starts it ends (see :func:`serve`): for a job's own daemon, started
+    from its main thread. Used by the training job, tests and benchmarks; also a context
+    manager.
     """
 
     def __init__(
@@ -99,13 +115,18 @@ class DaemonProcess:
         startup_timeout: float = 60.0,
         prefix: Sequence[str] = (),
         token: str | None = None,
+        exit_with_parent: bool = False,
     ) -> None:
         command = [*prefix, sys.executable, "-m", "asyncflow.cli", "store", "serve"]
         defaults = [
             *(["--listen", "127.0.0.1:0"] if "--listen" not in flags else []),
             *(["--log-level", "warn"] if "--log-level" not in flags else []),
         ]
-        env = None if token is None else {**os.environ, TOKEN_ENV: token}
+        env = dict(os.environ)
+        if token is not None:
+            env[TOKEN_ENV] = token
+        if exit_with_parent:
+            env[PARENT_ENV] = str(os.getpid())
         #: The token it demands (None: none), for :meth:`connect`.
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.proc = subprocess.Popen(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from asyncflow import checkpoint, weights
 from asyncflow.agents.evaluation import agent_totals, agent_view
 from asyncflow.agents.loop import check_names
 from asyncflow.config import Config
+from asyncflow.config import load as load_config
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
 from asyncflow.errors import ConfigError
 from asyncflow.evaluation import accuracy, host_copy, pass_at_k, verifier
@@ -107,6 +109,41 @@ def warm_starts(config: Config) -> bool:
     for the built-in model)."""
     enabled = config.warm_start.enabled
     return config.model.path is None if enabled is None else enabled
+
+
+#: Settings a resumed run must keep: they decide which prompts make which step and group (the
+#: checkpoint's cursor and in-flight rows count in them) and which model the weights fit.
+RESUME_FIXED = ("run.seed", "rollout.n", "trainer.groups_per_step", "data", "model")
+
+
+def check_resumable(config: Config, run_dir: Path) -> None:
+    """Refuses to resume ``run_dir`` with settings that would change what its checkpoint's rows
+    and cursor mean (groups skipped or split, a model of another shape)."""
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.is_file():
+        raise ConfigError(f"{run_dir}: no config.yaml there; is it a run directory?")
+    saved, now = load_config(saved_file).to_dict(), config.to_dict()
+    for key in RESUME_FIXED:
+        for leaf, was, will in _changes(_dotted(saved, key), _dotted(now, key), key):
+            raise ConfigError(
+                f"cannot resume {run_dir} with {leaf} changed: it was {was!r}, now {will!r} "
+                "(start a new run instead)"
+            )
+
+
+def _dotted(settings: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        settings = settings[part]
+    return settings
+
+
+def _changes(was: Any, will: Any, key: str) -> Iterator[tuple[str, Any, Any]]:
+    """``(dotted key, was, will)`` of each setting under ``key`` that differs."""
+    if isinstance(was, dict) and isinstance(will, dict):
+        for name in was.keys() | will.keys():
+            yield from _changes(was.get(name), will.get(name), f"{key}.{name}")
+    elif was != will:
+        yield key, was, will
 
 
 def prompt_budget(config: Config, model_dir: Path) -> int:
@@ -299,13 +336,15 @@ class Run:
         if ckpt is not None:
             trainer_engine.load(ckpt / "trainer")
             restored = checkpoint.restore_rows(ckpt, store, c.rollout.n)
-            ledger.truncate(trainer_engine.version)
             start_group = int(checkpoint.read_state(ckpt)["issued_groups"])
             state.trained_steps = trainer_engine.version
             self.reporter.line(
                 f"resumed from {ckpt.name}: step {trainer_engine.version}, "
                 f"{restored} rows in flight"
             )
+        # The steps from here on are (re)done: a run resumed before its first checkpoint
+        # starts over.
+        ledger.truncate(trainer_engine.version)
 
         metrics = MetricsLog(
             self.run_dir,
@@ -489,7 +528,16 @@ def train(
     quiet_libraries()
     if config.agent.enabled:
         check_names(config.agent)  # refused now, before anything starts
+    if resume is not None:
+        if run_dir is not None and run_dir.resolve() != resume.resolve():
+            raise ConfigError(f"a resumed run stays in its directory {resume}, not {run_dir}")
+        check_resumable(config, resume)
     directory = resume if resume is not None else resolve_run_dir(config, run_dir)
+    if resume is None and ((directory / "config.yaml").exists() or checkpoint.latest(directory)):
+        raise ConfigError(
+            f"{directory} holds a run already: resume it (--resume {directory}) or give another "
+            "--run-dir"
+        )
     return Run(
         config, directory, reporter or Reporter(config.run.progress), resume is not None
     ).execute()

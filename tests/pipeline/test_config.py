@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from asyncflow import config as cfg
 from asyncflow.bench import e2e_suite
-from asyncflow.train import warm_starts
+from asyncflow.train import train, warm_starts
 
 
 def test_defaults_are_the_embedded_job() -> None:
@@ -187,3 +190,46 @@ def test_the_warm_start_is_for_the_built_in_model_unless_asked(
     fine-tuned on them unless the config says so."""
     overrides = [o.replace("MINE", str(tmp_path)) for o in overrides]
     assert warm_starts(cfg.load(None, overrides)) is warm
+
+
+def test_a_fresh_run_in_a_directory_that_holds_a_run_is_refused(tmp_path: Path) -> None:
+    """It would have mixed its outputs with the other run's and thrown its checkpoints away."""
+    config = cfg.load(None, [])
+    (tmp_path / "config.yaml").write_text(config.to_yaml())
+    with pytest.raises(cfg.ConfigError, match="holds a run already"):
+        train(config, run_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change", ["rollout.n=4", "trainer.groups_per_step=4", "run.seed=3", "data.digits=3"]
+)
+def test_a_resume_that_changes_what_the_checkpoint_means_is_refused(
+    tmp_path: Path, change: str
+) -> None:
+    (tmp_path / "config.yaml").write_text(cfg.load(None, []).to_yaml())
+    key = change.split("=", maxsplit=1)[0]
+    with pytest.raises(cfg.ConfigError, match=rf"{key} changed"):
+        train(cfg.load(tmp_path / "config.yaml", [change]), resume=tmp_path)
+    saved = cfg.load(tmp_path / "config.yaml", [])
+    with pytest.raises(cfg.ConfigError, match="stays in its directory"):
+        train(saved, run_dir=tmp_path / "elsewhere", resume=tmp_path)
+
+
+def test_sigterm_stops_the_train_command_through_its_cleanup() -> None:
+    """As Ctrl-C does: what the job started is stopped on the way out (exit status 143)."""
+    script = (
+        "import os, signal, sys, time\n"
+        "from asyncflow import cli\n"
+        "cli._stop_on_sigterm()\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n"
+        "finally:\n"
+        "    print('cleaned up', flush=True)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as p:
+        assert p.stdout is not None
+        assert p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 143
+        assert p.stdout.read() == "cleaned up\n"

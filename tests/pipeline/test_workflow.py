@@ -219,6 +219,18 @@ TOOLS = [
 ]
 
 
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(tmp_path: Path) -> None:
+    """What its ledger said it trained before the kill is forgotten with the rest: each group is
+    listed once, as in a run never killed."""
+    config = cfg.load(None, [*FAST, "trainer.max_steps=2", "run.checkpoint_every=10"])
+    (tmp_path / "config.yaml").write_text(config.to_yaml())
+    before_kill = [{"step": 0, "trained": [0, 1]}, {"step": 1, "trained": [2, 3]}]
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in before_kill))
+    train(config, resume=tmp_path, reporter=Reporter(enabled=False))
+    assert [entry["step"] for entry in ledger(tmp_path)] == [0, 1]
+    assert trained_groups(tmp_path) == list(range(2 * GROUPS))
+
+
 @pytest.mark.parametrize("job", [FAST, TOOLS], ids=["addition", "tools"])
 def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(
     tmp_path: Path, job: list[str]

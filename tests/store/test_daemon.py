@@ -499,3 +499,34 @@ def test_a_killed_daemons_socket_is_removed_when_the_next_one_starts(daemons: Da
     second = daemons()
     assert sockets() == [], "the next daemon to start removes it"
     assert len(af.connect(second.url).put({"x": [1]})) == 1
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left for a parent that does not reap it does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_daemon_that_ends_with_its_parent_ends_when_the_parent_is_killed() -> None:
+    """A job killed outright (SIGKILL: no cleanup of its own runs) leaves no daemon behind."""
+    script = (
+        "import time\n"
+        "from asyncflow.daemon import DaemonProcess\n"
+        "daemon = DaemonProcess(exit_with_parent=True)\n"
+        "print(daemon.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as job:
+        assert job.stdout is not None
+        daemon = int(job.stdout.readline())
+        assert running(daemon)
+        job.kill()
+        job.wait()
+    deadline = time.monotonic() + 60  # generous: the daemon stops cleanly on its SIGTERM
+    while running(daemon) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(daemon)

@@ -71,6 +71,7 @@ def start_daemon(config: Config) -> DaemonProcess | None:
         str(s.lease_timeout),
         *(["--memory-limit", str(limit)] if limit is not None else []),
         token=new_token(),
+        exit_with_parent=True,  # killed with the job, not left behind
     )
 
 
