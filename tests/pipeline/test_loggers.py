@@ -67,6 +67,25 @@ def test_tensorboard_gets_the_steps_of_metrics_jsonl_the_config_and_the_figure(
     assert b"name: tracked" in config.tensor_proto.string_val[0]
 
 
+def test_a_resumed_run_gives_tensorboard_each_step_once(tmp_path: Path) -> None:
+    """Killed after step 3 with a checkpoint at step 1, then resumed: steps 2 and 3 are logged
+    again, and TensorBoard shows their second logging only."""
+    first = MetricsLog(tmp_path, loggers=["tensorboard"])
+    for step in (1, 2, 3):
+        first.log({"step": step, "loss": float(step)})
+    first.close()
+    first.finish()
+    resumed = MetricsLog(tmp_path, keep_until=1, loggers=["tensorboard"])
+    for step in (2, 3, 4):
+        resumed.log({"step": step, "loss": 10.0 * step})
+    resumed.close()
+    resumed.finish()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert got == [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+
+
 def test_a_tracker_whose_package_is_missing_warns_once_and_the_run_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -59,10 +59,12 @@ class Tracker:
 class TensorBoard(Tracker):
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, config: dict[str, Any], keep_until: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # A resumed run redoes the steps after its checkpoint: their first events are purged.
+        purge = None if keep_until is None else keep_until + 1
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
         text = yaml.safe_dump(config, sort_keys=False)
         self.writer.add_text("config", "```\n" + text + "```", 0)
 
@@ -83,7 +85,7 @@ class TensorBoard(Tracker):
 class Wandb(Tracker):
     name = "wandb"
 
-    def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, config: dict[str, Any], keep_until: int | None) -> None:
         import wandb  # type: ignore[import-not-found, unused-ignore]
 
         self.wandb = wandb
@@ -107,7 +109,7 @@ class Wandb(Tracker):
 class MLflow(Tracker):
     name = "mlflow"
 
-    def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, config: dict[str, Any], keep_until: int | None) -> None:
         import mlflow  # type: ignore[import-not-found, unused-ignore]
 
         self.mlflow = mlflow
@@ -143,7 +145,9 @@ def _leaves(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-KINDS: dict[str, Callable[[Path, dict[str, Any]], Tracker]] = {
+#: Each kind, made with the run's directory, its config and (resumed) the last step kept: a
+#: resumed run is a new wandb or MLflow run, holding the steps from there on.
+KINDS: dict[str, Callable[[Path, dict[str, Any], int | None], Tracker]] = {
     "tensorboard": TensorBoard,
     "wandb": Wandb,
     "mlflow": MLflow,
@@ -154,14 +158,20 @@ class Trackers:
     """The run's trackers: each call goes to every one still working; one that fails is warned
     about once and dropped."""
 
-    def __init__(self, names: Sequence[str], run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        run_dir: Path,
+        config: dict[str, Any],
+        keep_until: int | None = None,
+    ) -> None:
         unknown = [n for n in names if n not in KINDS]
         if unknown:
             raise ValueError(f"run.loggers: unknown {unknown}; known: {list(NAMES)}")
         self.active: list[Tracker] = []
         for name in dict.fromkeys(names):
             try:
-                self.active.append(KINDS[name](run_dir, config))
+                self.active.append(KINDS[name](run_dir, config, keep_until))
             except Exception as e:  # an optional package missing, a service refusing
                 _warn(name, "could not start", e)
 

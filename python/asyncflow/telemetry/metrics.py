@@ -33,7 +33,7 @@ class MetricsLog:
         for record in self.history:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._lock = threading.Lock()
-        self.trackers = Trackers(loggers, run_dir, config or {})
+        self.trackers = Trackers(loggers, run_dir, config or {}, keep_until)
 
     def log(self, record: dict[str, Any]) -> None:
         with self._lock:
