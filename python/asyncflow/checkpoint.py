@@ -145,11 +145,19 @@ def save(
         with state.snapshot_lock:
             table, count = _in_flight(store)
             cursor = state.issued_groups
+            counts = state.counts()
     pq.write_table(table, tmp / "rows.parquet")
     schemas = {
         name: store.schema(name)[0] for name in table.column_names if not name.startswith("__")
     }
-    info = {"step": step, "issued_groups": cursor, "rows": count, "dtypes": schemas, **figures}
+    info = {
+        "step": step,
+        "issued_groups": cursor,
+        "rows": count,
+        "dtypes": schemas,
+        "counts": counts,
+        **figures,
+    }
     (tmp / "state.json").write_text(json.dumps(info, indent=1) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

@@ -336,7 +336,9 @@ class Run:
         if ckpt is not None:
             trainer_engine.load(ckpt / "trainer")
             restored = checkpoint.restore_rows(ckpt, store, c.rollout.n)
-            start_group = int(checkpoint.read_state(ckpt)["issued_groups"])
+            kept = checkpoint.read_state(ckpt)
+            start_group = int(kept["issued_groups"])
+            state.add_counts(kept.get("counts", {}))  # the summary counts the whole run
             state.trained_steps = trainer_engine.version
             self.reporter.line(
                 f"resumed from {ckpt.name}: step {trainer_engine.version}, "

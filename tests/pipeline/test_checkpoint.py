@@ -166,3 +166,21 @@ def test_samples_still_being_put_are_left_out_and_their_prompt_kept(
     batch.ack([index])  # as the rollout does once its samples are in
     assert restored(ckpt) == ([0, 1, 2, 3], [9])
     assert sorted(set(store.rows(partition="step-0").groups.tolist())) == [2, 9], "put in since"
+
+
+def test_a_checkpoint_keeps_the_runs_counts_for_the_resumed_runs_summary(tmp_path: Path) -> None:
+    """A resumed run adds them to its own: its summary counts the whole run, not what was
+    generated since the resume."""
+    state = RunState(generated_samples=24, generated_tokens=184, reward_failures=1)
+    state.staleness.update({0: 4, 1: 20})
+    state.note_version_spans([0, 0, 2])
+    state.weight_failures.append("version 3 failed to load")
+    saved = checkpoint.save(tmp_path, 1, NoEngine(), af.Store(), state, {})  # type: ignore[arg-type]
+    resumed = RunState(generated_samples=2)
+    resumed.staleness.update({1: 1})
+    resumed.add_counts(checkpoint.read_state(saved)["counts"])
+    assert (resumed.generated_samples, resumed.generated_tokens) == (26, 184)
+    assert resumed.reward_failures == 1 and resumed.dropped_samples == 0
+    assert resumed.staleness == {0: 4, 1: 21}
+    assert resumed.version_span_histogram() == {"0": 2, "2": 1}
+    assert resumed.weight_failures == ["version 3 failed to load"]

@@ -15,7 +15,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +100,37 @@ class RunState:
         logging.getLogger("asyncflow.rollout").warning("%s", why)
         with self.lock:
             self.weight_failures.append(why)
+
+    #: The counts a checkpoint keeps, so that a resumed run's summary counts the whole run.
+    COUNTS = (
+        "generated_tokens",
+        "generated_samples",
+        "truncated_responses",
+        "dropped_samples",
+        "reward_failures",
+        "filtered_groups",
+        "rerouted_groups",
+    )
+
+    def counts(self) -> dict[str, Any]:
+        """The whole run's counts so far, as JSON holds them (see :meth:`add_counts`)."""
+        with self.lock:
+            return {
+                **{name: getattr(self, name) for name in self.COUNTS},
+                "staleness": {str(k): v for k, v in self.staleness.items()},
+                "version_spans": {str(k): v for k, v in self.version_spans.items()},
+                "weight_failures": list(self.weight_failures),
+            }
+
+    def add_counts(self, saved: Mapping[str, Any]) -> None:
+        """Adds the counts a checkpoint kept (:meth:`counts`) to this run's."""
+        with self.lock:
+            for name in self.COUNTS:
+                setattr(self, name, getattr(self, name) + int(saved.get(name, 0)))
+            self.staleness.update({int(k): v for k, v in saved.get("staleness", {}).items()})
+            spans = saved.get("version_spans", {})
+            self.version_spans.update({int(k): v for k, v in spans.items()})
+            self.weight_failures[:0] = saved.get("weight_failures", [])
 
     def version_span_histogram(self) -> dict[str, int]:
         """Generated samples by version span, keyed by the span as a string (JSON's keys)."""
