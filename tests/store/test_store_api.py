@@ -385,3 +385,13 @@ def test_zero_dimensional_arrays_are_scalar_cells(store: af.Store) -> None:
     idx = store.put({"t": [np.asarray(5, np.int64), np.asarray(6, np.int64)]})
     assert store.schema("t") == ("i64", None)
     assert [v.shape for v in store.read(idx, "t")["t"]] == [(), ()]
+
+
+def test_rows_of_one_array_cost_their_bytes_on_every_store(store: af.Store) -> None:
+    """A daemon kept each row of a put on a 64-byte boundary: a scalar cost 16 times its bytes
+    against the same memory limit that an embedded store counts bytes for."""
+    before = store.stats()["memory_used"]
+    store.put({"reward": np.zeros(1000, np.float32), "ids": np.zeros((1000, 16), np.int32)})
+    data = 1000 * 4 + 1000 * 16 * 4
+    # At most a boundary's padding before each column.
+    assert data <= store.stats()["memory_used"] - before <= data + 2 * 64

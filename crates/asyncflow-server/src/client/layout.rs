@@ -1,6 +1,6 @@
-//! Where a put's cells go in the payload it sends: each cell on a cell boundary, columns one
-//! after another, so the daemon can keep the received bytes as they are and view every cell in
-//! place. The same layout serves a frame's payload (TCP) and a staged region (shared memory).
+//! Where a put's cells go in the payload it sends: each column's cells on a cell boundary (rows
+//! of one array end to end, as they lie in it), columns one after another, so the daemon can keep
+//! the received bytes as they are and view every cell in place. The same layout serves a frame's payload (TCP) and a staged region (shared memory).
 
 use asyncflow_core::FieldSchema;
 use asyncflow_proto::{CellMeta, ColumnMeta, align_payload};
@@ -34,8 +34,15 @@ impl<'a> Layout<'a> {
                 None => Box::new(column.cells.iter()),
             };
             let mut cells = Vec::new();
+            // Where the previous cell ended in the caller's memory: cells that follow each other
+            // there (rows of one array) follow each other here too, as the embedded store keeps
+            // them; a 64-byte boundary for each would make a scalar cell cost 64 bytes.
+            let mut after: Option<*const u8> = None;
             for &(bytes, first_dim) in rows {
-                at = align_payload(at);
+                if after != Some(bytes.as_ptr()) {
+                    at = align_payload(at);
+                }
+                after = Some(bytes.as_ptr_range().end);
                 cells.push(CellMeta { offset: at, len: bytes.len() as u64, first_dim });
                 sources.push((at, bytes));
                 at += bytes.len() as u64;
@@ -81,20 +88,41 @@ mod tests {
 
     #[test]
     fn cells_start_on_boundaries_and_parts_fill_the_gaps() {
-        let a = [1u8; 10];
-        let b = [2u8; 70];
+        let buffer: Vec<u8> = (0..100).collect();
+        // Apart in the caller's memory: each on its own boundary.
+        let (a, b) = (&buffer[..10], &buffer[20..90]);
         let col = PutColumn {
             name: "x".into(),
             schema: FieldSchema::ragged(DType::U8, vec![]),
-            cells: vec![(&a, 10), (&b, 70)],
+            cells: vec![(a, 10), (b, 70)],
         };
         let layout = Layout::place(std::slice::from_ref(&col), None);
         let offsets: Vec<u64> = layout.columns[0].iter().map(|c| c.offset).collect();
         assert_eq!((offsets, layout.total), (vec![0, 64], 134));
         let flat: Vec<u8> = layout.parts().concat();
         assert_eq!(flat.len(), 134);
-        assert_eq!((&flat[..10], &flat[64..134]), (&a[..], &b[..]));
+        assert_eq!((&flat[..10], &flat[64..134]), (a, b));
         let second = Layout::place(std::slice::from_ref(&col), Some(&[1]));
         assert_eq!((second.columns[0][0].offset, second.total), (0, 70));
+    }
+
+    #[test]
+    fn rows_of_one_array_stay_end_to_end_and_the_next_column_starts_on_a_boundary() {
+        let buffer: Vec<u8> = (0..12).collect();
+        let rows = |at: usize| (&buffer[at..at + 4], 1);
+        let col = |name: &str| PutColumn {
+            name: name.into(),
+            schema: FieldSchema::scalar(DType::F32),
+            cells: vec![rows(0), rows(4), rows(8)],
+        };
+        let layout = Layout::place(&[col("x"), col("y")], None);
+        let offsets: Vec<Vec<u64>> =
+            layout.columns.iter().map(|c| c.iter().map(|m| m.offset).collect()).collect();
+        assert_eq!(offsets, [vec![0, 4, 8], vec![64, 68, 72]]);
+        assert_eq!(layout.total, 76);
+        // Rows taken out of order are not end to end in the caller's memory: each on a boundary.
+        let some = Layout::place(&[col("x")], Some(&[2, 0]));
+        let offsets: Vec<u64> = some.columns[0].iter().map(|m| m.offset).collect();
+        assert_eq!(offsets, [0, 64]);
     }
 }
