@@ -344,6 +344,11 @@ class Run:
                 f"resumed from {ckpt.name}: step {trainer_engine.version}, "
                 f"{restored} rows in flight"
             )
+            if c.algorithm.filter_groups and c.algorithm.max_extra_groups > 0:
+                self.reporter.line(
+                    "warning: replacement prompt groups (algorithm.max_extra_groups) are not "
+                    "kept across a resume: some are generated and trained again"
+                )
         # The steps from here on are (re)done: a run resumed before its first checkpoint
         # starts over.
         ledger.truncate(trainer_engine.version)
