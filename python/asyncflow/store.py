@@ -144,7 +144,9 @@ class Store:
         """
         if isinstance(partitions, str):  # one prefix, not its characters
             partitions = [partitions]
-        self._native.register_task(name, None if partitions is None else list(partitions))
+        # A scope is a set of prefixes: the same set in another order is the same scope.
+        scope = None if partitions is None else sorted(set(partitions))
+        self._native.register_task(name, scope)
 
     @_arguments
     def put(

@@ -67,6 +67,15 @@ def test_a_partition_prefix_given_as_one_string_is_one_prefix(store: af.Store) -
     assert [float(v) for v in batch.read()["x"]] == [1.0]
 
 
+def test_a_task_registered_again_with_its_prefixes_in_another_order_is_the_same_task(
+    store: af.Store,
+) -> None:
+    store.register_task("t", partitions=["a", "b"])
+    store.register_task("t", partitions=["b", "a", "b"])  # the same set: a no-op
+    with pytest.raises(af.BadRequestError):
+        store.register_task("t", partitions=["a"])
+
+
 def test_a_list_of_claimed_indexes_and_plain_ints_is_read(store: af.Store) -> None:
     idx = store.put({"x": [1.0, 2.0]})
     mixed = [idx[0], int(idx[1])]  # NumPy alone would make float64 of these
