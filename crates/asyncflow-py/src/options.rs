@@ -268,11 +268,17 @@ mod tests {
     }
 
     #[test]
-    fn sharing_options_need_a_step_but_the_cost_model_is_only_read_with_one() {
+    fn sharing_options_and_the_cost_model_need_a_step() {
         let ranks = ClaimOptions { dp_size: 2, ..Default::default() };
         assert!(claim(ranks).is_err());
-        let cost = ClaimOptions { cost: "unknown".into(), ..Default::default() };
-        assert!(claim(cost.clone()).unwrap().spec.share.is_none());
-        assert!(claim(ClaimOptions { step: Some(1), ..cost }).is_err());
+        let unknown = ClaimOptions { cost: "unknown".into(), ..Default::default() };
+        assert!(claim(unknown.clone()).is_err());
+        assert!(claim(ClaimOptions { step: Some(1), ..unknown }).is_err());
+        let attention = ClaimOptions { cost: "attention".into(), ..Default::default() };
+        assert!(claim(attention.clone()).is_err());
+        assert!(claim(ClaimOptions { step: Some(1), ..attention }).unwrap().spec.share.is_some());
+        let weighed = ClaimOptions { linear_weight: Some(5.0), ..Default::default() };
+        assert!(claim(weighed).is_err());
+        assert!(claim(ClaimOptions::default()).unwrap().spec.share.is_none());
     }
 }
