@@ -363,8 +363,12 @@ impl Store {
     pub fn admit(&self, columns: &[ColumnSpec<'_>], target: &PutTarget) -> Result<Admitted> {
         let mut index = self.index.lock();
         let admitted = index.admit_put(columns, target);
-        // Appended, not synced: the commit that completes the put syncs past it.
-        self.append(&mut index, None);
+        let at = self.append(&mut index, None);
+        drop(index);
+        // Durable before its rows are named to the client: a store that lost the admission in
+        // a crash would give the same indexes to another put, whose rows the first put's commit
+        // would then complete in its place (its own rows lost).
+        self.sync(at)?;
         admitted
     }
 

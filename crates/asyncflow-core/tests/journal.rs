@@ -28,6 +28,8 @@ struct Recorder {
     entries: Mutex<Entries>,
     payloads: Mutex<HashMap<u64, Vec<Vec<Cell>>>>,
     next: Mutex<u64>,
+    /// How many entries have been made durable: what a crash would leave.
+    synced: Mutex<Position>,
 }
 
 impl Journal for Recorder {
@@ -45,7 +47,9 @@ impl Journal for Recorder {
         entries.len() as Position
     }
 
-    fn sync(&self, _: Position) -> asyncflow_core::Result<()> {
+    fn sync(&self, at: Position) -> asyncflow_core::Result<()> {
+        let mut synced = self.synced.lock();
+        *synced = (*synced).max(at);
         Ok(())
     }
 
@@ -311,6 +315,22 @@ fn rows_whose_put_never_committed_are_unfinished() {
     assert_eq!(store.unfinished_rows(), admitted.rows);
     store.commit(&admitted.rows, &admitted.fields).unwrap();
     assert!(store.unfinished_rows().is_empty());
+}
+
+#[test]
+fn an_admitted_put_is_durable_before_its_rows_are_named() {
+    // A controller killed after admitting a put, before its commit synced the log, came back
+    // without the admission and gave its row indexes to another put; the first put's commit
+    // then completed that other put's rows, and its own data was lost.
+    let (store, recorder) = journaled();
+    let schema = FieldSchema::scalar(DType::I64);
+    let spec = || asyncflow_core::ColumnSpec { name: "a", schema: &schema, rows: 2 };
+    let first = store.admit(&[spec()], &new_rows()).unwrap();
+    let synced = *recorder.synced.lock() as usize;
+    let restored = Store::new(config()).unwrap();
+    replay(&restored, &recorder.entries.lock()[..synced]);
+    let second = restored.admit(&[spec()], &new_rows()).unwrap();
+    assert!(second.rows.iter().all(|r| !first.rows.contains(r)), "{first:?} {second:?}");
 }
 
 fn new_rows() -> PutTarget {
