@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,13 +122,38 @@ def check_resumable(config: Config, run_dir: Path) -> None:
     saved_file = run_dir / "config.yaml"
     if not saved_file.is_file():
         raise ConfigError(f"{run_dir}: no config.yaml there; is it a run directory?")
-    saved, now = load_config(saved_file).to_dict(), config.to_dict()
-    for key in RESUME_FIXED:
-        for leaf, was, will in _changes(_dotted(saved, key), _dotted(now, key), key):
+    for leaf, was, will in changed(config, saved_file, RESUME_FIXED):
+        raise ConfigError(
+            f"cannot resume {run_dir} with {leaf} changed: it was {was!r}, now {will!r} "
+            "(start a new run instead)"
+        )
+
+
+def check_fresh(config: Config, run_dir: Path) -> None:
+    """Refuses a new run in ``run_dir`` where a run trained already (their ledgers and
+    checkpoints would mix), or where one stopped before training with another model or warm
+    start (its built model and warm start would be taken for this run's)."""
+    if (run_dir / "ledger.jsonl").exists() or checkpoint.latest(run_dir):
+        raise ConfigError(
+            f"{run_dir} holds a run already: resume it (--resume {run_dir}) or give another "
+            "--run-dir"
+        )
+    saved_file = run_dir / "config.yaml"
+    if saved_file.is_file():
+        for leaf, was, will in changed(config, saved_file, ("run.seed", "model", "warm_start")):
             raise ConfigError(
-                f"cannot resume {run_dir} with {leaf} changed: it was {was!r}, now {will!r} "
-                "(start a new run instead)"
+                f"{run_dir} holds the start of a run with {leaf} {was!r}, not {will!r}: give "
+                "another --run-dir"
             )
+
+
+def changed(
+    config: Config, saved_file: Path, keys: Sequence[str]
+) -> Iterator[tuple[str, Any, Any]]:
+    """``(dotted key, saved, now)`` of each setting under ``keys`` that ``config`` changes."""
+    saved, now = load_config(saved_file).to_dict(), config.to_dict()
+    for key in keys:
+        yield from _changes(_dotted(saved, key), _dotted(now, key), key)
 
 
 def _dotted(settings: dict[str, Any], key: str) -> Any:
@@ -540,11 +565,8 @@ def train(
             raise ConfigError(f"a resumed run stays in its directory {resume}, not {run_dir}")
         check_resumable(config, resume)
     directory = resume if resume is not None else resolve_run_dir(config, run_dir)
-    if resume is None and ((directory / "config.yaml").exists() or checkpoint.latest(directory)):
-        raise ConfigError(
-            f"{directory} holds a run already: resume it (--resume {directory}) or give another "
-            "--run-dir"
-        )
+    if resume is None:
+        check_fresh(config, directory)
     return Run(
         config, directory, reporter or Reporter(config.run.progress), resume is not None
     ).execute()

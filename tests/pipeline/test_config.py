@@ -193,9 +193,13 @@ def test_the_warm_start_is_for_the_built_in_model_unless_asked(
 
 
 def test_a_fresh_run_in_a_directory_that_holds_a_run_is_refused(tmp_path: Path) -> None:
-    """It would have mixed its outputs with the other run's and thrown its checkpoints away."""
+    """It would have mixed its outputs with the other run's and thrown its checkpoints away; a
+    run that stopped before training is no such run, unless its model or warm start differ."""
     config = cfg.load(None, [])
     (tmp_path / "config.yaml").write_text(config.to_yaml())
+    with pytest.raises(cfg.ConfigError, match=r"start of a run with model.hidden_size"):
+        train(cfg.load(None, ["model.hidden_size=48"]), run_dir=tmp_path)
+    (tmp_path / "ledger.jsonl").write_text('{"step": 0, "trained": [0]}\n')
     with pytest.raises(cfg.ConfigError, match="holds a run already"):
         train(config, run_dir=tmp_path)
 
