@@ -58,34 +58,30 @@ def exact_match(response: str, truth: str, extra_info: Mapping[str, Any] | None 
 
 #: A number in text, with thousands separators or not: ``-1,234.5``.
 NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
-
-
-def numeric_match(response: str, truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
-    """1 if the response's last number equals the ground truth's number (thousands separators
-    ignored in both: ``1,234`` is 1234)."""
-    numbers = NUMBER.findall(response)
-    try:
-        if not numbers:
-            return 0.0
-        return 1.0 if float(numbers[-1].replace(",", "")) == float(truth.replace(",", "")) else 0.0
-    except ValueError:
-        return 0.0
-
-
 #: GSM8K's final-answer line, as its reference solutions and the usual scorers write it.
-FINAL_ANSWER = re.compile(r"####\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+FINAL_ANSWER = re.compile(rf"####\s*({NUMBER.pattern})")
 
 
-def gsm8k_match(response: str, truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
-    """1 if the number after the response's last ``####`` equals the ground truth (commas
-    ignored); a response without that line scores 0, as in the strict GSM8K scorers."""
-    found = FINAL_ANSWER.findall(response)
+def _last_is(found: list[str], truth: str) -> float:
+    """1 if the last of the numbers ``found`` equals the ground truth's (thousands separators
+    ignored in both: ``1,234`` is 1234); 0 when none was found or the truth is no number."""
     if not found:
         return 0.0
     try:
         return 1.0 if float(found[-1].replace(",", "")) == float(truth.replace(",", "")) else 0.0
     except ValueError:
         return 0.0
+
+
+def numeric_match(response: str, truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
+    """1 if the response's last number equals the ground truth's number."""
+    return _last_is(NUMBER.findall(response), truth)
+
+
+def gsm8k_match(response: str, truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
+    """1 if the number after the response's last ``####`` equals the ground truth (commas
+    ignored); a response without that line scores 0, as in the strict GSM8K scorers."""
+    return _last_is(FINAL_ANSWER.findall(response), truth)
 
 
 REWARDS: dict[str, RewardFn] = {
