@@ -30,7 +30,7 @@ from asyncflow.config import Config, ModelConfig
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.hf import HFRolloutEngine
-from asyncflow.engines.process_group import free_port
+from asyncflow.engines.process_group import listening
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.weight_sync import WeightSyncError, ipc
 from asyncflow.weight_sync import broadcast as bc
@@ -316,6 +316,13 @@ def _receiving_process(
     conn.recv()  # stays in the group until the test is done
 
 
+def serving(world_size: int, **settings: Any) -> tuple[GroupSpec, socket.socket]:
+    """A group's spec, and the socket its rank 0 serves the rendezvous through, listening on the
+    spec's port from now on."""
+    listener, port = listening()
+    return GroupSpec(port=port, world_size=world_size, **settings), listener
+
+
 def _spawn(target: Any, *args: Any) -> tuple[Any, Connection]:
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
@@ -338,13 +345,13 @@ def check_delivery(
     """Publishes ``versions`` to two receiving processes and checks each engine, bit for bit;
     the store carries layouts (and ipc handles) only, no tensor."""
     backend = "gloo" if transport == "ipc" else None  # ipc: the group carries control only
-    spec = GroupSpec(port=free_port(), world_size=3, timeout=TIMEOUT, backend=backend)
+    spec, listener = serving(3, timeout=TIMEOUT, backend=backend)
     children = [
         _spawn(_receiving_process, spec, r, daemon.url, model_dir, versions, transport)
         for r in (1, 2)
     ]
     store = daemon.connect()
-    group = Group(spec, 0, "trainer rank 0")
+    group = Group(spec, 0, "trainer rank 0", listener)
     publisher = (
         IpcPublisher(store, group)
         if transport == "ipc"
@@ -376,12 +383,17 @@ def test_broadcast_delivers_each_version_to_every_engine_bit_exact(
 
 
 def _publishing_process(
-    spec: GroupSpec, store_url: str, model_dir: Path, fault: str, conn: Any
+    spec: GroupSpec,
+    listener: socket.socket,
+    store_url: str,
+    model_dir: Path,
+    fault: str,
+    conn: Any,
 ) -> None:
     """Rank 0: publishes v1 whole, then dies (or stops) at the third bucket of v2."""
     store = af.connect(store_url)
     conn.send("joining")
-    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0"), BUCKET)
+    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0", listener), BUCKET)
     publisher.publish(1, version_weights(model_dir, 1))
     conn.recv()
     real_pack, packed = bc.pack, [0]
@@ -404,8 +416,9 @@ def test_broadcast_root_failing_mid_version_fails_the_receiver_and_keeps_the_eng
 ) -> None:
     # A stalled root is noticed only when the timeout expires: short here, long enough for v1.
     timeout = FAULT_TIMEOUT if fault == "stall" else TIMEOUT
-    spec = GroupSpec(port=free_port(), world_size=2, timeout=timeout)
-    proc, conn = _spawn(_publishing_process, spec, daemon.url, model_dir, fault)
+    spec, listener = serving(2, timeout=timeout)
+    with listener:  # the spawned rank 0 holds a copy
+        proc, conn = _spawn(_publishing_process, spec, listener, daemon.url, model_dir, fault)
     assert conn.poll(REPORT_WAIT) and conn.recv() == "joining"
     receiver = BroadcastReceiver(daemon.connect(), Group(spec, 1, "rollout process 1"), 0.02)
     engine = HFRolloutEngine(model_dir, Config())
@@ -443,9 +456,10 @@ def _dying_receiver(spec: GroupSpec, store_url: str, conn: Any) -> None:
 def test_broadcast_receiver_dying_fails_the_publisher_naming_the_receivers(
     model_dir: Path, daemon: DaemonProcess
 ) -> None:
-    spec = GroupSpec(port=free_port(), world_size=2, timeout=TIMEOUT)
+    spec, listener = serving(2, timeout=TIMEOUT)
     proc, _ = _spawn(_dying_receiver, spec, daemon.url)
-    publisher = BroadcastPublisher(daemon.connect(), Group(spec, 0, "trainer rank 0"), BUCKET)
+    group = Group(spec, 0, "trainer rank 0", listener)
+    publisher = BroadcastPublisher(daemon.connect(), group, BUCKET)
     started = time.monotonic()
     try:
         with pytest.raises(WeightSyncError, match=r"v1: broadcasting to rollout process 1"):
@@ -518,12 +532,12 @@ def test_ipc_delivers_each_version_to_every_engine_bit_exact(
 
 
 def _ipc_publisher_dying_after_announcing(
-    spec: GroupSpec, store_url: str, model_dir: Path, conn: Any
+    spec: GroupSpec, listener: socket.socket, store_url: str, model_dir: Path, conn: Any
 ) -> None:
     """Rank 0: publishes v1 whole, then dies as soon as v2 is announced."""
     store = af.connect(store_url)
     conn.send("joining")
-    publisher = IpcPublisher(store, Group(spec, 0, "trainer rank 0"))
+    publisher = IpcPublisher(store, Group(spec, 0, "trainer rank 0", listener))
     publisher.publish(1, version_weights(model_dir, 1))
     conn.recv()
     real_announce = bc.announce
@@ -540,8 +554,11 @@ def _ipc_publisher_dying_after_announcing(
 def test_ipc_publisher_dying_fails_the_receiver_and_keeps_the_engine_on_the_last(
     model_dir: Path, daemon: DaemonProcess
 ) -> None:
-    spec = GroupSpec(port=free_port(), world_size=2, timeout=TIMEOUT, backend="gloo")
-    proc, conn = _spawn(_ipc_publisher_dying_after_announcing, spec, daemon.url, model_dir)
+    spec, listener = serving(2, timeout=TIMEOUT, backend="gloo")
+    with listener:  # the spawned rank 0 holds a copy
+        proc, conn = _spawn(
+            _ipc_publisher_dying_after_announcing, spec, listener, daemon.url, model_dir
+        )
     assert conn.poll(REPORT_WAIT) and conn.recv() == "joining"
     receiver = IpcReceiver(daemon.connect(), Group(spec, 1, "rollout process 1"), 0.02)
     engine = HFRolloutEngine(model_dir, Config())
@@ -583,8 +600,9 @@ def test_bench_weight_sets_are_shaped_like_qwen2_decoder_layers() -> None:
 
 
 def test_a_closed_group_frees_its_rendezvous_port() -> None:
-    port = free_port()
-    group = Group(GroupSpec(port=port, world_size=1, backend="gloo"), 0, "alone")
+    spec, listener = serving(1, backend="gloo")
+    group = Group(spec, 0, "alone", listener)
+    port = spec.port
     group.close()
     group.close()  # a second close does nothing
     with socket.socket() as s:
@@ -613,12 +631,12 @@ def test_versions_arrive_while_an_engine_loads_and_never_into_the_buffer_it_read
     def weights(version: int) -> list[tuple[str, torch.Tensor]]:
         return [("w", torch.full((4096,), float(version))), ("b", torch.arange(7.0) * version)]
 
-    spec = GroupSpec(port=free_port(), world_size=2, timeout=TIMEOUT, backend="gloo")
+    spec, listener = serving(2, timeout=TIMEOUT, backend="gloo")
     store = af.Store()
     joined: list[Group] = []
     joining = threading.Thread(target=lambda: joined.append(Group(spec, 1, "rollout 1")))
     joining.start()
-    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0"), 4096)
+    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0", listener), 4096)
     joining.join(REPORT_WAIT)
     receiver = BroadcastReceiver(store, joined[0], 0.01)
     engine = GatedEngine()

@@ -51,7 +51,7 @@ from asyncflow import weights
 from asyncflow.bench.records import Report
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
-from asyncflow.engines.process_group import free_port
+from asyncflow.engines.process_group import listening
 from asyncflow.weight_sync.broadcast import BroadcastPublisher, BroadcastReceiver
 from asyncflow.weight_sync.group import Group, GroupSpec
 from asyncflow.weight_sync.ipc import IpcPublisher, IpcReceiver
@@ -288,7 +288,8 @@ class BroadcastBench:
     def __init__(self, transport: str = "broadcast") -> None:
         self.daemon = DaemonProcess()
         self.store = self.daemon.connect()
-        spec = GroupSpec(port=free_port(), world_size=2, timeout=600.0, backend="gloo")
+        listener, port = listening()
+        spec = GroupSpec(port=port, world_size=2, timeout=600.0, backend="gloo")
         context = multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
         self.proc = context.Process(
@@ -296,7 +297,7 @@ class BroadcastBench:
         )
         self.proc.start()
         theirs.close()
-        self.group = Group(spec, 0, "bench trainer rank 0")
+        self.group = Group(spec, 0, "bench trainer rank 0", listener)
         self.publisher = (
             IpcPublisher(self.store, self.group)
             if transport == "ipc"

@@ -36,7 +36,7 @@ from asyncflow.engines import lora
 from asyncflow.engines.base import ADAM_BETAS, LossFn, TrainBatch, TrainEngine, token_logprobs
 from asyncflow.engines.errors import EngineStartError
 from asyncflow.engines.hf import copy_tokenizer, load_model, save_merged
-from asyncflow.engines.process_group import Rendezvous, free_port, join_group, on_gpu
+from asyncflow.engines.process_group import Rendezvous, group_of_one, join_group, on_gpu
 
 
 def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
@@ -47,7 +47,7 @@ def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
     if rendezvous is None:
         if dist.is_initialized():
             return
-        rendezvous = Rendezvous(rank=0, world_size=1, master_port=free_port())
+        rendezvous = group_of_one()
     join_group(rendezvous, timeout)
     if on_gpu():
         torch.cuda.set_device(rendezvous.rank % max(1, torch.cuda.device_count()))

@@ -16,7 +16,7 @@ import os
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,9 @@ class Rendezvous:
     world_size: int
     master_port: int
     master_addr: str = "127.0.0.1"
+    #: Rank 0's socket, already listening on ``master_port`` (see :func:`listening`), which its
+    #: store takes over; None: rank 0 binds the port when it joins.
+    listener: socket.socket | None = field(default=None, compare=False, repr=False)
 
     def environ(self) -> dict[str, str]:
         return {
@@ -46,10 +49,19 @@ class Rendezvous:
         }
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def listening(host: str = "127.0.0.1") -> tuple[socket.socket, int]:
+    """A socket listening on a port of ``host`` the system picks, and the port. Held from the
+    choice of the port until a rendezvous store takes it over, so that no other process can bind
+    the port in between (as one could when a port found free is closed, to be bound again)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family)
+    return listener, int(listener.getsockname()[1])
+
+
+def group_of_one() -> Rendezvous:
+    """The rendezvous of a group of one, on a loopback port this process listens on."""
+    listener, port = listening()
+    return Rendezvous(rank=0, world_size=1, master_port=port, listener=listener)
 
 
 def is_loopback(host: str) -> bool:
@@ -66,7 +78,7 @@ def _store(rendezvous: Rendezvous, timeout: timedelta) -> Any:
     if r.rank != 0:
         return TCPStore(r.master_addr, r.master_port, r.world_size, False, timeout)
     family = socket.AF_INET6 if ":" in r.master_addr else socket.AF_INET
-    listener = socket.create_server((r.master_addr, r.master_port), family=family)
+    listener = r.listener or socket.create_server((r.master_addr, r.master_port), family=family)
     # The store owns the socket from here on, and closes it.
     return TCPStore(
         r.master_addr,
@@ -142,7 +154,7 @@ def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
             # deepspeed.init_distributed adopts the existing group.
             deepspeed.init_distributed(dist_backend=dist.get_backend())
             return
-        rendezvous = Rendezvous(rank=0, world_size=1, master_port=free_port())
+        rendezvous = group_of_one()
     _skip_inference_comm_op()
     # DeepSpeed adopts the group made here, on the store made here.
     backend = join_group(rendezvous, timeout)

@@ -10,6 +10,7 @@ job's commands, one at a time, until told to close or until the job's end of the
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import traceback
@@ -53,6 +54,9 @@ class RankSpec:
     #: The weight-sync group rank 0 publishes over (``weights.transport: broadcast`` or
     #: ``ipc``); None: rank 0 publishes through the store.
     weight_sync: GroupSpec | None = None
+    #: Rank 0's socket listening on ``master_port`` since the port was chosen (see
+    #: ``process_group.listening``); None: rank 0 binds the port when it joins.
+    listener: socket.socket | None = None
 
 
 def describe(error: BaseException) -> str:
@@ -103,7 +107,9 @@ def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
     if spec.world_size == 1 and name not in RANK_ENGINES:  # a lone rank may use any engine
         engine = create_train_engine(name, spec.model_dir, spec.config)
     else:
-        rendezvous = Rendezvous(spec.rank, spec.world_size, spec.master_port, spec.master_addr)
+        rendezvous = Rendezvous(
+            spec.rank, spec.world_size, spec.master_port, spec.master_addr, spec.listener
+        )
         engine = create_train_engine(name, spec.model_dir, spec.config, rendezvous)
     store = connect(spec.store_address, token=spec.store_token)
     pad_id = load_tokenizer(spec.model_dir).pad_id

@@ -28,7 +28,7 @@ import torch
 from asyncflow.config import Config
 from asyncflow.engines.base import LossFn, StepResult, StepTrainEngine, TrainBatch
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
-from asyncflow.engines.process_group import free_port, gpu_count
+from asyncflow.engines.process_group import gpu_count, listening
 from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.errors import ConfigError
 from asyncflow.launch.rank_process import RankSpec, main
@@ -187,31 +187,34 @@ class RankGroup(Ranks):
                 backend="gloo",
                 server=1,
             )
-        port = free_port()
-        # Spawned, not forked: the job's process already runs threads and the store client.
-        context = multiprocessing.get_context("spawn")
-        self.procs: list[Any] = []
-        self.conns: list[Connection] = []
-        for rank, log in enumerate(self.logs):
-            ours, theirs = context.Pipe()
-            spec = RankSpec(
-                rank,
-                config.trainer.dp_size,
-                port,
-                model_dir,
-                config,
-                store_address,
-                store_token if store_token is not None else config.store.token,
-                log,
-                weight_sync=weight_sync,
-            )
-            proc = context.Process(
-                target=main, args=(spec, theirs), name=f"trainer-rank-{rank}", daemon=True
-            )
-            proc.start()
-            theirs.close()
-            self.procs.append(proc)
-            self.conns.append(ours)
+        # Rank 0 serves the ranks' rendezvous on a port held from now on (see `listening`).
+        rendezvous, port = listening()
+        with rendezvous:  # rank 0 gets a copy of its own with its spec
+            # Spawned, not forked: the job's process already runs threads and the store client.
+            context = multiprocessing.get_context("spawn")
+            self.procs: list[Any] = []
+            self.conns: list[Connection] = []
+            for rank, log in enumerate(self.logs):
+                ours, theirs = context.Pipe()
+                spec = RankSpec(
+                    rank,
+                    config.trainer.dp_size,
+                    port,
+                    model_dir,
+                    config,
+                    store_address,
+                    store_token if store_token is not None else config.store.token,
+                    log,
+                    weight_sync=weight_sync,
+                    listener=rendezvous if rank == 0 else None,
+                )
+                proc = context.Process(
+                    target=main, args=(spec, theirs), name=f"trainer-rank-{rank}", daemon=True
+                )
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(ours)
         if weight_sync is not None and listener is not None:
             # Joined beside the ranks' start: rank 0 publishes version 0 to this process before
             # it reports ready.

@@ -9,8 +9,10 @@ cannot take a new member mid-run, so a rank that dies ends the run with an error
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncflow.config import Config
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
-from asyncflow.engines.process_group import free_port
+from asyncflow.engines.process_group import listening
 from asyncflow.launch.rank_process import RankSpec, describe, start
 from asyncflow.launch.ranks import Ranks
 from asyncflow.launch.ray_wait import SAY_EVERY, Say
@@ -33,14 +35,17 @@ class RankActor:
 
     def __init__(self) -> None:
         self.handlers: dict[str, Any] = {}
+        self.listener: socket.socket | None = None
 
     def rendezvous_point(self) -> tuple[str, int]:
-        """This node's address and a free port on it (asked of rank 0)."""
+        """This node's address and a port on it that this actor listens on until its rank joins
+        (asked of rank 0)."""
         address = ray.util.get_node_ip_address()
-        return address, free_port(address)
+        self.listener, port = listening(address)
+        return address, port
 
     def start(self, spec: RankSpec) -> int:
-        self.handlers = start(spec)
+        self.handlers = start(replace(spec, listener=self.listener))
         return int(self.handlers["version"](None))
 
     def call(self, command: str, argument: Any) -> Any:
