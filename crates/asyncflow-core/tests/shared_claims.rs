@@ -277,8 +277,23 @@ fn callers_of_one_step_must_repeat_its_options() {
     let mut h = Harness::new();
     h.put(&[1, 1, 1, 1], None);
     h.claim(&shared(4, rank(0, 0, 2))).unwrap();
-    assert!(matches!(h.claim(&shared(4, rank(0, 1, 4))), Err(StoreError::BadRequest(_))));
-    assert!(matches!(h.claim(&shared(3, rank(0, 1, 2))), Err(StoreError::BadRequest(_))));
+    // The message names the options that differ, by their Python names, and no others.
+    let mut message = |spec| match h.claim(&spec) {
+        Err(StoreError::BadRequest(m)) => m,
+        other => panic!("{other:?}"),
+    };
+    let m = message(shared(4, rank(0, 1, 4)));
+    assert!(m.ends_with("differs in dp_size 2 (asked: 4)"), "{m}");
+    let m = message(shared(3, rank(0, 1, 2)));
+    assert!(m.ends_with("differs in batch_size 4 (asked: 3)"), "{m}");
+    let cost = CostModel::Attention { linear_weight: 6.0 };
+    let m = message(ClaimSpec { whole_groups: true, ..shared(4, Share { cost, ..rank(0, 1, 2) }) });
+    assert!(
+        m.ends_with(
+            "whole_groups false (asked: true), cost tokens (asked: attention, linear_weight 6)"
+        ),
+        "{m}"
+    );
 }
 
 #[test]

@@ -26,7 +26,7 @@ use super::claim::{ClaimSpec, Claimed, Share, TokenLengths};
 use super::lease::{LeaseId, Leases};
 use super::{Index, TaskId};
 use crate::error::{Result, StoreError};
-use crate::scheduler::{Method, PartitionOptions, partition};
+use crate::scheduler::{CostModel, Method, PartitionOptions, partition};
 
 /// Ended batches remembered, so that claiming a finished step again fails instead of claiming a
 /// fresh batch under its name.
@@ -127,6 +127,41 @@ fn terms(spec: &ClaimSpec) -> ClaimSpec {
     terms
 }
 
+/// The options in which `asked` differs from a shared batch's `first` terms, each as
+/// `name first (asked: value)`, by the names the Python `ClaimOptions` gives them.
+fn differences(first: &ClaimSpec, asked: &ClaimSpec) -> String {
+    let mut out = Vec::new();
+    let mut compare = |name: &str, a: String, b: String| {
+        if a != b {
+            out.push(format!("{name} {a} (asked: {b})"));
+        }
+    };
+    compare("fields", format!("{:?}", first.fields), format!("{:?}", asked.fields));
+    compare("batch_size", first.batch_size.to_string(), asked.batch_size.to_string());
+    compare("partition", format!("{:?}", first.partition), format!("{:?}", asked.partition));
+    compare("min_version", format!("{:?}", first.min_version), format!("{:?}", asked.min_version));
+    compare("whole_groups", first.whole_groups.to_string(), asked.whole_groups.to_string());
+    let (a, b) = (first.share.clone().unwrap_or_default(), asked.share.clone().unwrap_or_default());
+    compare("dp_size", a.dp_size.to_string(), b.dp_size.to_string());
+    compare("replica_size", a.replica_size.to_string(), b.replica_size.to_string());
+    compare("balance_field", format!("{:?}", a.balance_field), format!("{:?}", b.balance_field));
+    compare("cost", cost_name(a.cost), cost_name(b.cost));
+    compare("equal_count", a.equal_count.to_string(), b.equal_count.to_string());
+    if out.is_empty() {
+        return format!("{first:?} (asked: {asked:?})"); // (an option not named above)
+    }
+    out.join(", ")
+}
+
+fn cost_name(cost: CostModel) -> String {
+    match cost {
+        CostModel::Tokens => "tokens".into(),
+        CostModel::Attention { linear_weight } => {
+            format!("attention, linear_weight {linear_weight}")
+        }
+    }
+}
+
 /// A lease error about the part's lease, told to the holder of seat `id`.
 fn for_seat(err: StoreError, id: LeaseId) -> StoreError {
     match err {
@@ -213,9 +248,11 @@ impl Index {
         let task = &self.tasks[key.task as usize].name;
         if batch.terms != terms(spec) {
             return Err(StoreError::bad_request(format!(
-                "step {} of task {task:?} (replica {}) was claimed as {:?}; every caller must \
-                 repeat those options, but this one asks for {:?}",
-                key.step, key.replica, batch.terms, spec
+                "step {} of task {task:?} (replica {}) was claimed with other options; every \
+                 caller must repeat the first one's, and this one differs in {}",
+                key.step,
+                key.replica,
+                differences(&batch.terms, spec)
             )));
         }
         let part = &batch.parts[share.dp_rank as usize];
