@@ -165,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The daemons a suite starts, and the client processes it starts, take the token from
         # here: on loopback without one, any local user could read and clear their rows.
         os.environ.setdefault(TOKEN_ENV, new_token())
+        _stop_on_sigterm()  # a suite's daemons and worker processes are stopped with it
         return run_suite(
             args.suite,
             json_path=args.json,

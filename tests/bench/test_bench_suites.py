@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -361,3 +362,26 @@ def test_a_pipeline_mode_fails_as_soon_as_one_of_its_processes_fails(tmp_path: P
     finally:
         procs["train"].kill()
         procs["train"].wait()
+
+
+def test_sigterm_stops_a_bench_suite_through_its_cleanup() -> None:
+    """A suite killed with SIGTERM stops the daemons and worker processes it started (its
+    cleanup runs, exit status 143), instead of dying at once and leaving them running."""
+    script = (
+        "import sys, time\n"
+        "from asyncflow import bench, cli\n"
+        "def suite(*args, **kwargs):\n"
+        "    try:\n"
+        "        print('ready', flush=True)\n"
+        "        time.sleep(600)\n"
+        "    finally:\n"
+        "        print('cleaned up', flush=True)\n"
+        "bench.run_suite = suite\n"
+        "sys.exit(cli.main(['bench', 'sched']))\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as p:
+        assert p.stdout is not None
+        assert p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 143
+        assert p.stdout.read() == "cleaned up\n"
