@@ -23,7 +23,7 @@ from asyncflow.progress import Reporter
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks, train
 from asyncflow.weights import Watcher
-from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
+from asyncflow.workers.base import LEASES, PROMPTS, Context, RunState, step_partition
 from asyncflow.workers.partial import PartialRollout
 from asyncflow.workers.rollout import token_versions
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
@@ -379,6 +379,37 @@ def test_a_group_whose_lease_ran_out_mid_generation_is_generated_once(model_dir:
     assert len(ctx.store.rows(partition=step_partition(0))) == 2
     again = ctx.store.claim("rollout", "prompt_ids", 1, timeout=0.1, allow_partial=True)
     assert len(again) == 0, "its prompt is acked"
+
+
+def test_the_dispatcher_keeps_a_claims_lease_until_its_last_group_completes() -> None:
+    """A group routed to an engine's inbox may wait there, behind a full engine, past its
+    lease's term: the dispatcher keeps the claim's lease from the claim until its last group
+    completes (the store handed the prompt out again, and the group's ack failed, before)."""
+    ctx = context("rollout.groups_per_call=2")
+    put_prompts(ctx.store, target=0, groups=2)
+    inbox = Inbox()
+    dispatcher = Dispatcher(ctx, {"engine-0": inbox})
+    before = len(LEASES)
+    dispatcher.step()
+    (first, second) = sorted(inbox.take(2, 0.0), key=lambda a: a.group)
+    assert first.batch.lease == second.batch.lease
+    assert len(LEASES) == before + 1, "the claim's lease is kept"
+    dispatcher.complete([first.group])
+    assert len(LEASES) == before + 1, "a group of the claim is still out"
+    dispatcher.complete([second.group])
+    assert len(LEASES) == before, "held no longer"
+    # A hold still open when the run stops ends with the dispatcher's loop.
+    ctx.store.put(
+        {"prompt_ids": [np.array(PROMPT, np.int64)], "answer": [b"7"], "target_step": [1]},
+        partition=PROMPTS,
+        groups=[2],
+        group_size=1,
+    )
+    dispatcher.step()
+    assert len(LEASES) == before + 1
+    ctx.stop.set()
+    dispatcher.run()
+    assert len(LEASES) == before
 
 
 def test_a_group_in_flight_longer_than_its_lease_keeps_it(model_dir: Path) -> None:

@@ -4,11 +4,14 @@ A dispatcher claims prompt groups from the store and routes each to the live eng
 outstanding tokens; each engine's worker takes what it was given from its inbox. Engines report
 their load after every generation call and while idle, so one that has not finished a call for
 ``rollout.heartbeat_timeout`` seconds is taken out of rotation and its unfinished groups go to
-another; if none is left, the run fails with an error naming the silent engines.
+another; if none is left, the run fails with an error naming the silent engines. The dispatcher
+keeps a claim's lease from its claim until its last group completes: a group may wait in an
+inbox behind a full engine for longer than ``store.lease_timeout``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,6 +94,8 @@ class Dispatcher(Worker):
         #: Re-entrant: an engine's worker holds it across its checks and its put.
         self.lock = threading.RLock()
         self._unroutable: list[Assignment] = []
+        #: By lease: the claim's groups routed and not completed, and the hold on its lease.
+        self._held: dict[int, tuple[set[int], contextlib.ExitStack]] = {}
 
     # -- called by the engines' workers -------------------------------------------------------
 
@@ -106,8 +111,29 @@ class Dispatcher(Worker):
     def complete(self, groups: Sequence[int]) -> None:
         with self.lock:
             for g in groups:
-                if self.routed.pop(g, None) is not None:
+                item = self.routed.pop(g, None)
+                if item is not None:
                     self.router.complete(g)
+                    self._release(item.batch.lease, g)
+
+    def _release(self, lease: int, group: int) -> None:
+        """Ends the hold on ``lease`` once its last group is complete."""
+        held = self._held.get(lease)
+        if held is None:
+            return
+        held[0].discard(group)
+        if not held[0]:
+            del self._held[lease]
+            held[1].close()
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            with self.lock:  # the run is over: the holds end with it
+                for _, stack in self._held.values():
+                    stack.close()
+                self._held.clear()
 
     # -- the dispatcher's own loop ------------------------------------------------------------
 
@@ -169,5 +195,8 @@ class Dispatcher(Worker):
             for i in range(len(batch))
         ]
         with self.lock:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.holding(batch))
+            self._held[batch.lease] = ({item.group for item in items}, stack)
             self._route(items)
         return True
