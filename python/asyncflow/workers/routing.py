@@ -95,7 +95,7 @@ class Dispatcher(Worker):
         self.lock = threading.RLock()
         self._unroutable: list[Assignment] = []
         #: By lease: the claim's groups routed and not completed, and the hold on its lease.
-        self._held: dict[int, tuple[set[int], contextlib.ExitStack]] = {}
+        self._held: dict[int | None, tuple[set[int], contextlib.ExitStack]] = {}
 
     # -- called by the engines' workers -------------------------------------------------------
 
@@ -116,7 +116,7 @@ class Dispatcher(Worker):
                     self.router.complete(g)
                     self._release(item.batch.lease, g)
 
-    def _release(self, lease: int, group: int) -> None:
+    def _release(self, lease: int | None, group: int) -> None:
         """Ends the hold on ``lease`` once its last group is complete."""
         held = self._held.get(lease)
         if held is None:
