@@ -663,3 +663,36 @@ def test_versions_arrive_while_an_engine_loads_and_never_into_the_buffer_it_read
     assert_bit_exact(engine.got, weights(3))
     receiver.close()
     publisher.close()
+
+
+def test_a_publisher_that_fails_to_pack_a_version_names_itself_not_the_receivers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A copy off the GPU that fails (an illegal access, out of memory) is rank 0's own failure:
+    # it was reported as "a receiver died or stalled", sending the user to the wrong process.
+    spec, listener = serving(2, timeout=FAULT_TIMEOUT, backend="gloo")
+    store = af.Store()
+    joined: list[Group] = []
+    joining = threading.Thread(target=lambda: joined.append(Group(spec, 1, "rollout 1")))
+    joining.start()
+    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0", listener), 4096)
+    joining.join(REPORT_WAIT)
+    receiver = BroadcastReceiver(store, joined[0], 0.01)
+    publisher.publish(1, [("w", torch.ones(64))])
+    assert receiver.wait_for(1, REPORT_WAIT)
+
+    def failing(*_: Any) -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bc, "pack", failing)
+    with pytest.raises(WeightSyncError) as raised:
+        publisher.publish(2, [("w", torch.full((64,), 2.0))])
+    message = str(raised.value)
+    assert message.startswith("weights v2: trainer rank 0 failed to pack it at bucket 1/1: CUDA")
+    assert "receiver" not in message
+    # The receiver, left mid-transfer, names rank 0 and keeps v1.
+    with pytest.raises(WeightSyncError, match=r"v2: the broadcast from trainer rank 0 failed"):
+        receiver.wait_for(2, REPORT_WAIT)
+    assert receiver.latest_received() == 1
+    receiver.close()
+    publisher.close()

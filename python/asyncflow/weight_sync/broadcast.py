@@ -63,6 +63,10 @@ def announced(store: Store) -> dict[int, int]:
     }
 
 
+class _PackingError(Exception):
+    """The publisher's own work on a version failed (its cause says how), not the transfer."""
+
+
 class BroadcastPublisher(Publisher):
     """Rank 0 of the group."""
 
@@ -94,7 +98,8 @@ class BroadcastPublisher(Publisher):
             raise WeightSyncError(f"weights v{version} not sent: {self._failed}")
         named = list(weights)
         layout = Layout.of(version, named, self.bucket_size)
-        tensors = [t for _, t in named]
+        # Once here, not once per bucket a non-contiguous tensor's bytes fall in.
+        tensors = [t if t.is_contiguous() else t.contiguous() for _, t in named]
         announce(self.store, layout, self._prepare(layout, tensors))
         started, self._progress = time.monotonic(), ""
         try:
@@ -103,6 +108,12 @@ class BroadcastPublisher(Publisher):
             self._send(layout, tensors)
             self._progress = " at the closing barrier"
             self.group.barrier()  # every receiver has swapped the version in
+        except _PackingError as e:  # this rank's own failure, not the wire's
+            self._failed = WeightSyncError(
+                f"weights v{version}: {self.group.labels[0]} failed to pack it{self._progress}: "
+                f"{e.__cause__}"
+            )
+            raise self._failed from e.__cause__
         except RuntimeError as e:
             receivers = ", ".join(self.group.labels[1:])
             self._failed = WeightSyncError(
@@ -119,7 +130,10 @@ class BroadcastPublisher(Publisher):
         """The segments: large tensors straight from their memory, the others packed into the
         two bucket buffers, the next while the one before is on the wire."""
         segments = layout.segments()
-        buffers = self._bucket_buffers()
+        try:
+            buffers = self._bucket_buffers()
+        except RuntimeError as e:  # (out of memory, say)
+            raise _PackingError from e
         sending: list[Any] = [None, None]
         direct: list[Any] = []
         packed = 0
@@ -133,7 +147,11 @@ class BroadcastPublisher(Publisher):
             slot, packed = packed % 2, packed + 1
             if sending[slot] is not None:
                 sending[slot].wait()
-            sending[slot] = self.group.broadcast(pack(buffers[slot], start, end, layout, tensors))
+            try:
+                bucket = pack(buffers[slot], start, end, layout, tensors)
+            except RuntimeError as e:  # (a failed copy off the GPU, say)
+                raise _PackingError from e
+            sending[slot] = self.group.broadcast(bucket)
         for work in [*direct, *sending]:
             if work is not None:
                 work.wait()
