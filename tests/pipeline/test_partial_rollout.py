@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from asyncflow import weights
 from asyncflow.engines.base import Completion, Request, Sampling
 from asyncflow.engines.errors import EngineDiedError, WeightLoadError
 from asyncflow.engines.hf import HFRolloutEngine
+from asyncflow.errors import StoreTimeoutError
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.progress import Reporter
@@ -268,6 +270,43 @@ def test_weights_that_fail_their_checks_leave_the_engine_whole_on_its_version(
         assert engine.version == 0
         for n, p in engine.model.named_parameters():
             assert torch.equal(p, before[n]), f"{n} was overwritten by a refused version"
+
+
+@pytest.mark.parametrize("failure", ["transient", "unloadable"])
+def test_under_abort_a_version_that_does_not_load_cuts_nothing(
+    model_dir: Path, versions: dict[int, dict[str, torch.Tensor]], failure: str
+) -> None:
+    """Sequences are cut only once the new weights are in: a version the store is slow to
+    deliver (tried again at every decode step) or that fails to load leaves them decoding."""
+
+    class Failing(Watcher):
+        def load(self, engine: Any, version: int) -> int:
+            if version > 0 and failure == "transient":
+                raise StoreTimeoutError(f"fetching weights v{version}: timed out")
+            if version > 0:
+                raise WeightLoadError(f"weights v{version} lack 1 tensors")
+            return super().load(engine, version)
+
+    ctx = context("rollout.partial=abort", "rollout.max_tokens=12")
+    ctx.weights = Failing(ctx.store, 0.0)
+    engine = engine_at(model_dir, ctx.config, versions[0])
+    weights.publish(ctx.store, 0, list(versions[0].items()))
+    cut: list[Request] = []
+    abort = engine.abort_requests
+
+    def counted() -> list[Request]:
+        requests = abort()
+        cut.extend(requests)
+        return requests
+
+    engine.abort_requests = counted  # type: ignore[method-assign]
+    put_prompts(ctx.store, target=1)  # v1 is the policy of step 1's prompts
+    worker = PartialRollout(ctx, engine)
+    worker.step()  # admitted, first decode step
+    weights.publish(ctx.store, 1, list(versions[1].items()))
+    run_until_samples(worker, 1, 2, {})
+    assert cut == [], "sequences were cut for a version that never loaded"
+    assert engine.version == 0
 
 
 def test_a_truncated_publication_is_reported_and_generation_goes_on_with_the_old_version(

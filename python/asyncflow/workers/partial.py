@@ -102,16 +102,12 @@ class PartialRollout(Rollout):
         return batch
 
     def _update_weights(self) -> None:
-        if self.mode == "abort" and self.engine.in_flight():
-            newest = self.ctx.weights.latest()
-            if newest is None or newest <= self.engine.version or newest in self._unloadable:
-                return
-            cut = self.engine.abort_requests()
-            self.sync_weights()
-            for request in cut:  # their prefix is prefilled again under the weights loaded now
-                self.engine.add_request(request)
-            return
-        self.sync_weights()
+        # Under abort, the sequences in flight are cut only once the new weights are in: a
+        # version that fails to load, or that the store is slow to deliver, cuts nothing (every
+        # decode step would otherwise prefill them all again while it is retried).
+        if self.sync_weights() and self.mode == "abort":
+            for request in self.engine.abort_requests():
+                self.engine.add_request(request)  # its prefix prefilled again under them
 
     def _room(self) -> int:
         return self.config.rollout.max_num_seqs - self.engine.in_flight()
