@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from asyncflow.bench.records import Report
 from asyncflow.bench.trl_peer import grpo_config, scheduler_settings
 from asyncflow.config import TrainerConfig, load
 from asyncflow.engines.base import ADAM_BETAS
+from sigterm import assert_sigterm_runs_cleanup
 
 KEYS = {"suite", "case", "metric", "value", "unit", "baseline", "baseline_value", "ratio"}
 
@@ -379,9 +379,4 @@ def test_sigterm_stops_a_bench_suite_through_its_cleanup() -> None:
         "bench.run_suite = suite\n"
         "sys.exit(cli.main(['bench', 'sched']))\n"
     )
-    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as p:
-        assert p.stdout is not None
-        assert p.stdout.readline() == "ready\n"
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 143
-        assert p.stdout.read() == "cleaned up\n"
+    assert_sigterm_runs_cleanup(script)

@@ -627,18 +627,24 @@ class GatedEngine(RolloutEngine):
         self.version = version
 
 
-def test_versions_arrive_while_an_engine_loads_and_never_into_the_buffer_it_reads() -> None:
-    def weights(version: int) -> list[tuple[str, torch.Tensor]]:
-        return [("w", torch.full((4096,), float(version))), ("b", torch.arange(7.0) * version)]
-
-    spec, listener = serving(2, timeout=TIMEOUT, backend="gloo")
+def in_process_pair(timeout: float) -> tuple[BroadcastPublisher, BroadcastReceiver]:
+    """A publisher and one receiver in this process, over a gloo group on loopback, with 4 KiB
+    buckets and an embedded store."""
+    spec, listener = serving(2, timeout=timeout, backend="gloo")
     store = af.Store()
     joined: list[Group] = []
     joining = threading.Thread(target=lambda: joined.append(Group(spec, 1, "rollout 1")))
     joining.start()
     publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0", listener), 4096)
     joining.join(REPORT_WAIT)
-    receiver = BroadcastReceiver(store, joined[0], 0.01)
+    return publisher, BroadcastReceiver(store, joined[0], 0.01)
+
+
+def test_versions_arrive_while_an_engine_loads_and_never_into_the_buffer_it_reads() -> None:
+    def weights(version: int) -> list[tuple[str, torch.Tensor]]:
+        return [("w", torch.full((4096,), float(version))), ("b", torch.arange(7.0) * version)]
+
+    publisher, receiver = in_process_pair(TIMEOUT)
     engine = GatedEngine()
     try:
         publisher.publish(1, weights(1))
@@ -670,14 +676,7 @@ def test_a_publisher_that_fails_to_pack_a_version_names_itself_not_the_receivers
 ) -> None:
     # A copy off the GPU that fails (an illegal access, out of memory) is rank 0's own failure:
     # it was reported as "a receiver died or stalled", sending the user to the wrong process.
-    spec, listener = serving(2, timeout=FAULT_TIMEOUT, backend="gloo")
-    store = af.Store()
-    joined: list[Group] = []
-    joining = threading.Thread(target=lambda: joined.append(Group(spec, 1, "rollout 1")))
-    joining.start()
-    publisher = BroadcastPublisher(store, Group(spec, 0, "trainer rank 0", listener), 4096)
-    joining.join(REPORT_WAIT)
-    receiver = BroadcastReceiver(store, joined[0], 0.01)
+    publisher, receiver = in_process_pair(FAULT_TIMEOUT)
     publisher.publish(1, [("w", torch.ones(64))])
     assert receiver.wait_for(1, REPORT_WAIT)
 

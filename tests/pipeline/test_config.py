@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +9,7 @@ import pytest
 from asyncflow import config as cfg
 from asyncflow.bench import e2e_suite
 from asyncflow.train import train, warm_starts
+from sigterm import assert_sigterm_runs_cleanup
 
 
 def test_defaults_are_the_embedded_job() -> None:
@@ -231,9 +229,4 @@ def test_sigterm_stops_the_train_command_through_its_cleanup() -> None:
         "finally:\n"
         "    print('cleaned up', flush=True)\n"
     )
-    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as p:
-        assert p.stdout is not None
-        assert p.stdout.readline() == "ready\n"
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 143
-        assert p.stdout.read() == "cleaned up\n"
+    assert_sigterm_runs_cleanup(script)
