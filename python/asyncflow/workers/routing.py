@@ -94,8 +94,9 @@ class Dispatcher(Worker):
         #: Re-entrant: an engine's worker holds it across its checks and its put.
         self.lock = threading.RLock()
         self._unroutable: list[Assignment] = []
-        #: By lease: the claim's groups routed and not completed, and the hold on its lease.
-        self._held: dict[int | None, tuple[set[int], contextlib.ExitStack]] = {}
+        #: The hold on each claim's lease while any of its groups is routed or waits for an
+        #: engine.
+        self._held: dict[int | None, contextlib.ExitStack] = {}
 
     # -- called by the engines' workers -------------------------------------------------------
 
@@ -112,26 +113,19 @@ class Dispatcher(Worker):
         with self.lock:
             for g in groups:
                 item = self.routed.pop(g, None)
-                if item is not None:
-                    self.router.complete(g)
-                    self._release(item.batch.lease, g)
-
-    def _release(self, lease: int | None, group: int) -> None:
-        """Ends the hold on ``lease`` once its last group is complete."""
-        held = self._held.get(lease)
-        if held is None:
-            return
-        held[0].discard(group)
-        if not held[0]:
-            del self._held[lease]
-            held[1].close()
+                if item is None:
+                    continue
+                self.router.complete(g)
+                waiting = [*self.routed.values(), *self._unroutable]
+                if all(a.batch is not item.batch for a in waiting):
+                    self._held.pop(item.batch.lease).close()  # its last group
 
     def run(self) -> None:
         try:
             super().run()
         finally:
             with self.lock:  # the run is over: the holds end with it
-                for _, stack in self._held.values():
+                for stack in self._held.values():
                     stack.close()
                 self._held.clear()
 
@@ -195,8 +189,7 @@ class Dispatcher(Worker):
             for i in range(len(batch))
         ]
         with self.lock:
-            stack = contextlib.ExitStack()
-            stack.enter_context(self.holding(batch))
-            self._held[batch.lease] = ({item.group for item in items}, stack)
+            self._held[batch.lease] = contextlib.ExitStack()
+            self._held[batch.lease].enter_context(self.holding(batch))
             self._route(items)
         return True
