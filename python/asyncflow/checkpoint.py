@@ -196,6 +196,8 @@ def restore_rows(checkpoint: Path, store: Store, group_size: int) -> int:
 _NUMPY = {
     "bool": np.bool_,
     "u8": np.uint8,
+    "i8": np.int8,
+    "i16": np.int16,
     "i32": np.int32,
     "i64": np.int64,
     "f16": np.float16,

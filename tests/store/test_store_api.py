@@ -25,7 +25,8 @@ def test_put_returns_fresh_indexes_and_claim_returns_them_oldest_first(store: af
 
 
 @pytest.mark.parametrize(
-    "dtype", [np.bool_, np.uint8, np.int32, np.int64, np.float16, np.float32, np.float64]
+    "dtype",
+    [np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64],
 )
 def test_every_numeric_dtype_round_trips_exactly(store: af.Store, dtype: type) -> None:
     rng = np.random.default_rng(0)

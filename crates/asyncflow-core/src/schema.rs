@@ -19,10 +19,13 @@ pub enum DType {
     F64 = 7,
     /// Opaque bytes (text, serialised records); a cell is a 1-D run of bytes.
     Bytes = 8,
+    I8 = 9,
+    I16 = 10,
 }
 
 impl DType {
-    pub const ALL: [DType; 9] = [
+    /// Indexed by code: a new dtype takes the next code, so older peers' codes keep meaning.
+    pub const ALL: [DType; 11] = [
         DType::Bool,
         DType::U8,
         DType::I32,
@@ -32,12 +35,14 @@ impl DType {
         DType::F32,
         DType::F64,
         DType::Bytes,
+        DType::I8,
+        DType::I16,
     ];
 
     pub fn item_size(self) -> usize {
         match self {
-            DType::Bool | DType::U8 | DType::Bytes => 1,
-            DType::F16 | DType::BF16 => 2,
+            DType::Bool | DType::U8 | DType::I8 | DType::Bytes => 1,
+            DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
         }
@@ -47,6 +52,8 @@ impl DType {
         match self {
             DType::Bool => "bool",
             DType::U8 => "u8",
+            DType::I8 => "i8",
+            DType::I16 => "i16",
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::F16 => "f16",

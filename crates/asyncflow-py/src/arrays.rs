@@ -27,6 +27,8 @@ fn store_dtype(descr: &Bound<'_, PyArrayDescr>) -> Option<DType> {
     Some(match (descr.kind(), descr.itemsize()) {
         (b'b', 1) => DType::Bool,
         (b'u', 1) => DType::U8,
+        (b'i', 1) => DType::I8,
+        (b'i', 2) => DType::I16,
         (b'i', 4) => DType::I32,
         (b'i', 8) => DType::I64,
         (b'f', 2) => DType::F16,
@@ -46,7 +48,7 @@ fn resolve_dtype(
     let natural = store_dtype(descr);
     let Some(name) = explicit else {
         return natural.ok_or_else(|| {
-            schema_err(field, format!("dtype {descr} is not supported (bool, uint8, int32, int64, float16, float32, float64)"))
+            schema_err(field, format!("dtype {descr} is not supported (bool, uint8, int8, int16, int32, int64, float16, float32, float64)"))
         });
     };
     let wanted = DType::from_name(name).map_err(to_py)?;
@@ -333,6 +335,8 @@ fn descr(py: Python<'_>, dtype: DType) -> Bound<'_, PyArrayDescr> {
     match dtype {
         DType::Bool => numpy::dtype::<bool>(py),
         DType::U8 | DType::Bytes => numpy::dtype::<u8>(py),
+        DType::I8 => numpy::dtype::<i8>(py),
+        DType::I16 => numpy::dtype::<i16>(py),
         DType::I32 => numpy::dtype::<i32>(py),
         DType::I64 => numpy::dtype::<i64>(py),
         DType::F16 => {
