@@ -25,13 +25,12 @@ import pyarrow.parquet as pq
 from asyncflow.engines.base import TrainEngine
 from asyncflow.errors import UnknownIndexError
 from asyncflow.store import Store
-from asyncflow.workers.base import PROMPTS, RunState
+from asyncflow.workers.base import PROMPTS, SAMPLES, RunState
 
 if TYPE_CHECKING:
     from asyncflow.workers.critic import CriticWorker
 
 KEEP = 2
-SAMPLE_PREFIX = "step-"
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -107,7 +106,7 @@ def _in_flight(store: Store) -> tuple[pa.Table, int]:
     samples still being put (no field ready yet) are left out, and their prompt kept."""
     prompts = _read_live(store, store.rows(partition=PROMPTS).indexes)
     listed = store.rows()
-    is_sample = np.array([p.startswith(SAMPLE_PREFIX) for p in listed.partitions], bool)
+    is_sample = np.array([p.startswith(SAMPLES) for p in listed.partitions], bool)
     samples = _read_live(store, listed.indexes[is_sample])
     sampled = {row.group for row in samples}
     kept = [row for row in prompts if row.group not in sampled] + samples

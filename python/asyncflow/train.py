@@ -44,7 +44,7 @@ from asyncflow.telemetry.figure import write_summary_png
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.warm_start import warm_start
-from asyncflow.workers.base import PROMPTS, Context, RunState
+from asyncflow.workers.base import PROMPTS, SAMPLES, Context, RunState
 from asyncflow.workers.batches import to_train_batch
 from asyncflow.workers.colocation import EngineSleep
 from asyncflow.workers.critic import CriticWorker
@@ -55,7 +55,6 @@ from asyncflow.workers.reward import (
 )
 from asyncflow.workers.trainer import Ledger, Trainer
 
-SAMPLES = "step-"
 PASS_K = 8
 
 

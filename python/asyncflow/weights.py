@@ -1,10 +1,12 @@
 """Policy weights travel through the store: version ``v`` is one row of the pinned partition
-``__weights__``, with one field per parameter (``weights/<name>``) and a manifest of the names.
-Rollout engines on the same host read the tensors as zero-copy views of store memory, and load
+``__weights__``, with one field per parameter, ``weights/<dtype>/<name>``, holding it flat, and a
+manifest of the fields and the parameters' shapes: a store field keeps its dtype and cell shape
+for the daemon's life, and a later run on the same daemon may train another model. Rollout engines on the same host read the tensors as zero-copy views of store memory, and load
 the newest version between generation batches."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -37,10 +39,13 @@ def publish(store: Store, version: int, weights: Iterable[tuple[str, torch.Tenso
     """Puts ``weights`` as version ``version``, the store's newest from then on; of the older
     versions, the newest ``KEEP_VERSIONS - 1`` are kept (see :func:`put_version`)."""
     fields: dict[str, object] = {}
+    manifest: list[tuple[str, list[int]]] = []  # (field less the prefix, shape)
     for name, tensor in weights:
-        fields[PREFIX + name] = tensor.detach().cpu().contiguous().unsqueeze(0)
-    names = "\n".join(f.removeprefix(PREFIX) for f in fields)
-    fields[MANIFEST] = [names.encode()]
+        flat = tensor.detach().cpu().contiguous().view(1, tensor.numel())
+        field = f"{str(tensor.dtype).removeprefix('torch.')}/{name}"
+        fields[PREFIX + field] = flat
+        manifest.append((field, list(tensor.shape)))
+    fields[MANIFEST] = [json.dumps(manifest).encode()]
     put_version(store, PARTITION, fields, version, KEEP_VERSIONS)
 
 
@@ -261,9 +266,11 @@ def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str
         raise LookupError(f"weights version {wanted} is not in the store (have {sorted(versions)})")
     index = versions[wanted]
     manifest = store.read([index], MANIFEST)[MANIFEST][0]
-    names = manifest.decode().split("\n")
-    cells = store.read([index], [PREFIX + n for n in names])
-    return wanted, [(n, _as_tensor(cells[PREFIX + n][0])) for n in names]
+    listed = json.loads(manifest)
+    cells = store.read([index], [PREFIX + f for f, _ in listed])
+    return wanted, [
+        (f.split("/", 1)[1], _as_tensor(cells[PREFIX + f][0]).view(shape)) for f, shape in listed
+    ]
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:

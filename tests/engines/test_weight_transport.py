@@ -25,6 +25,7 @@ import torch
 
 import asyncflow as af
 from asyncflow import config as cfg
+from asyncflow import weights as store_weights
 from asyncflow.bench import weights_suite as ws
 from asyncflow.config import Config, ModelConfig
 from asyncflow.daemon import DaemonProcess
@@ -214,6 +215,31 @@ def test_store_transport_loads_each_version_in_place_bit_exact(model_dir: Path) 
         assert_bit_exact(engine_bytes(engine), weights)
     # In place: the engine's parameters are the same tensors as before.
     assert params_before == {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(6, dtype=torch.float32).view(2, 3),
+        torch.arange(6).to(torch.bfloat16),  # another dtype
+        torch.arange(12, dtype=torch.float32).view(3, 4),  # another shape
+        torch.arange(7, dtype=torch.int8),  # the store holds int8 and int16 too
+        torch.tensor(2.5),
+        torch.empty(0, 4, dtype=torch.bfloat16),
+    ],
+    ids=["float32", "bfloat16", "other-shape", "int8", "scalar", "empty"],
+)
+def test_the_store_transport_takes_a_tensor_of_any_dtype_and_shape_after_another_models(
+    tensor: torch.Tensor,
+) -> None:
+    """A store field keeps its dtype and cell shape for the store's life: a later run on the same
+    daemon may publish a model whose tensor of the same name is of another dtype or shape."""
+    store = af.Store()
+    store_weights.publish(store, 0, [("w", torch.ones(2, 2))])  # the earlier run's model
+    store_weights.publish(store, 0, [("w", tensor)])
+    got, [(name, back)] = store_weights.fetch(store)
+    assert (got, name) == (0, "w") and back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back, tensor)
 
 
 # -- the broadcast transport ---------------------------------------------------------------------

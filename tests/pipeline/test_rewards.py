@@ -28,9 +28,9 @@ from asyncflow.evaluation import verifier
 from asyncflow.models.chatml import chatml_tokenizer, save_chatml_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.telemetry.trace import Tracer
-from asyncflow.train import SAMPLES, register_tasks
+from asyncflow.train import register_tasks
 from asyncflow.workers.advantage import AdvantageWorker
-from asyncflow.workers.base import Context, RunState, step_partition
+from asyncflow.workers.base import SAMPLES, Context, RunState, step_partition
 from asyncflow.workers.feeder import EXTRA_GROUPS
 from asyncflow.workers.reward import RewardModelWorker, RewardWorker
 from asyncflow.workers.reward_sources import (

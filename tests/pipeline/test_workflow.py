@@ -6,6 +6,7 @@ One run is shared by the tests that only inspect its outputs, to keep the suite 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,11 +21,16 @@ import pytest
 import torch
 
 from asyncflow import config as cfg
+from asyncflow import weights
+from asyncflow.daemon import DaemonProcess
 from asyncflow.engines import register_rollout_engine
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.progress import Reporter
 from asyncflow.scheduler import Rerouted, Router
 from asyncflow.train import train
+from asyncflow.weight_sync import broadcast
+from asyncflow.weight_sync.layout import Layout
+from asyncflow.workers.base import PROMPTS, step_partition
 from asyncflow.workers import routing
 from run_outputs import busy_spans, ledger, metrics, trained_groups
 
@@ -282,6 +288,40 @@ def test_a_killed_run_resumes_with_no_sample_lost_or_trained_twice(
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9)), "one record per step"
     if job is TOOLS:  # each step's trajectories: at least one model turn each
         assert all(r["agent_turns_mean"] >= 1 for r in metrics(run_dir))
+
+
+def test_a_run_on_a_daemon_frees_what_a_killed_run_left_there_and_its_versions_as_it_ends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with DaemonProcess() as daemon:
+        store = daemon.connect()
+        # What a run killed on this daemon leaves: prompts its dead rollout worker holds, the
+        # samples of an unfinished step, its last weight versions (of another model: its tensor of
+        # the same name is bfloat16 and of another shape) and their broadcast layouts.
+        store.register_task("rollout", partitions=[PROMPTS])
+        store.put({"left": [1, 2, 3]}, partition=PROMPTS)
+        store.claim("rollout", "left", 3, timeout=1)  # leased, never acked
+        store.put({"left": [4]}, partition=step_partition(7))
+        for v in (49, 50):
+            embed = torch.ones(4, 4, dtype=torch.bfloat16)
+            weights.publish(store, v, [("model.embed_tokens.weight", embed)])
+            broadcast.announce(store, Layout.of(v, [("w", embed)], 64))
+        store.put({"mine": [5]}, partition="__mine__")  # a partition of someone else's
+        with caplog.at_level(logging.WARNING, logger="asyncflow.launch.local"):
+            summary = run(
+                tmp_path,
+                f"store.address={daemon.url}",
+                "trainer.max_steps=2",
+                "warm_start.steps=10",
+            )
+        assert (
+            "freed 8 rows an earlier run left in the store at "
+            f"{daemon.url} (__weight_layouts__, __weights__, prompts, step-7)"
+        ) in caplog.text
+        assert summary["steps"] == 2 and summary["weight_load_failures"] == []
+        assert trained_groups(tmp_path) == list(range(2 * GROUPS))  # its own prompts, once
+        # The run's weight versions went with it; the other partition stays.
+        assert store.stats()["partitions"] == {"__mine__": 1}
 
 
 def test_two_rollout_engines_share_the_prompt_groups_through_the_router(tmp_path: Path) -> None:

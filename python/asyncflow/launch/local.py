@@ -11,6 +11,7 @@ its next poll."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,15 +27,17 @@ from asyncflow.engines.registry import (
     create_train_engine,
     resolve_engine_name,
 )
-from asyncflow.errors import ConfigError
+from asyncflow.errors import ConfigError, StoreError
 from asyncflow.launch.base import Resources, rollout_labels
 from asyncflow.launch.rank_process import RANK_ENGINES
 from asyncflow.launch.ranks import RankGroup
 from asyncflow.store import Store
 from asyncflow.units import parse_size
+from asyncflow import weights
+from asyncflow.weight_sync import broadcast
 from asyncflow.weight_sync.broadcast import BroadcastReceiver
 from asyncflow.workers.advantage import AdvantageWorker
-from asyncflow.workers.base import Context, Worker
+from asyncflow.workers.base import PROMPTS, SAMPLES, Context, Worker
 from asyncflow.workers.critic import CriticWorker
 from asyncflow.workers.partial import rollout_worker as partial_rollout_worker
 from asyncflow.workers.reference import ReferenceWorker
@@ -46,6 +49,8 @@ from asyncflow.workers.reward import (
 )
 from asyncflow.workers.routing import Dispatcher, Inbox
 
+log = logging.getLogger(__name__)
+
 
 def open_store(config: Config, daemon: DaemonProcess | None) -> Store:
     s = config.store
@@ -54,6 +59,32 @@ def open_store(config: Config, daemon: DaemonProcess | None) -> Store:
     if s.address == "embedded":
         return Store(shards=s.shards, memory_limit=s.memory_limit, lease_timeout=s.lease_timeout)
     return connect(s.address, token=s.token)
+
+
+#: The partitions a run keeps rows in: its prompts, its weight versions (or their layouts), and
+#: the samples of each step (by prefix).
+RUN_PARTITIONS = (PROMPTS, weights.PARTITION, broadcast.PARTITION)
+
+
+def free_earlier_run(store: Store) -> dict[str, int]:
+    """Clears the partitions of the job that hold rows on a daemon this run did not start
+    (``store.address``), and returns their rows by partition. A run killed on such a daemon
+    leaves its prompts (leased to its dead workers, then handed to the next run's under group
+    ids of its own), the samples of its unfinished steps and its last weight versions (taken by
+    the next run's receivers as announced). One run at a time uses a daemon."""
+    live: dict[str, int] = store.stats()["partitions"]
+    left = {p: n for p, n in live.items() if p in RUN_PARTITIONS or p.startswith(SAMPLES)}
+    for partition in left:
+        store.clear(partition)
+    return left
+
+
+def free_weights(store: Store) -> None:
+    """Frees the run's weight versions and layouts at its end: a daemon that outlives the run
+    would keep them pinned (the trainer's final weights are in the run's directory)."""
+    with contextlib.suppress(StoreError):  # the store gone with the run
+        for partition in (weights.PARTITION, broadcast.PARTITION):
+            store.clear(partition)
 
 
 def start_daemon(config: Config) -> DaemonProcess | None:
@@ -90,6 +121,16 @@ def start(
         cleanup.enter_context(daemon)
         say(f"store daemon for the trainer ranks at {daemon.url}")
     store = open_store(c, daemon)
+    if daemon is None and c.store.address != "embedded":
+        left = free_earlier_run(store)
+        if left:
+            log.warning(
+                "freed %d rows an earlier run left in the store at %s (%s)",
+                sum(left.values()),
+                c.store.address,
+                ", ".join(sorted(left)),
+            )
+        cleanup.callback(free_weights, store)
     rollout_name = resolve_engine_name("rollout", c.rollout.engine)
     train_name = resolve_engine_name("train", c.trainer.engine)
     say(

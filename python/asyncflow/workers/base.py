@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 #: Partition of prompts waiting for rollout; samples of training step s go to ``step-<s>``.
 PROMPTS = "prompts"
+SAMPLES = "step-"
 
 #: Seconds (at least) an idle worker waits at once for work, or for room or new weights, all of
 #: which wake it as soon as they come: the timeout only bounds how late it sees the run stop.
@@ -43,7 +44,7 @@ IDLE_WAIT = 1.0
 
 
 def step_partition(step: int) -> str:
-    return f"step-{step}"
+    return f"{SAMPLES}{step}"
 
 
 class StallError(RuntimeError):
