@@ -320,6 +320,29 @@ def test_a_store_sharded_over_three_storage_daemons(sharded_store: Callable[...,
     assert store.stats()["memory_used"] == 0
 
 
+def test_a_put_one_storage_daemon_refuses_fails_whole_and_the_others_go_on(
+    sharded_store: Callable[..., af.Store],
+) -> None:
+    """A put's bytes go to every owner before any reply is awaited: one owner's refusal fails the
+    put with its error, the others' replies are taken too (the next requests on their links get
+    their own), and none of the put's rows stays."""
+    store = sharded_store(3, "--memory-limit", "64KiB")
+    store.register_task("t")
+    # Rows 0, 1 and 2 go to storage daemons 0, 1 and 2; daemon 1's can never fit.
+    rows = [np.zeros(10, np.uint8), np.zeros(100_000, np.uint8), np.zeros(10, np.uint8)]
+    with pytest.raises(af.MemoryLimitError):
+        store.put({"x": rows})
+    assert store.stats()["live_rows"] == 0
+    deadline = time.monotonic() + 10
+    while store.stats()["payload_rows"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.stats()["payload_rows"] == 0, "the owners that stored theirs dropped them"
+    for n in range(3):
+        store.put({"x": [np.full(5, k, np.uint8) for k in range(3)]})
+        with store.claim("t", "x", 3, timeout=5) as batch:
+            assert [int(a[0]) for a in batch.read()["x"]] == [0, 1, 2], n
+
+
 def test_data_parallel_ranks_share_a_claim_on_a_sharded_store(
     sharded_store: Callable[..., af.Store],
 ) -> None:

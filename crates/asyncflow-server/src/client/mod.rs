@@ -40,17 +40,18 @@ fn unexpected(reply: &Reply) -> Error {
 }
 
 /// Writes a put's cells where `conn` wants them — a staged shared-memory region, or the frame —
-/// and sends the request `make` builds for that payload source.
+/// and sends the request `make` builds for that payload source; its reply is to be waited for
+/// with [`put_reply`].
 fn send_cells(
     conn: &Connection,
     layout: &Layout<'_>,
     timeout: Option<Duration>,
     wait: Wait<'_>,
     make: impl FnOnce(PayloadSource) -> Request,
-) -> Result<Answer> {
+) -> Result<Pending> {
     let link = conn.live_link(wait)?;
     if !link.is_shm() {
-        return link.call(&make(PayloadSource::Inline), &layout.parts(), wait).map_err(unknown);
+        return link.send(&make(PayloadSource::Inline), &layout.parts()).map_err(unknown);
     }
     // The region the daemon set aside after this link's last put saves staging one. One of
     // another size is given back, so that the daemon sets aside one of this put's size: a small
@@ -61,7 +62,7 @@ fn send_cells(
         {
             copy_staged(&link, spare.cell.segment, spare.cell.offset, layout)?;
             let put = make(PayloadSource::Staged(spare.stage));
-            return link.call(&put, &[], wait).map_err(unknown);
+            return link.send(&put, &[]).map_err(unknown);
         }
         other => other.map(|s| s.stage),
     };
@@ -81,7 +82,12 @@ fn send_cells(
     };
     copy_staged(&link, cell.segment, cell.offset, layout)?;
     // The stage belongs to this link: the put must go on it, not on a new one.
-    link.call(&make(PayloadSource::Staged(stage)), &[], wait).map_err(unknown)
+    link.send(&make(PayloadSource::Staged(stage)), &[]).map_err(unknown)
+}
+
+/// The reply to a request [`send_cells`] sent.
+fn put_reply(sent: Pending, wait: Wait<'_>) -> Result<Reply> {
+    sent.wait(wait).map(|answer| answer.reply).map_err(unknown)
 }
 
 /// How many bytes of a put's copy into shared memory go between two notices to the daemon that
@@ -292,10 +298,10 @@ impl Client {
         }
         let layout = Layout::place(columns, None);
         let metas = layout.column_metas(columns);
-        let answer = send_cells(&self.primary, &layout, timeout, wait, |source| {
+        let sent = send_cells(&self.primary, &layout, timeout, wait, |source| {
             Request::Put(PutRequest { columns: metas, target, timeout, source })
         })?;
-        match answer.reply {
+        match put_reply(sent, wait)? {
             Reply::Rows(rows) => Ok(rows),
             other => Err(unexpected(&other)),
         }
@@ -322,28 +328,34 @@ impl Client {
             Reply::Admitted { rows, fields } => (rows, fields),
             other => return Err(unexpected(&other)),
         };
-        let stored = by_owner(&rows, self.storage.len()).into_iter().enumerate().try_for_each(
-            |(owner, positions)| {
-                if positions.is_empty() {
-                    return Ok(());
+        // Every owner's bytes are sent before any reply is awaited: the owners store them (and
+        // a durable one syncs its log) at the same time, not one after another.
+        let mut sent = Vec::new();
+        let mut stored = Ok(());
+        for (owner, positions) in by_owner(&rows, self.storage.len()).into_iter().enumerate() {
+            if positions.is_empty() {
+                continue;
+            }
+            let layout = Layout::place(columns, Some(&positions));
+            let subset: Vec<u64> = positions.iter().map(|&k| rows[k]).collect();
+            let cells = fields.iter().copied().zip(layout.columns.iter().cloned()).collect();
+            match send_cells(&self.storage[owner], &layout, timeout, wait, |source| {
+                Request::StoreCells(StoreCells { rows: subset, columns: cells, timeout, source })
+            }) {
+                Ok(pending) => sent.push(pending),
+                Err(e) => {
+                    stored = Err(e);
+                    break;
                 }
-                let layout = Layout::place(columns, Some(&positions));
-                let subset: Vec<u64> = positions.iter().map(|&k| rows[k]).collect();
-                let cells = fields.iter().copied().zip(layout.columns.iter().cloned()).collect();
-                let answer = send_cells(&self.storage[owner], &layout, timeout, wait, |source| {
-                    Request::StoreCells(StoreCells {
-                        rows: subset,
-                        columns: cells,
-                        timeout,
-                        source,
-                    })
-                })?;
-                match answer.reply {
-                    Reply::Done => Ok(()),
-                    other => Err(unexpected(&other)),
-                }
-            },
-        );
+            }
+        }
+        for pending in sent {
+            let reply = put_reply(pending, wait).and_then(|reply| match reply {
+                Reply::Done => Ok(()),
+                other => Err(unexpected(&other)),
+            });
+            stored = stored.and(reply);
+        }
         if let Err(e) = stored {
             if created {
                 let _ = self.done(&Request::Delete { rows }, wait);
