@@ -75,6 +75,18 @@ def test_weights_of_the_wrong_shape_are_refused_before_any_is_loaded(
     assert [r.token_ids for r in greedy_pair(engine)] == before
 
 
+def test_requests_cut_by_key_leave_the_others_decoding(engine: VLLMRolloutEngine) -> None:
+    for key in range(3):
+        engine.add_request(Request(key, PROMPT, Sampling(max_tokens=6, greedy=True)))
+    engine.step()
+    (cut,) = engine.abort_requests({1})
+    assert cut.key == 1 and len(cut.token_ids) == 1
+    done = []
+    while engine.in_flight():
+        done += engine.step()
+    assert sorted(r.key for r in done) == [0, 2]
+
+
 def greedy_pair(engine: VLLMRolloutEngine) -> list[Request]:
     for key in range(2):
         engine.add_request(Request(key, PROMPT, Sampling(max_tokens=6, greedy=True)))

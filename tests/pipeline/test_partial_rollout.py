@@ -102,6 +102,19 @@ def test_queued_sequences_are_admitted_as_others_finish(model_dir: Path) -> None
     assert finished_at == {0: 2, 1: 2, 2: 5, 3: 5, 4: 8}
 
 
+def test_requests_cut_by_key_leave_the_others_decoding(model_dir: Path) -> None:
+    engine = HFRolloutEngine(model_dir, settings("rollout.max_num_seqs=2"))
+    for key in range(4):
+        engine.add_request(Request(key, PROMPT, Sampling(max_tokens=3, greedy=True)))
+    engine.step()  # 0 and 1 running, 2 and 3 queued
+    cut = engine.abort_requests({1, 3})
+    assert [(r.key, len(r.token_ids)) for r in cut] == [(1, 1), (3, 0)]
+    done = []
+    while engine.in_flight():
+        done += engine.step()
+    assert sorted(r.key for r in done) == [0, 2]
+
+
 def context(*overrides: str) -> Context:
     store = af.Store()
     register_tasks(store, reference=False)
@@ -532,6 +545,31 @@ def test_a_routed_engine_takes_only_the_groups_it_has_room_for(model_dir: Path) 
     worker.step()
     assert sorted(worker.groups) == [0, 1] and len(inbox) == 1
     assert worker.engine.in_flight() <= 4
+
+
+def test_a_group_rerouted_while_in_flight_is_cut_from_the_silent_engine(model_dir: Path) -> None:
+    """An engine silent past ``rollout.heartbeat_timeout`` (a long decode step, say) loses its
+    groups to another engine; at its next step its worker cuts their sequences, which would
+    otherwise go on taking its slots only to be discarded when they finish."""
+    ctx = context("rollout.partial=continue", "rollout.groups_per_call=1")
+    put_prompts(ctx.store, target=0, groups=2)
+    inboxes = {"engine-0": Inbox(), "engine-1": Inbox()}
+    dispatcher = Dispatcher(ctx, inboxes)
+    now = time.monotonic()
+    dispatcher.clock = lambda: now
+    dispatcher.step()
+    dispatcher.step()  # one group to each engine
+    worker = PartialRollout(ctx, HFRolloutEngine(model_dir, ctx.config), "engine-0", dispatcher)
+    worker.step()
+    (mine,) = worker.groups
+    assert worker.engine.in_flight() == 2
+    now += ctx.config.rollout.heartbeat_timeout + 1  # engine-0 silent since; engine-1 reports
+    dispatcher.report("engine-1")
+    dispatcher.step()
+    assert dispatcher.router.assigned_to(mine) == "engine-1"
+    worker.step()
+    assert worker.groups == {} and worker.engine.in_flight() == 0
+    assert mine in [a.group for a in inboxes["engine-1"].take(2, 0.0)]
 
 
 class _Remote:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,8 +113,9 @@ class RolloutEngine(ABC):
         the requests that finished in it."""
         raise NotImplementedError(f"rollout engine {self.name!r} has no request-level loop")
 
-    def abort_requests(self) -> list[Request]:
-        """Cuts every queued and in-flight request; returns them with their prefix so far."""
+    def abort_requests(self, keys: Collection[Any] | None = None) -> list[Request]:
+        """Cuts the queued and in-flight requests whose ``key`` is in ``keys`` (default: every
+        one); returns them with their prefix so far."""
         raise NotImplementedError(f"rollout engine {self.name!r} has no request-level loop")
 
     def in_flight(self) -> int:

@@ -10,7 +10,7 @@ CPU, as the workers read it.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,8 +185,8 @@ class HFRolloutEngine(RolloutEngine):
     def step(self) -> list[Request]:
         return self.loop.step(self.version)
 
-    def abort_requests(self) -> list[Request]:
-        return self.loop.abort()
+    def abort_requests(self, keys: Collection[Any] | None = None) -> list[Request]:
+        return self.loop.abort(keys)
 
     def in_flight(self) -> int:
         return len(self.loop)

@@ -14,6 +14,7 @@ come back to the host as Python numbers.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +55,19 @@ class DecodeLoop:
     def __len__(self) -> int:
         return len(self.queued) + len(self.running)
 
-    def abort(self) -> list[Request]:
-        """Every request, running ones first, with its prefix; their caches are dropped."""
-        cut = [r.request for r in self.running] + list(self.queued)
-        self.running.clear()
-        self.queued.clear()
-        return cut
+    def abort(self, keys: Collection[Any] | None = None) -> list[Request]:
+        """The requests whose key is in ``keys`` (default: every one), running ones first, with
+        their prefix; their caches are dropped."""
+        if keys is None:
+            cut = [r.request for r in self.running] + list(self.queued)
+            self.running.clear()
+            self.queued.clear()
+            return cut
+        running = [r.request for r in self.running if r.request.key in keys]
+        queued = [r for r in self.queued if r.key in keys]
+        self.running = [r for r in self.running if r.request.key not in keys]
+        self.queued = deque(r for r in self.queued if r.key not in keys)
+        return running + queued
 
     def step(self, version: int) -> list[Request]:
         """Admits queued requests while there is room, then samples one token of each running

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -302,13 +302,12 @@ class VLLMRolloutEngine(RolloutEngine):
                 finished.append(request)
         return finished
 
-    def abort_requests(self) -> list[Request]:
-        cut = list(self._requests.values())
-        if self._requests:
+    def abort_requests(self, keys: Collection[Any] | None = None) -> list[Request]:
+        ids = [i for i, r in self._requests.items() if keys is None or r.key in keys]
+        if ids:
             with MODEL_LOCK:
-                self.llm.llm_engine.abort_request(list(self._requests))
-            self._requests.clear()
-        return cut
+                self.llm.llm_engine.abort_request(ids)
+        return [self._requests.pop(i) for i in ids]
 
     def in_flight(self) -> int:
         return len(self._requests)

@@ -64,9 +64,12 @@ class PartialRollout(Rollout):
         self.groups: dict[int, _Group] = {}
         #: Admission waits for this version under the ``wait`` staleness policy.
         self._needs_version = 0
+        #: The dispatcher's count of rerouted groups when this worker last looked for its own.
+        self._reroutes_seen = 0
 
     def step(self) -> bool:
         try:
+            self._cut_rerouted()
             self._update_weights()
             self._admit()
             if self.engine.in_flight():
@@ -108,6 +111,20 @@ class PartialRollout(Rollout):
         if self.sync_weights() and self.mode == "abort":
             for request in self.engine.abort_requests():
                 self.engine.add_request(request)  # its prefix prefilled again under them
+
+    def _cut_rerouted(self) -> None:
+        """Cuts the sequences of the groups handed to another engine while this one was silent
+        (a decode step or a weight load that outlasted ``rollout.heartbeat_timeout``): the other
+        engine generates them now, and what this one finished of them would be discarded."""
+        if self.dispatcher is None or self.dispatcher.reroutes == self._reroutes_seen:
+            return
+        self._reroutes_seen = self.dispatcher.reroutes  # read first: a later reroute counts again
+        gone = [g for g in self.groups if not self.dispatcher.still_assigned(self.role, g)]
+        if not gone:
+            return
+        self.engine.abort_requests({(g, i) for g in gone for i in range(self.sampling.n)})
+        for g in gone:
+            self.groups.pop(g).kept.close()  # its prompt's lease is the dispatcher's to keep
 
     def _room(self) -> int:
         return self.config.rollout.max_num_seqs - self.engine.in_flight()

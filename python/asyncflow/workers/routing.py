@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,13 +98,18 @@ class Dispatcher(Worker):
         #: The hold on each claim's lease while any of its groups is routed or waits for an
         #: engine.
         self._held: dict[int | None, contextlib.ExitStack] = {}
+        #: Groups handed from a silent engine to another so far: an engine's worker that sees
+        #: it change looks for groups of its own that went (see ``PartialRollout``).
+        self.reroutes = 0
+        #: The router's clock (a test's may jump).
+        self.clock: Callable[[], float] = time.monotonic
 
     # -- called by the engines' workers -------------------------------------------------------
 
     def report(self, engine: str) -> None:
         inbox = self.inboxes[engine]
         with self.lock:
-            self.router.report(engine, inbox.tokens(), len(inbox))
+            self.router.report(engine, inbox.tokens(), len(inbox), now=self.clock())
 
     def still_assigned(self, engine: str, group: int) -> bool:
         with self.lock:
@@ -133,7 +139,7 @@ class Dispatcher(Worker):
 
     def _route(self, items: Sequence[Assignment]) -> None:
         for item in items:
-            engine = self.router.route(item.group, item.tokens)
+            engine = self.router.route(item.group, item.tokens, now=self.clock())
             if engine is None:
                 self._unroutable.append(item)
                 continue
@@ -142,12 +148,13 @@ class Dispatcher(Worker):
 
     def _expire(self) -> None:
         with self.lock:
-            moved = self.router.expire()
+            moved = self.router.expire(now=self.clock())
             for m in moved:
                 item = self.routed.pop(m.work, None)
                 if item is None:
                     continue
                 self.ctx.state.add(rerouted_groups=1)
+                self.reroutes += 1
                 self.inboxes[m.source].remove(m.work)
                 if m.to is None:
                     self._unroutable.append(item)

@@ -16,9 +16,10 @@ import random
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,9 +157,10 @@ class EmulatedPartialRollout(EmulatedRollout):
             f.request.finish_reason = "length" if f.length >= cap else "stop"
         return [f.request for f in done]
 
-    def abort_requests(self) -> list[Request]:
+    def abort_requests(self, keys: Collection[Any] | None = None) -> list[Request]:
         self.device.pause(0.0)  # the serving thread credits the steps decoded so far
-        flights, self._flights = self._flights, []
+        flights = [f for f in self._flights if keys is None or f.request.key in keys]
+        self._flights = [f for f in self._flights if not (keys is None or f.request.key in keys)]
         self.device.cut([f.sequence for f in flights])
         c = self.costs.emulation.compression
         for f in flights:
