@@ -1,8 +1,9 @@
 """Policy weights travel through the store: version ``v`` is one row of the pinned partition
 ``__weights__``, with one field per parameter, ``weights/<dtype>/<name>``, holding it flat, and a
 manifest of the fields and the parameters' shapes: a store field keeps its dtype and cell shape
-for the daemon's life, and a later run on the same daemon may train another model. Rollout engines on the same host read the tensors as zero-copy views of store memory, and load
-the newest version between generation batches."""
+for the daemon's life, and a later run on the same daemon may train another model. Rollout
+engines on the same host read the tensors as zero-copy views of store memory, and load the newest
+version between generation batches."""
 
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ def check_job_ends_bit_exact(
     assert kept[-1] == [loads[-1] - 1, loads[-1]] and all(len(k) <= 2 for k in kept), kept
     stats = store.stats()
     fields = set(stats["fields"])
-    assert not {f for f in fields if f.startswith(weights.PREFIX)}, "a tensor went through the store"
+    assert not {f for f in fields if f.startswith(weights.PREFIX)}, "a tensor went through it"
     assert announced <= fields
     # The daemon outlives the run, which freed its layouts as it ended.
     assert stats["partitions"] == {}

@@ -30,8 +30,8 @@ from asyncflow.scheduler import Rerouted, Router
 from asyncflow.train import train
 from asyncflow.weight_sync import broadcast
 from asyncflow.weight_sync.layout import Layout
-from asyncflow.workers.base import PROMPTS, step_partition
 from asyncflow.workers import routing
+from asyncflow.workers.base import PROMPTS, step_partition
 from run_outputs import busy_spans, ledger, metrics, trained_groups
 
 pytestmark = [pytest.mark.slow]

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from asyncflow import weights
 from asyncflow.agents.rollout import AgentRollout
 from asyncflow.config import Config, trainer_in_job_process
 from asyncflow.daemon import DaemonProcess, connect, new_token
@@ -33,7 +34,6 @@ from asyncflow.launch.rank_process import RANK_ENGINES
 from asyncflow.launch.ranks import RankGroup
 from asyncflow.store import Store
 from asyncflow.units import parse_size
-from asyncflow import weights
 from asyncflow.weight_sync import broadcast
 from asyncflow.weight_sync.broadcast import BroadcastReceiver
 from asyncflow.workers.advantage import AdvantageWorker
