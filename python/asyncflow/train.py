@@ -44,6 +44,7 @@ from asyncflow.telemetry.figure import write_summary_png
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.warm_start import warm_start
+from asyncflow.workers.absent import AbsentConsumers
 from asyncflow.workers.base import PROMPTS, SAMPLES, Context, RunState
 from asyncflow.workers.batches import to_train_batch
 from asyncflow.workers.colocation import EngineSleep
@@ -197,10 +198,17 @@ def prompt_budget(config: Config, model_dir: Path) -> int:
     return most - response
 
 
+#: Consumers of the samples that only some runs have.
+OPTIONAL_TASKS = ("reward_model", "reference", "critic", "critic_train")
+
+
 def register_tasks(
     store: Store, reference: bool, reward_model: bool = False, critic: bool = False
-) -> None:
-    """Declares the pipeline's consumers, so that rows are kept until each has acked them."""
+) -> list[str]:
+    """Declares the pipeline's consumers, so that rows are kept until each has acked them.
+    Returns the optional ones registered on the store (by an earlier run on the same daemon)
+    that this run does not have: rows wait for their acks too (see
+    :class:`~asyncflow.workers.absent.AbsentConsumers`)."""
     store.register_task("rollout", partitions=[PROMPTS])
     for task in ["reward", "advantage", "train"]:
         store.register_task(task, partitions=[SAMPLES])
@@ -211,6 +219,14 @@ def register_tasks(
     if critic:  # scoring samples (values), and training on their returns
         for task in ["critic", "critic_train"]:
             store.register_task(task, partitions=[SAMPLES])
+    mine = {
+        "reward_model": reward_model,
+        "reference": reference,
+        "critic": critic,
+        "critic_train": critic,
+    }
+    registered = store.stats()["tasks"]
+    return [t for t in OPTIONAL_TASKS if t in registered and not mine[t]]
 
 
 class Run:
@@ -415,7 +431,7 @@ class Run:
                     self.run_dir, step, trainer_engine, store, state, figures, self.critic
                 )
 
-        register_tasks(
+        absent = register_tasks(
             store,
             c.algorithm.reference,
             separate_reward_model(c),
@@ -429,6 +445,8 @@ class Run:
             self.critic.engine.load(ckpt / "critic")
         trainer = Trainer(ctx, trainer_engine, metrics, ledger, after_step, after_logged)
         workers = [Feeder(ctx, task, start_group), *middle, trainer]
+        if absent:
+            workers.insert(-1, AbsentConsumers(ctx, absent))
         try:
             with self.reporter.steps(c.trainer.max_steps, state.trained_steps) as tick:
                 run_threads(

@@ -31,7 +31,7 @@ from asyncflow.train import train
 from asyncflow.weight_sync import broadcast
 from asyncflow.weight_sync.layout import Layout
 from asyncflow.workers import routing
-from asyncflow.workers.base import PROMPTS, step_partition
+from asyncflow.workers.base import PROMPTS, SAMPLES, step_partition
 from run_outputs import busy_spans, ledger, metrics, trained_groups
 
 pytestmark = [pytest.mark.slow]
@@ -299,6 +299,7 @@ def test_a_run_on_a_daemon_frees_what_a_killed_run_left_there_and_its_versions_a
         # samples of an unfinished step, its last weight versions (of another model: its tensor of
         # the same name is bfloat16 and of another shape) and their broadcast layouts.
         store.register_task("rollout", partitions=[PROMPTS])
+        store.register_task("reference", partitions=[SAMPLES])  # a consumer this run lacks
         store.put({"left": [1, 2, 3]}, partition=PROMPTS)
         store.claim("rollout", "left", 3, timeout=1)  # leased, never acked
         store.put({"left": [4]}, partition=step_partition(7))
@@ -320,7 +321,8 @@ def test_a_run_on_a_daemon_frees_what_a_killed_run_left_there_and_its_versions_a
         ) in caplog.text
         assert summary["steps"] == 2 and summary["weight_load_failures"] == []
         assert trained_groups(tmp_path) == list(range(2 * GROUPS))  # its own prompts, once
-        # The run's weight versions went with it; the other partition stays.
+        # Every sample was freed (the absent consumer's acks too), the run's weight versions went
+        # with it; the other partition stays.
         assert store.stats()["partitions"] == {"__mine__": 1}
 
 
