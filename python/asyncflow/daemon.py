@@ -91,7 +91,13 @@ def serve(args: Sequence[str] = (), program: str = "asyncflow store serve") -> i
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != int(parent):  # ended before the request was made
             return 1
-    return _native.serve(list(args), program)
+    # The daemon stops in order on SIGINT itself; Python's own handler, also run, would then
+    # raise KeyboardInterrupt as serve returns (exit -2 and a traceback instead of 0).
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        return _native.serve(list(args), program)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class DaemonProcess:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -76,6 +77,45 @@ def test_a_token_is_required_when_configured(
     af.connect(url, token="s3cret").register_task("t")
     monkeypatch.setenv("ASYNCFLOW_TOKEN", "s3cret")
     af.connect(url).register_task("t")
+
+
+def test_an_empty_token_never_turns_the_files_token_off(
+    daemons: Daemons, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty ``$ASYNCFLOW_TOKEN`` is unset (as clients read it): the file's token holds. An
+    empty ``--token`` is refused, not taken for none."""
+    config = tmp_path / "daemon.toml"
+    config.write_text('token = "s3cret"\n')
+    monkeypatch.setenv("ASYNCFLOW_TOKEN", "")
+    url = daemons("--config", str(config)).url
+    with pytest.raises(af.AuthError):
+        af.connect(url, token="wrong")
+    af.connect(url, token="s3cret").register_task("t")
+    command = [sys.executable, "-m", "asyncflow.cli", "store", "serve", "--listen", "127.0.0.1:0"]
+    done = subprocess.run(
+        [*command, "--config", str(config), "--token", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "token is empty" in done.stderr, done.stderr
+    assert "listening" not in done.stdout
+
+
+def test_a_request_larger_than_the_transit_pool_is_refused_with_a_reply(daemons: Daemons) -> None:
+    """Its connection stays up: the client knows the put was not applied."""
+    store = af.connect(daemons("--max-transit-bytes", "4KiB").url)
+    with pytest.raises(af.BadRequestError, match="--max-transit-bytes"):
+        store.put({"x": list(range(300))})
+    assert store.stats()["live_rows"] == 0
+    store.put({"x": list(range(30))})
+    assert store.stats()["live_rows"] == 30
+
+
+def test_sigint_stops_the_daemon_cleanly_as_sigterm_does(daemons: Daemons) -> None:
+    daemon = daemons()
+    daemon.proc.send_signal(signal.SIGINT)
+    assert daemon.proc.wait(timeout=60) == 0
 
 
 def test_a_public_address_without_token_is_refused_before_listening() -> None:

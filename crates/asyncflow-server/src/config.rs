@@ -43,6 +43,7 @@ pub struct Flags {
     pub shards: Option<usize>,
     /// Payload bytes the store may hold, e.g. 4GiB [default: no limit].
     #[arg(long, allow_hyphen_values = true)]
+    #[serde(deserialize_with = "size_text")]
     pub memory_limit: Option<String>,
     /// Seconds a claim's lease lasts [default: 30].
     #[arg(long, allow_hyphen_values = true)]
@@ -51,8 +52,8 @@ pub struct Flags {
     /// name them; then their rows are delivered again [default: 5].
     #[arg(long, allow_hyphen_values = true)]
     pub reconnect_grace: Option<f64>,
-    /// Token every client must present.
-    #[arg(long, env = "ASYNCFLOW_TOKEN", hide_env_values = true)]
+    /// Token every client must present (else `$ASYNCFLOW_TOKEN`, if set and not empty).
+    #[arg(long)]
     pub token: Option<String>,
     /// Serve Prometheus metrics on this HOST:PORT.
     #[arg(long)]
@@ -80,6 +81,7 @@ pub struct Flags {
     pub storage: Vec<String>,
     /// Largest payload one frame may carry, e.g. 1GiB [default: 1GiB].
     #[arg(long, allow_hyphen_values = true)]
+    #[serde(deserialize_with = "size_text")]
     pub max_frame: Option<String>,
     /// Keep the store in this directory (write-ahead log and snapshots) so that a restart
     /// restores every completed put and every row not yet acked [default: nothing kept].
@@ -92,6 +94,7 @@ pub struct Flags {
     /// With --data-dir: replace the log by a snapshot once it holds this much, or twice the live
     /// payload if that is more [default: 256MiB].
     #[arg(long, allow_hyphen_values = true)]
+    #[serde(deserialize_with = "size_text")]
     pub compact_after: Option<String>,
     /// With --data-dir: start even if a log is damaged, dropping everything from the damage on;
     /// the damaged file is kept as FILE.damaged-N and what was dropped is printed. Without it a
@@ -120,11 +123,81 @@ pub struct Flags {
     /// more stops reading until some is freed. With --memory-limit, the daemon's memory stays
     /// within the limit plus this plus a fixed overhead [default: 256MiB].
     #[arg(long, allow_hyphen_values = true)]
+    #[serde(deserialize_with = "size_text")]
     pub max_transit_bytes: Option<String>,
     /// Request bytes one connection may have in flight (read, not yet answered); its reading
     /// pauses beyond that [default: twice --max-frame].
     #[arg(long, allow_hyphen_values = true)]
+    #[serde(deserialize_with = "size_text")]
     pub max_connection_bytes: Option<String>,
+}
+
+/// A size in the file: text such as `"4GiB"`, or a number of bytes.
+fn size_text<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Text(String),
+        Bytes(u64),
+    }
+    Ok(Some(match Size::deserialize(d)? {
+        Size::Text(text) => text,
+        Size::Bytes(bytes) => bytes.to_string(),
+    }))
+}
+
+/// Where the token is read from when no flag gives one.
+pub const TOKEN_ENV: &str = "ASYNCFLOW_TOKEN";
+
+/// The levels `--log-level` takes as a bare word (anything else must be a directive, with `=`).
+const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
+
+/// A file that TOML refuses, said without quoting the file: its line may hold the token.
+fn file_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> Error {
+    let at = e.span().map_or(0, |s| s.start).min(text.len());
+    let line = text[..at].matches('\n').count() + 1;
+    let line_text = text.lines().nth(line - 1).unwrap_or("");
+    let what = if line_text.trim_start().starts_with("token") {
+        "token must be a quoted string".to_owned()
+    } else {
+        e.message().to_owned()
+    };
+    Error::Config(format!("{}: line {line}: {what}", path.display()))
+}
+
+fn check_token(token: Option<&str>) -> Result<()> {
+    if token == Some("") {
+        return Err(Error::Config(
+            "the token is empty: give one (--token, $ASYNCFLOW_TOKEN or the file's token), or \
+             none for a daemon any local user may use"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A level, or a tracing directive (one with `=`): a misspelt level would filter out every line.
+fn check_log_level(level: &str) -> Result<()> {
+    if !level.contains('=') && !LOG_LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
+        return Err(Error::Config(format!(
+            "--log-level {level:?}: not one of {} (or a directive such as \
+             asyncflow_server=debug)",
+            LOG_LEVELS.join(", ")
+        )));
+    }
+    tracing_subscriber::EnvFilter::try_new(level)
+        .map(|_| ())
+        .map_err(|e| Error::Config(format!("--log-level {level:?}: {e}")))
+}
+
+/// A `HOST:PORT` a controller connects to (resolved only then: the host may not be up yet).
+fn check_host_port(flag: &str, text: &str) -> Result<()> {
+    match text.rsplit_once(':') {
+        Some((host, port)) if !host.trim().is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(Error::Config(format!("{flag}: {text:?} is not HOST:PORT"))),
+    }
 }
 
 /// Checked settings.
@@ -266,14 +339,19 @@ impl Flags {
         Flags::try_parse_from(command_line).map_err(|e| Error::Config(e.render().to_string()))
     }
 
+    /// With the environment's token and the file's settings: a flag wins over the environment,
+    /// which wins over the file. An empty variable is not set (as clients read it); an empty
+    /// flag or key is a mistake (see `check_token`): auth is never dropped by an empty value.
     fn with_file(mut self) -> Result<Self> {
+        if self.token.is_none() {
+            self.token = std::env::var(TOKEN_ENV).ok().filter(|t| !t.is_empty());
+        }
         let Some(path) = self.config.take() else {
             return Ok(self);
         };
         let text = std::fs::read_to_string(&path)
             .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
-        let file: Flags =
-            toml::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        let file: Flags = toml::from_str(&text).map_err(|e| file_error(&path, &text, &e))?;
         Ok(Flags {
             config: Some(path),
             listen: self.listen.or(file.listen),
@@ -304,13 +382,14 @@ impl Flags {
         })
     }
 
-    /// Merges the configuration file and checks every value.
+    /// Merges the environment and the configuration file, and checks every value.
     pub fn resolve(self) -> Result<Config> {
         let f = self.with_file()?;
+        check_token(f.token.as_deref())?;
         let Places { max_connections, max_unauthenticated, evict_idle_after, hello_timeout } =
             Places::of(&f)?;
         let listen = resolve("--listen", f.listen.as_deref().unwrap_or("127.0.0.1:7379"))?;
-        let token = f.token.filter(|t| !t.is_empty());
+        let token = f.token;
         if !listen.ip().is_loopback() && token.is_none() && !f.insecure {
             return Err(Error::Config(format!(
                 "refusing to serve {listen} (not loopback) without --token; pass --insecure to \
@@ -328,9 +407,7 @@ impl Flags {
             )));
         }
         let log_level = f.log_level.unwrap_or_else(|| "info".into());
-        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log_level) {
-            return Err(Error::Config(format!("--log-level {log_level:?}: {e}")));
-        }
+        check_log_level(&log_level)?;
         let role = match f.role.unwrap_or(RoleFlag::Standalone) {
             RoleFlag::Standalone => Role::Standalone,
             RoleFlag::Controller => Role::Controller,
@@ -338,6 +415,9 @@ impl Flags {
         };
         if (role == Role::Controller) == f.storage.is_empty() {
             return Err(Error::Config("--storage is given exactly for --role controller".into()));
+        }
+        for address in &f.storage {
+            check_host_port("--storage", address)?;
         }
         let max_payload = match f.max_frame.as_deref() {
             Some(text) => size_flag("--max-frame", text)?,
@@ -557,5 +637,65 @@ mod tests {
         assert!(config(&["--role", "controller"]).is_err());
         assert!(config(&["--role", "controller", "--storage", "127.0.0.1:1,127.0.0.1:2"]).is_ok());
         assert!(config(&["--storage", "127.0.0.1:1"]).is_err());
+        for bad in ["127.0.0.1:1,", "127.0.0.1:1,not an address", "host:99999", ":7379"] {
+            let err = config(&["--role", "controller", "--storage", bad]).unwrap_err();
+            assert!(err.to_string().contains("is not HOST:PORT"), "{bad:?}: {err}");
+        }
+    }
+
+    /// Writes `text` to a file of this test's own and resolves `args` with it as `--config`.
+    fn with_file(name: &str, text: &str, args: &[&str]) -> Result<Config> {
+        let path = std::env::temp_dir().join(format!("af-{name}-{}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let mut all = vec!["--config", path.to_str().unwrap()];
+        all.extend(args);
+        let c = config(&all);
+        std::fs::remove_file(&path).unwrap();
+        c
+    }
+
+    #[test]
+    fn an_empty_token_is_refused_not_taken_for_none() {
+        let empty = |c: Result<Config>| c.unwrap_err().to_string().contains("token is empty");
+        assert!(empty(config(&["--token", ""])));
+        assert!(empty(with_file("empty-token", "token = \"\"\n", &[])));
+        // Nor does an empty flag hide the file's token.
+        assert!(empty(with_file("token-and-empty", "token = \"s3cret\"\n", &["--token", ""])));
+        let flag_wins = with_file("token-flag", "token = \"s3cret\"\n", &["--token", "other"]);
+        assert_eq!(flag_wins.unwrap().token.as_deref(), Some("other"));
+    }
+
+    #[test]
+    fn a_file_error_on_the_token_line_does_not_quote_the_token() {
+        for line in ["token = Sup3rSecret", "token = 123456789"] {
+            let err = with_file("bad-token", &format!("shards = 2\n{line}\n"), &[])
+                .unwrap_err()
+                .to_string();
+            let secret = line.rsplit(' ').next().unwrap();
+            assert!(!err.contains(secret) && err.contains("line 2: token"), "{line}: {err}");
+        }
+        // Other mistakes say what is wrong, and where.
+        let err = with_file("bad-shards", "shards = \"x\"\n", &[]).unwrap_err().to_string();
+        assert!(err.contains("line 1") && err.contains("invalid type"), "{err}");
+    }
+
+    #[test]
+    fn sizes_in_the_file_may_be_numbers_of_bytes() {
+        let text = "memory-limit = 1048576\nmax-transit-bytes = \"64MiB\"\n";
+        let c = with_file("sizes", text, &[]).unwrap();
+        assert_eq!((c.memory_limit, c.max_transit_bytes), (Some(1 << 20), 64 << 20));
+    }
+
+    #[test]
+    fn a_log_level_is_a_level_or_a_directive() {
+        for level in ["warning", "verbose", "warn,info"] {
+            let err = config(&["--log-level", level]).unwrap_err().to_string();
+            assert!(err.contains("--log-level") && err.contains("not one of"), "{level}: {err}");
+        }
+        for level in
+            ["warn", "WARN", "off", "asyncflow_server=debug", "warn,asyncflow_server=trace"]
+        {
+            assert!(config(&["--log-level", level]).is_ok(), "{level}");
+        }
     }
 }

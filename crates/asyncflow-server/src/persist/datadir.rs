@@ -43,6 +43,37 @@ pub fn private_file(path: &Path, truncate: bool) -> std::io::Result<File> {
     OpenOptions::new().create(true).truncate(truncate).write(true).mode(0o600).open(path)
 }
 
+/// A file named as the daemon names its logs and snapshots:
+/// `{log,snap}-NNNNNNNNNNNN.{meta,payload}`, with `.tmp` added while a snapshot is written.
+struct OwnFile {
+    generation: u64,
+    snapshot: bool,
+    meta: bool,
+    unfinished: bool,
+}
+
+/// `name` as one of the daemon's files; `None` for any other name.
+fn own_file(name: &str) -> Option<OwnFile> {
+    let (name, unfinished) = match name.strip_suffix(".tmp") {
+        Some(name) => (name, true),
+        None => (name, false),
+    };
+    let (snapshot, rest) = match name.strip_prefix("snap-") {
+        Some(rest) => (true, rest),
+        None => (false, name.strip_prefix("log-")?),
+    };
+    let (digits, kind) = rest.split_once('.')?;
+    if digits.len() != 12 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let meta = match kind {
+        "meta" => true,
+        "payload" => false,
+        _ => return None,
+    };
+    Some(OwnFile { generation: digits.parse().ok()?, snapshot, meta, unfinished })
+}
+
 impl DataDir {
     /// Opens (creating it if need be) the data directory of a daemon of `role`, and locks it.
     pub fn open(path: &Path, role: Role) -> Result<Self> {
@@ -70,20 +101,58 @@ impl DataDir {
         let file = self.path.join("ROLE");
         match std::fs::read_to_string(&file) {
             Ok(found) if found.trim() == role.name() => Ok(()),
+            // Written whole by a rename since; an empty one is a first start killed mid-write.
+            Ok(found) if found.trim().is_empty() => self.write_role(role),
             Ok(found) => Err(Error::Config(format!(
                 "data directory {} belongs to a {} daemon, not a {}",
                 self.path.display(),
                 found.trim(),
                 role.name()
             ))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                private_file(&file, true)
-                    .and_then(|mut f| f.write_all(format!("{}\n", role.name()).as_bytes()))
-                    .map_err(|e| io(&self.path, "write ROLE", &e))?;
-                self.sync()
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.write_role(role),
             Err(e) => Err(io(&self.path, "read ROLE", &e)),
         }
+    }
+
+    fn write_role(&self, role: Role) -> Result<()> {
+        self.write_whole("ROLE", &format!("{}\n", role.name()))
+    }
+
+    /// A controller's row `i` lives on storage daemon `i % n` of its `--storage` list: a
+    /// restart over another number of them would look for every row on the wrong daemon. The
+    /// first start records the number in `STORAGE`; later ones must give as many (they may
+    /// have moved to other addresses, in the same order).
+    pub fn check_storage(&self, storage: &[String]) -> Result<()> {
+        let file = self.path.join("STORAGE");
+        match std::fs::read_to_string(&file) {
+            Ok(found) if found.trim() == storage.len().to_string() => Ok(()),
+            Ok(found) => Err(Error::Config(format!(
+                "data directory {} belongs to a controller over {} storage daemons, not {}: a \
+                 row's daemon is its index modulo their number, so its rows would be looked for \
+                 on the wrong ones; give as many, in the same order",
+                self.path.display(),
+                found.trim(),
+                storage.len()
+            ))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.write_whole("STORAGE", &format!("{}\n", storage.len()))
+            }
+            Err(e) => Err(io(&self.path, "read STORAGE", &e)),
+        }
+    }
+
+    /// Writes the file `name` whole: into a file of its own, synced, then renamed over.
+    fn write_whole(&self, name: &str, text: &str) -> Result<()> {
+        let file = self.path.join(name);
+        let partial = self.path.join(format!("{name}.partial"));
+        private_file(&partial, true)
+            .and_then(|mut f| {
+                f.write_all(text.as_bytes())?;
+                f.sync_all()
+            })
+            .and_then(|()| std::fs::rename(&partial, &file))
+            .map_err(|e| io(&self.path, &format!("write {name}"), &e))?;
+        self.sync()
     }
 
     pub fn path(&self) -> &Path {
@@ -100,7 +169,7 @@ impl DataDir {
         self.path.join(format!("{kind}-{:012}.payload", file.generation))
     }
 
-    /// Where a snapshot is written before it is complete.
+    /// Where a snapshot is written before it is complete (see [`own_file`]).
     pub fn unfinished(path: &Path) -> PathBuf {
         let mut name = path.as_os_str().to_owned();
         name.push(".tmp");
@@ -114,14 +183,14 @@ impl DataDir {
         for entry in entries {
             let entry = entry.map_err(|e| io(&self.path, "list it", &e))?;
             let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let parsed = |prefix: &str| {
-                name.strip_prefix(prefix)?.strip_suffix(".meta")?.parse::<u64>().ok()
-            };
-            if let Some(g) = parsed("snap-") {
-                contents.snapshot = contents.snapshot.max(Some(g));
-            } else if let Some(g) = parsed("log-") {
-                contents.logs.push(g);
+            let Some(file) = name.to_str().and_then(own_file) else { continue };
+            if !file.meta || file.unfinished {
+                continue;
+            }
+            if file.snapshot {
+                contents.snapshot = contents.snapshot.max(Some(file.generation));
+            } else {
+                contents.logs.push(file.generation);
             }
         }
         contents.logs.sort_unstable();
@@ -134,16 +203,10 @@ impl DataDir {
         let entries = std::fs::read_dir(&self.path).map_err(|e| io(&self.path, "list it", &e))?;
         for entry in entries.flatten() {
             let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let generation = name
-                .strip_prefix("snap-")
-                .or_else(|| name.strip_prefix("log-"))
-                .and_then(|rest| rest.split('.').next())
-                .and_then(|g| g.parse::<u64>().ok());
-            let unfinished = Path::new(name).extension().is_some_and(|e| e == "tmp");
-            // Copies of damaged files that `--recover` kept stay until someone removes them.
-            let kept = name.contains(".damaged-");
-            if (generation.is_some_and(|g| g < keep_from) || unfinished) && !kept {
+            // Only files of the daemon's own naming: the directory may hold others' (and the
+            // copies of damaged files `--recover` kept stay until someone removes them).
+            let Some(file) = name.to_str().and_then(own_file) else { continue };
+            if file.generation < keep_from || file.unfinished {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
@@ -193,6 +256,49 @@ mod tests {
         let c = dir.contents().unwrap();
         assert_eq!((c.snapshot, c.logs), (Some(2), vec![3]));
         assert!(!path.join("snap-000000000004.meta.tmp").exists());
+        std::fs::remove_dir_all(&path).unwrap();
+    }
+
+    #[test]
+    fn a_controller_restarts_over_as_many_storage_daemons_only() {
+        let path = temp("storage");
+        let at = |ports: &[u16]| ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>();
+        let dir = DataDir::open(&path, Role::Controller).unwrap();
+        dir.check_storage(&at(&[1, 2])).unwrap();
+        dir.check_storage(&at(&[3, 4])).unwrap(); // moved
+        for other in [at(&[1]), at(&[1, 2, 3])] {
+            let err = dir.check_storage(&other).unwrap_err().to_string();
+            assert!(err.contains("over 2 storage daemons"), "{err}");
+        }
+        std::fs::remove_dir_all(&path).unwrap();
+    }
+
+    #[test]
+    fn compaction_removes_only_the_daemons_own_files() {
+        let path = temp("foreign");
+        let dir = DataDir::open(&path, Role::Standalone).unwrap();
+        let foreign = ["draft.tmp", "log-0.txt", "notes.md", "snap-1.csv", "log-000000000001.csv"];
+        let own = ["log-000000000001.meta", "log-000000000001.payload", "snap-000000000001.meta"];
+        for name in foreign.iter().chain(&own) {
+            std::fs::write(path.join(name), b"").unwrap();
+        }
+        dir.remove_before(2).unwrap();
+        for name in foreign {
+            assert!(path.join(name).exists(), "{name} was removed");
+        }
+        for name in own {
+            assert!(!path.join(name).exists(), "{name} was kept");
+        }
+        std::fs::remove_dir_all(&path).unwrap();
+    }
+
+    #[test]
+    fn an_empty_role_file_left_by_a_first_start_killed_mid_write_is_written_again() {
+        let path = temp("empty-role");
+        drop(DataDir::open(&path, Role::Storage).unwrap());
+        std::fs::write(path.join("ROLE"), b"").unwrap();
+        drop(DataDir::open(&path, Role::Storage).unwrap());
+        assert_eq!(std::fs::read_to_string(path.join("ROLE")).unwrap(), "storage\n");
         std::fs::remove_dir_all(&path).unwrap();
     }
 }

@@ -65,14 +65,19 @@ pub struct Persistence {
 }
 
 impl Persistence {
-    /// Opens the data directory of a daemon of `role`, replays it through `apply` (see
-    /// [`recovery::replay`]) and starts a new generation of the log.
+    /// Opens the data directory of a daemon of `role` (a controller's over the storage daemons
+    /// `storage`), replays it through `apply` (see [`recovery::replay`]) and starts a new
+    /// generation of the log.
     pub fn open(
         config: &PersistConfig,
         role: Role,
+        storage: &[String],
         apply: impl FnMut(Record, &mut Payloads<'_>) -> Result<bool>,
     ) -> Result<(Arc<Self>, Recovered)> {
         let dir = DataDir::open(&config.dir, role)?;
+        if role == Role::Controller {
+            dir.check_storage(storage)?;
+        }
         let policy =
             recovery::Policy { synced: config.fsync == Fsync::Always, recover: config.recover };
         let recovered = recovery::replay(&dir, policy, apply)?;

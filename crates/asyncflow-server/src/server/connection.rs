@@ -368,9 +368,17 @@ async fn read_request<R: AsyncRead + Unpin>(
     let pool = &daemon.transit;
     let meta_len = u64::from(header.meta_len);
     if meta_len > pool.limit() {
-        return Err(ReadError::Proto(ProtoError::malformed(format!(
-            "a frame's metadata of {meta_len} bytes exceeds the daemon's --max-transit-bytes"
-        ))));
+        // A well-formed request this daemon was set too small for: refused with a reply, not
+        // by cutting the connection (its sender could not tell whether it ran).
+        discard(r, meta_len + u64::from(header.payload_len)).await?;
+        return Ok(Received::Refused(
+            header.request_id,
+            Failure::Store(StoreError::bad_request(format!(
+                "a request with {meta_len} bytes of metadata exceeds the daemon's \
+                 --max-transit-bytes of {}; send it in parts",
+                pool.limit()
+            ))),
+        ));
     }
     let mut paid_transit = vec![pool.take(meta_len).await];
     let mut meta = vec![0u8; header.meta_len as usize];

@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use asyncflow_core::{Change, Journal, Store, StoreError, Wait};
-use asyncflow_proto::{Record, Role};
+use asyncflow_proto::Record;
 
 use super::roles::Roles;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::persist::{Fsync, Payloads, PersistConfig, Persistence, Recovered};
 
@@ -50,16 +51,19 @@ fn restore_store(store: &Store, record: Record, payloads: &mut Payloads<'_>) -> 
     Ok(true)
 }
 
-/// Restores `roles` from the data directory and starts logging their changes there.
-pub fn open(config: &PersistConfig, role: Role, roles: &Roles) -> Result<Arc<Persistence>> {
+/// Restores `roles` from the daemon's data directory and starts logging their changes there
+/// (`None`: the daemon keeps none).
+pub fn open(daemon: &Config, roles: &Roles) -> Result<Option<Arc<Persistence>>> {
+    let Some(config) = &daemon.persist else { return Ok(None) };
+    let (role, storage) = (daemon.role, &daemon.storage);
     let (persistence, recovered) = match roles {
         Roles::Standalone(store) => {
-            Persistence::open(config, role, |r, p| restore_store(store, r, p))?
+            Persistence::open(config, role, storage, |r, p| restore_store(store, r, p))?
         }
         Roles::Controller(c) => {
-            Persistence::open(config, role, |r, p| restore_store(&c.store, r, p))?
+            Persistence::open(config, role, storage, |r, p| restore_store(&c.store, r, p))?
         }
-        Roles::Storage(s) => Persistence::open(config, role, |r, p| s.restore(r, p))?,
+        Roles::Storage(s) => Persistence::open(config, role, storage, |r, p| s.restore(r, p))?,
     };
     match roles {
         Roles::Standalone(store) => attach(store, &persistence)?,
@@ -67,7 +71,7 @@ pub fn open(config: &PersistConfig, role: Role, roles: &Roles) -> Result<Arc<Per
         Roles::Storage(s) => s.set_persistence(Arc::clone(&persistence)),
     }
     report(config, &recovered, roles);
-    Ok(persistence)
+    Ok(Some(persistence))
 }
 
 /// Journals the store from now on, and drops the rows of puts that never completed: their

@@ -331,8 +331,7 @@ pub async fn serve(
 ) -> Result<()> {
     let roles = build_roles(&config)?;
     // Restored before anything is bound: no client sees the store half restored.
-    let persistence =
-        config.persist.as_ref().map(|p| durable::open(p, config.role, &roles)).transpose()?;
+    let persistence = durable::open(&config, &roles)?;
     let pool = config.shm_socket.as_ref().map(|_| {
         let cache = config.memory_limit.map_or(1 << 30, |l| l / 2).min(1 << 30);
         SegmentPool::new(cache as usize)
