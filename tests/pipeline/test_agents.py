@@ -32,7 +32,8 @@ from asyncflow.config import AgentConfig, Config, ConfigError, LatencyConfig, lo
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling, StepResult
 from asyncflow.engines.errors import EngineError
 from asyncflow.evaluation import verifier
-from asyncflow.models.chatml import chatml_tokenizer
+from asyncflow.models.chatml import chatml_tokenizer, save_chatml_tokenizer
+from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
 from asyncflow.tasks.prompts import PromptEncoder
@@ -669,8 +670,14 @@ class _ScriptedStepEnv:
 
 @pytest.mark.parametrize(
     "answer",
-    [Step("x", None, False), ("x", math.nan, False), ("x", 1.0), Step("x", 1.0, False, "slow")],  # type: ignore[arg-type]
-    ids=["no-reward", "nan-reward", "two-items", "bad-seconds"],
+    [
+        Step("x", None, False),  # type: ignore[arg-type]
+        ("x", math.nan, False),
+        ("x", 1.0),
+        Step("x", 1.0, False, "slow"),  # type: ignore[arg-type]
+        ("x", 10**400, False),
+    ],
+    ids=["no-reward", "nan-reward", "two-items", "bad-seconds", "reward-beyond-a-float"],
 )
 def test_an_environment_step_that_is_not_a_step_ends_only_its_trajectory(answer: Any) -> None:
     _ScriptedStepEnv.answer = answer
@@ -682,6 +689,44 @@ def test_an_environment_step_that_is_not_a_step_ends_only_its_trajectory(answer:
     )
     assert [t.errors["env_bad_step"] for t in group] == [1, 1]
     assert all(t.finish_reason == "error" and t.turns == 1 for t in group)
+
+
+class _StoppingEnv(_ScriptedStepEnv):
+    def step(self, action: str) -> Any:
+        raise StopIteration  # a plain function's: no future may be given it
+
+
+def test_an_environment_that_raises_stop_iteration_ends_its_trajectory_at_once() -> None:
+    register_environment("stopping", lambda config, tools: _StoppingEnv())
+    loop = AgentLoop(AgentConfig(enabled=True, environment="stopping"), TOKENIZER)
+    engine = ScriptedEngine(lambda context, turn: "hello")
+    (group,) = loop.run(
+        engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=2, max_tokens=50)
+    )
+    assert [t.errors["env_raised"] for t in group] == [1, 1], [t.errors for t in group]
+
+
+def test_an_argument_name_no_tokenizer_encodes_is_an_error_observation_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    # JSON's escape of a lone surrogate, which the tool's error names; the tokenizer as a run
+    # loads it (a fast one) cannot encode it.
+    arguments = '{"expression": "1+1", "\\ud800": 1}'
+    action = f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>'
+    save_chatml_tokenizer(tmp_path)
+    loop = AgentLoop(AgentConfig(enabled=True, max_turns=2), load_tokenizer(tmp_path))
+    engine = ScriptedEngine(lambda context, turn: action)
+    (group,) = loop.run(
+        engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=2, max_tokens=200)
+    )
+    assert [t.errors["bad_arguments"] for t in group] == [1, 1]
+    assert all(t.turns == 2 for t in group)
+
+
+def test_the_calculator_in_a_subprocess_takes_what_it_takes_in_process() -> None:
+    config = AgentConfig()
+    config.latency.subprocess = True
+    assert run(calculator_tool(config).fn(expression="1234*5678  # product")) == "7006652"
 
 
 @pytest.mark.parametrize("gives", ["raises", "nan"])
@@ -948,6 +993,7 @@ def test_held_out_problems_are_never_trained_on() -> None:
         ("agent.max_turns=0", "max_turns"),
         ("agent.observation_template=x", "{observation}"),
         ("launcher=ray", "launcher local"),
+        ("agent.tools=[calculator,python] agent.tool_timeout=10", "must exceed"),
         ("reward.sources=[fn,http] reward.http.url=http://127.0.0.1:9", "model and http"),
         # A trajectory, not one turn, must fit a micro-batch: 20 + 170 > 150 (20 + 100 fits).
         (

@@ -71,6 +71,33 @@ def test_output_beyond_the_budget_is_dropped_and_counted() -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the process cap applies as root (child as nobody)")
+def test_what_the_code_printed_before_a_kill_at_a_limit_is_kept() -> None:
+    hang = sandboxed("print('before', flush=False)\nimport time\ntime.sleep(60)")
+    assert hang.timed_out and hang.output == "before\n"
+    spin = sandboxed("print('before', flush=False)\nwhile True: pass")
+    assert spin.exit_code < 0 and spin.output == "before\n"
+
+
+def test_code_that_kills_itself_is_reported_killed_without_the_launchers_traceback() -> None:
+    result = sandboxed("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert result.exit_code == -9 and result.output == "", result.output
+
+
+def test_system_v_shared_memory_the_code_makes_goes_with_the_sandbox() -> None:
+    def segments() -> int:
+        return len(Path("/proc/sysvipc/shm").read_text().splitlines())
+
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None)\n"
+        "print(libc.shmget(0, 1 << 20, 0o1000 | 0o600) >= 0)\n"  # IPC_PRIVATE, IPC_CREAT
+    )
+    before = segments()
+    result = sandboxed(code)
+    assert result.ok and result.output == "True\n", result.output
+    assert segments() == before
+
+
 def test_forking_without_bound_hits_the_process_cap() -> None:
     code = (
         "import os, time\n"

@@ -26,6 +26,7 @@ import sys
 import traceback
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -68,13 +69,15 @@ def unshare(flags: int) -> bool:
 
 
 def isolate() -> tuple[bool, bool]:
-    """Leaves the caller's network, PID and mount namespaces where it can; ``(network, pid)``.
-    A fresh network namespace holds only a loopback device that is down: no connection leaves
-    it. Without root, a user namespace grants the right to make the others (where allowed)."""
+    """Leaves the caller's network, PID, mount and System V IPC namespaces where it can;
+    ``(network, pid)``. A fresh network namespace holds only a loopback device that is down: no
+    connection leaves it; a fresh IPC namespace's shared memory goes with its last process. Without
+    root, a user namespace grants the right to make the others (where allowed)."""
     user = 0 if os.geteuid() == 0 else CLONE_NEWUSER
-    if unshare(user | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS):
+    ipc = (CLONE_NEWIPC, 0)  # where it can be made
+    if any(unshare(user | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | i) for i in ipc):
         return True, True
-    return unshare(user | CLONE_NEWNET), False
+    return any(unshare(user | CLONE_NEWNET | i) for i in ipc), False
 
 
 class MountAttr(ctypes.Structure):
@@ -151,6 +154,10 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # and no program it runs gains any
         sys.stdout.write(header)
         sys.stdout.flush()
+        # Line by line to the pipe (-I ignores PYTHONUNBUFFERED): what the code printed before
+        # a kill at the wall-clock or CPU limit is kept.
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         sys.argv = ["<tool>"]
         exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
         return 0
@@ -206,7 +213,8 @@ def main() -> None:
     status = int(reported) if reported else init_status
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set, nor need be
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.waitstatus_to_exitcode(status))

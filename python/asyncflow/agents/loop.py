@@ -143,8 +143,11 @@ async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
             future.set_exception(error)
 
     def work() -> None:
+        error: BaseException | None
         try:
             result, error = fn(*args), None
+        except StopIteration as e:  # a future refuses it (PEP 479): it would never settle
+            result, error = None, RuntimeError(f"raised StopIteration: {e}")
         except BaseException as e:
             result, error = None, e
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
@@ -283,6 +286,9 @@ class AgentLoop:
         without special tokens, so a tool cannot end the turn or write one for the model."""
         head, tail = self._wrap
         text = text[: CHARS_PER_TOKEN * self.config.max_tokens]
+        # Text a tool or environment made from the model's output may hold lone surrogates
+        # (JSON's "\ud800"), which no tokenizer encodes: replaced, not raised.
+        text = text.encode("utf-8", "replace").decode("utf-8")
         return head + self.tokenizer.encode(text, special=False) + tail
 
     async def trajectory(
@@ -330,7 +336,7 @@ class AgentLoop:
                 return self._finish(t, "error")
             try:
                 step = _as_step(result)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 return self._failed(t, "env_bad_step", e)
             t.env_reward += step.reward
             t.tool_calls += step.tool_calls

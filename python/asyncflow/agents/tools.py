@@ -71,7 +71,7 @@ def check_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
         return f"missing argument(s) {', '.join(missing)}"
     unknown = [name for name in arguments if name not in properties]
     if unknown and not tool.parameters.get("additionalProperties", False):
-        return f"unknown argument(s) {', '.join(unknown)}"
+        return f"unknown argument(s) {', '.join(map(repr, unknown))}"
     for name, value in arguments.items():
         expected = properties.get(name, {}).get("type")
         types = _JSON_TYPES.get(expected) if isinstance(expected, str) else None
@@ -95,7 +95,8 @@ def calculator_tool(config: AgentConfig | None = None) -> Tool:
         except CalculatorError as e:
             raise ToolError(str(e)) from None
         if in_subprocess:  # only arithmetic reaches here: evaluate() accepted it
-            result = await run_python(f"print({expression.strip()})", limits)
+            # On lines of their own: a trailing comment must not swallow the parenthesis.
+            result = await run_python(f"print(\n{expression.strip()}\n)", limits)
             if not result.ok:
                 raise ToolError(f"the calculator process failed: {result.output.strip()[-200:]}")
         return value
