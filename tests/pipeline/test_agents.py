@@ -654,6 +654,8 @@ def test_an_environment_that_raises_ends_only_its_trajectory() -> None:
     )
     assert [t.errors["env_raised"] for t in group] == [1, 1, 1]
     assert all(t.finish_reason == "error" and t.turns == 1 for t in group)
+    # Not the model's failure: nothing to learn from (its group is left out of training).
+    assert all(math.isnan(t.reward) for t in group)
 
 
 class _ScriptedStepEnv:

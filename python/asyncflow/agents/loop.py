@@ -295,9 +295,11 @@ class AgentLoop:
         self, batcher: TurnBatcher, prompt: list[int], problem: Problem
     ) -> Trajectory:
         """One trajectory, scored. An environment that raises or hangs ends it with the error
-        counted; only the engine's failures raise (a broken engine is the run's failure)."""
+        counted and a NaN reward: the failure is not the model's, so its group is left out of
+        training, as when the reward function fails. Only the engine's failures raise (a broken
+        engine is the run's failure)."""
         t = await self._play(batcher, prompt, problem)
-        t.reward = await self._reward(t, problem)
+        t.reward = math.nan if t.finish_reason == "error" else await self._reward(t, problem)
         return t
 
     async def _play(self, batcher: TurnBatcher, prompt: list[int], problem: Problem) -> Trajectory:
