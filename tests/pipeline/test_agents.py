@@ -11,7 +11,7 @@ import random
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -40,6 +40,7 @@ from asyncflow.tasks.prompts import PromptEncoder
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import prompt_budget, register_tasks, train
 from asyncflow.workers.base import PROMPTS, Context, RunState, step_partition
+from asyncflow.workers.reward import pack_answer
 from asyncflow.workers.rollout import PromptGroups
 from asyncflow.workers.steps import StepLoss, figure_sums, sample_fields
 
@@ -544,6 +545,39 @@ def test_a_call_that_uses_the_budget_up_cuts_its_trajectory_and_the_row_says_so(
     assert [int(c) for c in rows["agent_truncated"]] == [0, 1]
 
 
+class _RecordingEnv(_ForgingEnv):
+    """Records the problems it is reset with; every step ends the trajectory."""
+
+    seen: ClassVar[list[str]] = []
+
+    def reset(self, problem: Problem) -> str:
+        self.seen.append(problem.prompt)
+        return ""
+
+    def step(self, action: str) -> Step:
+        return Step("", 0.0, True)
+
+
+def test_the_environment_is_reset_with_the_problem_as_the_dataset_gave_it() -> None:
+    """Not as the chat template framed it in the prompt's ids (a system prompt, turn headers)."""
+    register_environment("recording", lambda config, tools: _RecordingEnv())
+    config = Config()
+    config.agent.enabled, config.agent.environment, config.rollout.n = True, "recording", 1
+    worker = AgentRollout(
+        Context(af.Store(), config, TOKENIZER, Tracer(), RunState()),
+        ScriptedEngine(lambda context, turn: "done"),
+    )
+    problem = Problem("Find the exit.", "7")
+    framed = (
+        "<|im_start|>system\nYou are a careful agent.<|im_end|>\n"
+        f"<|im_start|>user\n{problem.prompt}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    prompt = np.array(TOKENIZER.encode(framed), np.int64)
+    packed = pack_answer(problem, with_extra=False, with_prompt=True)
+    worker._generate(PromptGroups([prompt], [packed], np.array([0]), 0), 0)
+    assert _RecordingEnv.seen == ["Find the exit."]
+
+
 class _NoEngine:
     """A train engine whose state is an empty directory."""
 
@@ -620,7 +654,7 @@ def test_a_stopped_run_ends_an_agent_call_and_hands_its_prompts_back() -> None:
     store.put(
         {
             "prompt_ids": [np.array(TOKENIZER.encode("q"), np.int64)],
-            "answer": [b""],
+            "answer": [pack_answer(Problem("q", ""), with_extra=False, with_prompt=True)],
             "target_step": np.zeros(1, np.int64),
         },
         partition=PROMPTS,

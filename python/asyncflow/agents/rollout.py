@@ -19,7 +19,7 @@ from asyncflow.engines.base import Completion, RolloutEngine
 from asyncflow.evaluation import verifier
 from asyncflow.tasks.base import Problem
 from asyncflow.workers.base import Context, step_partition
-from asyncflow.workers.reward import resolve_reward, unpack_answer
+from asyncflow.workers.reward import packed_prompt, resolve_reward, unpack_answer
 from asyncflow.workers.rollout import PromptGroups, Rollout
 from asyncflow.workers.routing import Dispatcher
 
@@ -47,9 +47,9 @@ class AgentRollout(Rollout):
     def _problems(self, work: PromptGroups) -> list[Problem]:
         extra = bool(self.config.data.extra_keys)
         problems = []
-        for prompt, packed in zip(work.prompts, work.answers, strict=True):
-            truth, info = unpack_answer(bytes(packed), extra)
-            problems.append(Problem(self.ctx.tokenizer.decode(prompt.tolist()), truth, info))
+        for packed in work.answers:
+            truth, info = unpack_answer(bytes(packed), extra, with_prompt=True)
+            problems.append(Problem(packed_prompt(bytes(packed)), truth, info))
         return problems
 
     def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]] | None:

@@ -65,7 +65,7 @@ class Feeder(Worker):
         self.store.put(
             {
                 "prompt_ids": [np.array(encode(p.prompt), np.int64) for p in problems],
-                "answer": [pack_answer(p, extra) for p in problems],
+                "answer": [pack_answer(p, extra, self.config.agent.enabled) for p in problems],
                 "target_step": np.full(count, target, np.int64),
             },
             partition=PROMPTS,

@@ -39,17 +39,31 @@ log = logging.getLogger(__name__)
 RewardFn = Callable[..., float]
 
 
-def pack_answer(problem: Problem, with_extra: bool) -> bytes:
-    if not with_extra:
+def pack_answer(problem: Problem, with_extra: bool, with_prompt: bool = False) -> bytes:
+    """A prompt row's ``answer``: the ground truth as text, or a JSON record of it with the
+    extra info and (``with_prompt``: agent runs, whose environments are reset with the problem
+    as the dataset gave it, not as the chat template framed it) the prompt's text."""
+    if not (with_extra or with_prompt):
         return problem.answer.encode()
-    return json.dumps({"ground_truth": problem.answer, "extra_info": dict(problem.extra)}).encode()
+    record: dict[str, Any] = {"ground_truth": problem.answer, "extra_info": dict(problem.extra)}
+    if with_prompt:
+        record["prompt"] = problem.prompt
+    return json.dumps(record).encode()
 
 
-def unpack_answer(packed: bytes, with_extra: bool) -> tuple[str, dict[str, Any]]:
-    if not with_extra:
+def unpack_answer(
+    packed: bytes, with_extra: bool, with_prompt: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """The ground truth and extra info of a :func:`pack_answer` made with the same flags."""
+    if not (with_extra or with_prompt):
         return packed.decode(), {}
     record = json.loads(packed)
-    return str(record["ground_truth"]), dict(record["extra_info"])
+    return str(record["ground_truth"]), dict(record["extra_info"]) if with_extra else {}
+
+
+def packed_prompt(packed: bytes) -> str:
+    """The prompt's text of a :func:`pack_answer` made ``with_prompt``."""
+    return str(json.loads(packed)["prompt"])
 
 
 def exact_match(response: str, truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
@@ -177,7 +191,7 @@ def claimed_rows(batch: Batch, ctx: Context, config: Config) -> list[RewardRow]:
     extra = bool(config.data.extra_keys)
     rows = []
     for i, (ids, packed) in enumerate(zip(data["response_ids"], data["answer"], strict=True)):
-        truth, info = unpack_answer(packed, extra)
+        truth, info = unpack_answer(packed, extra, config.agent.enabled)
         prompt = decode(data["prompt_ids"][i].tolist()) if "prompt_ids" in data else ""
         rows.append(
             RewardRow(
