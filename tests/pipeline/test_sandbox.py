@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -113,6 +114,33 @@ def test_forking_without_bound_hits_the_process_cap() -> None:
     result = sandboxed(code)
     assert result.ok, result.output
     assert int(result.output.split()[1]) < LIMITS.processes
+
+
+def test_a_unix_socket_of_the_hosts_takes_no_connection_from_the_code() -> None:
+    """One anybody may connect to, in a directory the code can see (pytest's own are its
+    user's alone): a file-system socket is outside the network namespace, and read-only mounts
+    do not stop connect(2)."""
+    seen = Path(tempfile.mkdtemp(dir="/tmp"))
+    seen.chmod(0o755)
+    path = seen / "service.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        path.chmod(0o666)
+        server.listen()
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.socket(socket.AF_UNIX).connect({str(path)!r})\n"
+            "    print('connected')\n"
+            "except OSError as e:\n"
+            "    print('refused', e.errno)\n"
+            "a, b = socket.socketpair()\n"  # a pair of its own is no way out: still allowed
+            "a.send(b'x')\n"
+            "print(b.recv(1))\n"
+        )
+        result = sandboxed(code)
+    shutil.rmtree(seen)
+    assert result.ok and result.output == "refused 13\nb'x'\n", result.output
 
 
 def test_there_is_no_network() -> None:

@@ -128,6 +128,50 @@ def drop_capabilities() -> None:
     libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), (CapData * 2)())
 
 
+class SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
+
+
+#: ``(AUDIT_ARCH_*, socket(2)'s number)`` by machine.
+SOCKET_SYSCALL = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, EACCES, AF_UNIX = 0x7FFF0000, 0x00050000, 13, 1
+
+
+def refuse_unix_sockets() -> bool:
+    """A seccomp filter that fails ``socket(AF_UNIX, ...)`` with EACCES: the read-only mounts
+    do not stop a ``connect(2)`` to a Unix socket of the host's that the code can see (under
+    ``/run`` or ``/tmp``). Also refused: x32 system calls, which the filter would not read.
+    Returns whether it is in place (on a machine it knows)."""
+    arch, socket_nr = SOCKET_SYSCALL.get(os.uname().machine, (0, 0))
+    if not arch:
+        return False
+    program = [  # offsets in seccomp_data: nr 0, arch 4, args[0] 16 (its low word)
+        (BPF_LD_W_ABS, 0, 0, 4),
+        (BPF_JEQ_K, 0, 6, arch),  # another ABI: allowed (8)
+        (BPF_LD_W_ABS, 0, 0, 0),
+        (BPF_JGE_K, 3, 0, 0x40000000),  # x32: refused (7)
+        (BPF_JEQ_K, 0, 3, socket_nr),  # not socket(2): allowed (8)
+        (BPF_LD_W_ABS, 0, 0, 16),
+        (BPF_JEQ_K, 0, 1, AF_UNIX),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+    ]
+    filters = (SockFilter * len(program))(*(SockFilter(*op) for op in program))
+    prog = SockFprog(len(program), filters)
+    return bool(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0)
+
+
 def limit(kind: int, value: int, slack: int = 0) -> None:
     resource.setrlimit(kind, (value, value + slack))
 
@@ -152,6 +196,7 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
         # capability over the sandbox's namespaces (it could unmount its /proc): dropped.
         drop_capabilities()
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # and no program it runs gains any
+        refuse_unix_sockets()
         sys.stdout.write(header)
         sys.stdout.flush()
         # Line by line to the pipe (-I ignores PYTHONUNBUFFERED): what the code printed before
