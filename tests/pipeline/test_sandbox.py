@@ -143,6 +143,15 @@ def test_a_unix_socket_of_the_hosts_takes_no_connection_from_the_code() -> None:
     assert result.ok and result.output == "refused 13\nb'x'\n", result.output
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only as root does each sandbox get a user id")
+def test_as_root_the_working_directory_is_the_codes_user_id_alone() -> None:
+    """Sandboxes running at once cannot read one another's files."""
+    result = sandboxed(
+        "import os\nst = os.stat('.')\nprint(oct(st.st_mode & 0o777), st.st_uid == os.getuid())"
+    )
+    assert result.ok and result.output == "0o700 True\n", result.output
+
+
 def test_there_is_no_network() -> None:
     result = sandboxed(
         "import socket\n"

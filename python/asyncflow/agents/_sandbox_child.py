@@ -188,6 +188,10 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
                 with contextlib.suppress(ImportError):
                     __import__(name)
             uid = UID_BASE + int(settings["launcher"])
+            # Its working directory, made open to any user id, becomes its own alone: the code
+            # of other sandboxes running at once cannot read its files.
+            os.chown(".", uid, uid)
+            os.chmod(".", 0o700)
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)  # from root: every capability goes too
