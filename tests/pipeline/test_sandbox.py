@@ -143,6 +143,30 @@ def test_a_unix_socket_of_the_hosts_takes_no_connection_from_the_code() -> None:
     assert result.ok and result.output == "refused 13\nb'x'\n", result.output
 
 
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 machine code")
+def test_no_way_around_the_unix_socket_refusal() -> None:
+    """Neither i386's system calls (``int 0x80``, which a filter reading x86-64 numbers would let
+    through) nor io_uring, whose requests make sockets without socket(2)."""
+    code = (
+        "import ctypes, struct\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.mmap.restype = ctypes.c_void_p\n"
+        "word, size, long = ctypes.c_int, ctypes.c_size_t, ctypes.c_long\n"
+        "libc.mmap.argtypes = [ctypes.c_void_p, size, word, word, word, long]\n"
+        "page = libc.mmap(None, 4096, 7, 0x22, -1, 0)\n"  # read, write, exec; private, anonymous
+        # push rbx; eax = 359 (i386 socket); ebx = AF_UNIX; ecx = SOCK_STREAM; edx = 0;
+        # int 0x80; pop rbx; ret
+        "op = bytes([0x53, 0xB8]) + struct.pack('<I', 359) + bytes([0xBB, 1, 0, 0, 0])\n"
+        "op += bytes([0xB9, 1, 0, 0, 0, 0xBA, 0, 0, 0, 0, 0xCD, 0x80, 0x5B, 0xC3])\n"
+        "ctypes.memmove(page, op, len(op))\n"
+        "print('i386', ctypes.CFUNCTYPE(ctypes.c_int)(page)())\n"
+        "params = ctypes.create_string_buffer(120)\n"
+        "print('io_uring', libc.syscall(425, 8, params), ctypes.get_errno())\n"
+    )
+    result = sandboxed(code)
+    assert result.ok and result.output == "i386 -13\nio_uring -1 13\n", result.output
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only as root does each sandbox get a user id")
 def test_as_root_the_working_directory_is_the_codes_user_id_alone() -> None:
     """Sandboxes running at once cannot read one another's files."""

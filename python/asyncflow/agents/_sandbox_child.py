@@ -151,19 +151,23 @@ SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, EACCES, AF_UNIX = 0x7FFF0000, 0x00050000, 
 def refuse_unix_sockets() -> bool:
     """A seccomp filter that fails ``socket(AF_UNIX, ...)`` with EACCES: the read-only mounts
     do not stop a ``connect(2)`` to a Unix socket of the host's that the code can see (under
-    ``/run`` or ``/tmp``). Also refused: x32 system calls, which the filter would not read.
-    Returns whether it is in place (on a machine it knows)."""
+    ``/run`` or ``/tmp``). Also refused, as ways around it: the other ABIs' system calls (i386's
+    ``int 0x80``, x32, AArch32), which the filter would not read, and io_uring (425-427 on both
+    machines), whose requests make sockets without ``socket(2)``. Returns whether it is in place
+    (on a machine it knows)."""
     arch, socket_nr = SOCKET_SYSCALL.get(os.uname().machine, (0, 0))
     if not arch:
         return False
     program = [  # offsets in seccomp_data: nr 0, arch 4, args[0] 16 (its low word)
         (BPF_LD_W_ABS, 0, 0, 4),
-        (BPF_JEQ_K, 0, 6, arch),  # another ABI: allowed (8)
+        (BPF_JEQ_K, 0, 7, arch),  # 1: another ABI: refused (9)
         (BPF_LD_W_ABS, 0, 0, 0),
-        (BPF_JGE_K, 3, 0, 0x40000000),  # x32: refused (7)
-        (BPF_JEQ_K, 0, 3, socket_nr),  # not socket(2): allowed (8)
+        (BPF_JGE_K, 5, 0, 0x40000000),  # 3: x32: refused (9)
+        (BPF_JGE_K, 0, 1, 425),  # 4: below io_uring: on (6)
+        (BPF_JGE_K, 0, 3, 428),  # 5: io_uring_setup, _enter, _register: refused (9)
+        (BPF_JEQ_K, 0, 3, socket_nr),  # 6: not socket(2): allowed (10)
         (BPF_LD_W_ABS, 0, 0, 16),
-        (BPF_JEQ_K, 0, 1, AF_UNIX),
+        (BPF_JEQ_K, 0, 1, AF_UNIX),  # 8: AF_UNIX refused (9), any other allowed (10)
         (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EACCES),
         (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
     ]
