@@ -47,9 +47,12 @@ class AgentRollout(Rollout):
     def _problems(self, work: PromptGroups) -> list[Problem]:
         extra = bool(self.config.data.extra_keys)
         problems = []
-        for packed in work.answers:
+        for prompt, packed in zip(work.prompts, work.answers, strict=True):
             truth, info = unpack_answer(bytes(packed), extra, with_prompt=True)
-            problems.append(Problem(packed_prompt(bytes(packed)), truth, info))
+            text = packed_prompt(bytes(packed))
+            if text is None:  # a row of an older checkpoint: its ids decoded, as then
+                text = self.ctx.tokenizer.decode(prompt.tolist())
+            problems.append(Problem(text, truth, info))
         return problems
 
     def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]] | None:

@@ -54,16 +54,28 @@ def pack_answer(problem: Problem, with_extra: bool, with_prompt: bool = False) -
 def unpack_answer(
     packed: bytes, with_extra: bool, with_prompt: bool = False
 ) -> tuple[str, dict[str, Any]]:
-    """The ground truth and extra info of a :func:`pack_answer` made with the same flags."""
-    if not (with_extra or with_prompt):
+    """The ground truth and extra info of a :func:`pack_answer` made with the same flags (or,
+    for an agent run's row restored from a checkpoint older than its prompt record, the plain
+    answer it holds)."""
+    record = _record(packed) if with_extra or with_prompt else None
+    if record is None:
         return packed.decode(), {}
-    record = json.loads(packed)
     return str(record["ground_truth"]), dict(record["extra_info"]) if with_extra else {}
 
 
-def packed_prompt(packed: bytes) -> str:
-    """The prompt's text of a :func:`pack_answer` made ``with_prompt``."""
-    return str(json.loads(packed)["prompt"])
+def packed_prompt(packed: bytes) -> str | None:
+    """The prompt's text of a :func:`pack_answer` made ``with_prompt`` (None for a row from an
+    older checkpoint, which has none)."""
+    record = _record(packed)
+    return None if record is None or "prompt" not in record else str(record["prompt"])
+
+
+def _record(packed: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(packed)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "ground_truth" in record else None
 
 
 def exact_match(response: str, truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
