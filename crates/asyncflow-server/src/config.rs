@@ -159,7 +159,8 @@ fn file_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> Error 
     let at = e.span().map_or(0, |s| s.start).min(text.len());
     let line = text[..at].matches('\n').count() + 1;
     let line_text = text.lines().nth(line - 1).unwrap_or("");
-    let what = if line_text.trim_start().starts_with("token") {
+    let key = line_text.trim_start().trim_start_matches(['"', '\'']);
+    let what = if key.starts_with("token") {
         "token must be a quoted string".to_owned()
     } else {
         e.message().to_owned()
@@ -667,7 +668,7 @@ mod tests {
 
     #[test]
     fn a_file_error_on_the_token_line_does_not_quote_the_token() {
-        for line in ["token = Sup3rSecret", "token = 123456789"] {
+        for line in ["token = Sup3rSecret", "token = 123456789", "\"token\" = 123456789"] {
             let err = with_file("bad-token", &format!("shards = 2\n{line}\n"), &[])
                 .unwrap_err()
                 .to_string();
