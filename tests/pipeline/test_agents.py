@@ -559,16 +559,21 @@ class _RecordingEnv(_ForgingEnv):
         return Step("", 0.0, True)
 
 
-def test_the_environment_is_reset_with_the_problem_as_the_dataset_gave_it() -> None:
-    """Not as the chat template framed it in the prompt's ids (a system prompt, turn headers)."""
+def recording_rollout() -> AgentRollout:
+    """An agent rollout worker whose environment records the problems it is reset with."""
     register_environment("recording", lambda config, tools: _RecordingEnv())
     _RecordingEnv.seen.clear()
     config = Config()
     config.agent.enabled, config.agent.environment, config.rollout.n = True, "recording", 1
-    worker = AgentRollout(
+    return AgentRollout(
         Context(af.Store(), config, TOKENIZER, Tracer(), RunState()),
         ScriptedEngine(lambda context, turn: "done"),
     )
+
+
+def test_the_environment_is_reset_with_the_problem_as_the_dataset_gave_it() -> None:
+    """Not as the chat template framed it in the prompt's ids (a system prompt, turn headers)."""
+    worker = recording_rollout()
     problem = Problem("Find the exit.", "7")
     framed = (
         "<|im_start|>system\nYou are a careful agent.<|im_end|>\n"
@@ -586,14 +591,7 @@ def test_a_prompt_row_of_a_checkpoint_older_than_the_prompt_record_still_resets_
     old = json.dumps({"ground_truth": "42", "extra_info": {"k": 1}}).encode()
     assert unpack_answer(old, True, with_prompt=True) == ("42", {"k": 1})
     assert packed_prompt(b"42") is None and packed_prompt(old) is None
-    register_environment("recording", lambda config, tools: _RecordingEnv())
-    _RecordingEnv.seen.clear()
-    config = Config()
-    config.agent.enabled, config.agent.environment, config.rollout.n = True, "recording", 1
-    worker = AgentRollout(
-        Context(af.Store(), config, TOKENIZER, Tracer(), RunState()),
-        ScriptedEngine(lambda context, turn: "done"),
-    )
+    worker = recording_rollout()
     prompt = np.array(TOKENIZER.encode("Find the exit."), np.int64)
     worker._generate(PromptGroups([prompt], [b"7"], np.array([0]), 0), 0)
     assert _RecordingEnv.seen == ["Find the exit."]
