@@ -58,15 +58,14 @@ class DecodeLoop:
     def abort(self, keys: Collection[Any] | None = None) -> list[Request]:
         """The requests whose key is in ``keys`` (default: every one), running ones first, with
         their prefix; their caches are dropped."""
-        if keys is None:
-            cut = [r.request for r in self.running] + list(self.queued)
-            self.running.clear()
-            self.queued.clear()
-            return cut
-        running = [r.request for r in self.running if r.request.key in keys]
-        queued = [r for r in self.queued if r.key in keys]
-        self.running = [r for r in self.running if r.request.key not in keys]
-        self.queued = deque(r for r in self.queued if r.key not in keys)
+
+        def cut(request: Request) -> bool:
+            return keys is None or request.key in keys
+
+        running = [r.request for r in self.running if cut(r.request)]
+        queued = [r for r in self.queued if cut(r)]
+        self.running = [r for r in self.running if not cut(r.request)]
+        self.queued = deque(r for r in self.queued if not cut(r))
         return running + queued
 
     def step(self, version: int) -> list[Request]:

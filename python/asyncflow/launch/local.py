@@ -61,9 +61,11 @@ def open_store(config: Config, daemon: DaemonProcess | None) -> Store:
     return connect(s.address, token=s.token)
 
 
-#: The partitions a run keeps rows in: its prompts, its weight versions (or their layouts), and
-#: the samples of each step (by prefix).
-RUN_PARTITIONS = (PROMPTS, weights.PARTITION, broadcast.PARTITION)
+#: The partitions of a run's weight versions, or of their layouts.
+WEIGHT_PARTITIONS = (weights.PARTITION, broadcast.PARTITION)
+#: The partitions a run keeps rows in: its prompts, its weights, and the samples of each step
+#: (by prefix).
+RUN_PARTITIONS = (PROMPTS, *WEIGHT_PARTITIONS)
 
 
 def free_earlier_run(store: Store) -> dict[str, int]:
@@ -83,7 +85,7 @@ def free_weights(store: Store) -> None:
     """Frees the run's weight versions and layouts at its end: a daemon that outlives the run
     would keep them pinned (the trainer's final weights are in the run's directory)."""
     with contextlib.suppress(StoreError):  # the store gone with the run
-        for partition in (weights.PARTITION, broadcast.PARTITION):
+        for partition in WEIGHT_PARTITIONS:
             store.clear(partition)
 
 
