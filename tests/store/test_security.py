@@ -138,6 +138,22 @@ def test_connections_beyond_the_cap_are_refused_with_a_reason(daemons: Daemons) 
     assert [int(v) for v in third.read(idx, "x")["x"]] == [2]
 
 
+def test_a_local_client_takes_one_place_though_it_finds_the_unix_socket_over_tcp(
+    daemons: Daemons,
+) -> None:
+    url = daemons("--max-connections", "2").url
+    first = af.connect(url, transport="shm")
+    # Its look over TCP must not hold the second place while it says hello on the Unix socket
+    # (that was refused, and `auto` fell back to TCP without a word).
+    second = af.connect(url)
+    assert first.stats()["transport"] == second.stats()["transport"] == "shm"
+    idx = first.put({"x": [4]})
+    assert [int(v) for v in second.read(idx, "x")["x"]] == [4]
+    for transport in ("shm", "auto"):
+        with pytest.raises(af.ConnectionError, match="at most 2 connections"):
+            af.connect(url, transport=transport)
+
+
 def test_sockets_that_never_say_hello_cannot_take_the_places_of_clients(
     daemons: Daemons,
 ) -> None:

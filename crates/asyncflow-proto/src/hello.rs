@@ -46,8 +46,13 @@ pub struct Hello {
     /// Left out of the frame when empty (and `ring` is 0).
     pub leases: Vec<u64>,
     /// On the daemon's Unix socket: the capacity of each ring the client asks its requests and
-    /// replies to travel in (see `asyncflow_shm::ring`); 0 for none. Left out when 0.
+    /// replies to travel in (see `asyncflow_shm::ring`); 0 for none. Left out when 0 (and
+    /// `probe` is false).
     pub ring: u64,
+    /// Only looking: the daemon answers and closes the connection, which takes no place under
+    /// `--max-connections` (a client learning over TCP where the daemon's Unix socket is, before
+    /// it connects there). Left out when false.
+    pub probe: bool,
 }
 
 /// The daemon's answer to a [`Hello`].

@@ -294,11 +294,14 @@ impl Request {
                     w.str(t);
                 })
                 .str(&h.host);
-                if !h.leases.is_empty() || h.ring != 0 {
+                if !h.leases.is_empty() || h.ring != 0 || h.probe {
                     w.u64s(&h.leases);
                 }
-                if h.ring != 0 {
+                if h.ring != 0 || h.probe {
                     w.u64(h.ring);
+                }
+                if h.probe {
+                    w.bool(true);
                 }
             }
             Request::RegisterTask { name, scope } => {
@@ -398,6 +401,7 @@ impl Request {
                 host: r.string()?,
                 leases: if r.remaining() > 0 { r.u64s()? } else { Vec::new() },
                 ring: if r.remaining() > 0 { r.u64()? } else { 0 },
+                probe: r.remaining() > 0 && r.bool()?,
             }),
             Op::RegisterTask => {
                 Request::RegisterTask { name: r.string()?, scope: r.opt(Reader::strings)? }
@@ -501,9 +505,12 @@ mod tests {
     }
 
     #[test]
-    fn a_hello_round_trips_with_or_without_leases_and_rings() {
-        for (leases, ring) in [(vec![], 0), (vec![7, 9], 0), (vec![], 1 << 20), (vec![3], 4096)] {
-            let req = Request::Hello(Hello { token: None, host: "h".into(), leases, ring });
+    fn a_hello_round_trips_with_or_without_leases_rings_and_probe() {
+        let cases = [(vec![], 0), (vec![7, 9], 0), (vec![], 1 << 20), (vec![3], 4096)];
+        for ((leases, ring), probe) in
+            cases.into_iter().flat_map(|c| [(c.clone(), false), (c, true)])
+        {
+            let req = Request::Hello(Hello { token: None, host: "h".into(), leases, ring, probe });
             assert_eq!(format!("{:?}", round_trip(&req, 0).unwrap()), format!("{req:?}"));
         }
     }

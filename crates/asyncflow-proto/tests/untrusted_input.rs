@@ -14,6 +14,7 @@ fn valid_frames() -> Vec<u8> {
         host: "h".into(),
         leases: vec![7, 8],
         ring: 0,
+        probe: false,
     });
     let mut out = Vec::new();
     for req in [hello, Request::Stats, Request::Clear { partition: "p".into() }] {

@@ -31,6 +31,7 @@ fn hello(token: Option<&str>) -> Vec<u8> {
         host: String::new(),
         leases: Vec::new(),
         ring: 0,
+        probe: false,
     });
     frame(Op::Hello, 1, &req.encode(), &[])
 }

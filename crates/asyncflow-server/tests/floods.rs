@@ -52,8 +52,13 @@ fn frame(id: u64, req: &Request, payload_len: usize) -> Vec<u8> {
 fn greeted(daemon: &Daemon) -> TcpStream {
     let mut s = TcpStream::connect(daemon.address).unwrap();
     s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
-    let hello =
-        Request::Hello(Hello { token: None, host: String::new(), leases: Vec::new(), ring: 0 });
+    let hello = Request::Hello(Hello {
+        token: None,
+        host: String::new(),
+        leases: Vec::new(),
+        ring: 0,
+        probe: false,
+    });
     s.write_all(&frame(0, &hello, 0)).unwrap();
     s
 }

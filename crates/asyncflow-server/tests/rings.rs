@@ -27,7 +27,13 @@ fn frame(op: Op, id: u64, meta: &[u8]) -> Vec<u8> {
 }
 
 fn hello(ring: u64) -> Vec<u8> {
-    let req = Request::Hello(Hello { token: None, host: String::new(), leases: vec![], ring });
+    let req = Request::Hello(Hello {
+        token: None,
+        host: String::new(),
+        leases: vec![],
+        ring,
+        probe: false,
+    });
     frame(Op::Hello, 1, &req.encode())
 }
 

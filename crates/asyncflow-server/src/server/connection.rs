@@ -591,6 +591,8 @@ struct Greeted {
     leases: Vec<u64>,
     /// The ring capacity it asks for (0: none).
     ring: u64,
+    /// Only looking (see `Hello::probe`).
+    probe: bool,
 }
 
 /// Reads the hello within `--hello-timeout` and checks the token, reading no byte past the
@@ -638,7 +640,7 @@ async fn greet(daemon: &Daemon, socket: &mut Socket, cut: &tokio::sync::Notify) 
     {
         return refused(socket, id, Failure::Auth("wrong or missing token".into())).await;
     }
-    Some(Greeted { id, leases: hello.leases, ring: hello.ring })
+    Some(Greeted { id, leases: hello.leases, ring: hello.ring, probe: hello.probe })
 }
 
 /// The answer to a hello that passed; `ring`: the capacity of the connection's rings (0: none).
@@ -787,6 +789,11 @@ pub async fn serve(
     unauthenticated: Ungreeted,
 ) {
     let Some(greeted) = greet(&daemon, &mut socket, &unauthenticated.cut).await else { return };
+    if greeted.probe {
+        // Answered and closed: a client that goes on to the Unix socket takes one place, there.
+        let _ = write_raw(&mut socket, &hello_reply(&daemon, greeted.id, 0)).await;
+        return;
+    }
     drop(unauthenticated);
     let Some(counted) = admit(&daemon) else {
         daemon.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);

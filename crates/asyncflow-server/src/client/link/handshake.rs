@@ -10,22 +10,34 @@ use super::{Policy, timed_out};
 use crate::error::{Error, Result};
 use crate::host::host_id;
 
-/// Says hello, asking for rings of `ring` bytes (0: none), and returns the daemon's answer with
-/// the descriptors that came with it; a refused token is [`Error::Auth`]. The socket's timeouts
-/// bound the wait.
+/// What a hello asks for beyond the token.
+#[derive(Clone, Copy)]
+pub(super) enum Ask<'a> {
+    /// Only the daemon's answer (`Hello::probe`): where its Unix socket is, and which machine.
+    Probe,
+    /// To be served, keeping `leases` and with rings of `ring` bytes each (0: none).
+    Serve { leases: &'a [u64], ring: u64 },
+}
+
+/// Says hello and returns the daemon's answer with the descriptors that came with it; a refused
+/// token is [`Error::Auth`]. The socket's timeouts bound the wait.
 pub(super) fn greet(
     stream: &mut Stream,
     token: Option<&str>,
-    leases: &[u64],
-    ring: u64,
+    ask: Ask<'_>,
     address: &str,
     policy: &Policy,
 ) -> Result<(ServerHello, Vec<OwnedFd>)> {
+    let (leases, ring, probe) = match ask {
+        Ask::Probe => (Vec::new(), 0, true),
+        Ask::Serve { leases, ring } => (leases.to_vec(), ring, false),
+    };
     let hello = Request::Hello(Hello {
         token: token.map(str::to_owned),
         host: host_id().into(),
-        leases: leases.to_vec(),
+        leases,
         ring,
+        probe,
     });
     let wait = policy.request_timeout;
     stream.set_timeouts(Some(wait), Some(wait))?;

@@ -39,7 +39,7 @@ use parking_lot::Mutex;
 use rustix::event::{PollFd, PollFlags, poll};
 
 use self::frames::{RawFrame, Started, read_rest_of_frame, write_frame};
-use self::handshake::greet;
+use self::handshake::{Ask, greet};
 use self::segments::mapped;
 use self::stream::{Stream, connect_tcp, timespec};
 pub use self::waiter::{Pending, PinToken};
@@ -137,8 +137,12 @@ impl Link {
         policy: Policy,
         leases: &[u64],
     ) -> Result<Arc<Self>> {
+        let serve = Ask::Serve { leases, ring: 0 };
+        // A client that may move to the Unix socket only looks over TCP first, so that a daemon
+        // at `--max-connections` does not count it twice (or close an idle client for it).
+        let first = if prefer == Preference::Tcp { serve } else { Ask::Probe };
         let mut stream = Stream::Tcp(connect_tcp(address, policy.request_timeout)?);
-        let (mut hello, _) = greet(&mut stream, token, leases, 0, address, &policy)?;
+        let (mut hello, _) = greet(&mut stream, token, first, address, &policy)?;
         let same_host = hello.host == host_id() && !hello.host.is_empty();
         let mut shm = false;
         let mut rings = None;
@@ -165,10 +169,11 @@ impl Link {
                 tracing::warn!(error = %e, "not using the shared-memory path");
                 Err(e)
             };
-            let ask = if prefer == Preference::ShmSocket { 0 } else { RING };
+            let ring = if prefer == Preference::ShmSocket { 0 } else { RING };
             let unix = unix.and_then(|u| {
                 let mut local = Stream::Unix(u);
-                let (local_hello, fds) = greet(&mut local, token, leases, ask, address, &policy)?;
+                let ask = Ask::Serve { leases, ring };
+                let (local_hello, fds) = greet(&mut local, token, ask, address, &policy)?;
                 same_daemon(&local_hello)?;
                 // Rings the daemon set up must be used: it reads requests from them only.
                 let ends = match local_hello.ring {
@@ -188,7 +193,11 @@ impl Link {
                     rings = ends;
                 }
                 Err(e) if prefer != Preference::Auto => return Err(e),
-                Err(_) => {}
+                Err(_) => {
+                    // The daemon closes a probe: stay on TCP over a connection of its own.
+                    stream = Stream::Tcp(connect_tcp(address, policy.request_timeout)?);
+                    (hello, _) = greet(&mut stream, token, serve, address, &policy)?;
+                }
             }
         }
         // Reads wake up every ping interval to check on the daemon; writes give up after a
