@@ -173,6 +173,7 @@ class TrainerConfig:
     groups_per_step: int = 32
     lr: float = 3e-4
     weight_decay: float = 0.0
+    #: The norm the gradients are clipped to; positive (a large value clips nothing).
     grad_clip: float = 1.0
     #: Token budget of one micro-batch (gradient accumulation splits a step into these),
     #: counted as its tensors hold them: rows times their width (packed, the rows' unfilled
@@ -298,10 +299,12 @@ class RewardModelConfig:
     #: Responses scored per forward pass.
     batch_size: int = 32
     #: Score: the logit of this label (one-label models: their only logit), or with
-    #: ``probability: true`` its softmax probability.
+    #: ``probability: true`` its softmax probability (one-label models: the logit's sigmoid).
     label: int = 0
     probability: bool = False
-    #: Text given to the model: ``{prompt}``, ``{response}`` and ``{truth}`` are filled in.
+    #: Text given to the model: ``{prompt}``, ``{response}`` and ``{truth}`` are filled in
+    #: (``{prompt}``: the prompt as the policy was given it, chat markup's special tokens left
+    #: out). ``{response}`` is required.
     template: str = "{response}"
 
 
@@ -312,7 +315,8 @@ class RewardHttpConfig:
     #: Base URL, e.g. ``http://127.0.0.1:8000/v1`` (``/chat/completions`` is appended).
     url: str | None = None
     model: str = "judge"
-    #: The judge's user message; ``{prompt}``, ``{response}`` and ``{truth}`` are filled in.
+    #: The judge's user message; ``{prompt}``, ``{response}`` and ``{truth}`` are filled in, as
+    #: in ``reward.model.template``. ``{response}`` is required.
     template: str = (
         "Question: {prompt}\nReference answer: {truth}\nResponse: {response}\n"
         "Score the response from 0 to 1. Reply with the score only."
@@ -519,7 +523,10 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         raw = loaded
@@ -527,10 +534,38 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+        _set_dotted(raw, key.strip(), _override_value(key.strip(), value))
     config: Config = _build(Config, raw, "")
     validate(config)
     return config
+
+
+def _override_value(key: str, value: str) -> Any:
+    """An override's value: read as YAML, except a text setting's unquoted value, which is
+    taken as written (YAML would cut it at `` #`` or read ``Q: {prompt}`` as a mapping)."""
+    text = value.strip()
+    if not text:
+        return None
+    if _is_text_setting(key) and text[0] not in "'\"" and text not in ("null", "~"):
+        return text
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}={value!r}: not a YAML value: {e}") from None
+
+
+def _is_text_setting(key: str) -> bool:
+    """Whether the dotted ``key`` names a setting of type ``str`` or ``str | None``."""
+    cls: Any = Config
+    hint: Any = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        hint = typing.get_type_hints(cls).get(part)
+        if hint is None:
+            return False
+        cls = _optional_section(hint, {})
+    return hint is str or hint == (str | None)
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -682,6 +717,11 @@ def validate(c: Config) -> None:
         )
     for key, rate in [("trainer.lr", c.trainer.lr), ("warm_start.lr", c.warm_start.lr)]:
         _require(rate > 0, f"{key} must be positive")
+    _require(
+        c.trainer.grad_clip > 0,
+        "trainer.grad_clip must be positive: the norm gradients are clipped to (a large value "
+        "such as 1e9 clips nothing)",
+    )
     _require(c.trainer.max_staleness >= 0, "trainer.max_staleness cannot be negative")
     _require(0 < c.trainer.clip_eps < 1, "trainer.clip_eps must be in (0, 1)")
     _require(c.trainer.is_cap >= 1, "trainer.is_cap must be at least 1")
@@ -973,6 +1013,10 @@ def _validate_reward_and_algorithm(c: Config) -> None:
         )
         _require(r.model.batch_size >= 1, "reward.model.batch_size must be at least 1")
         _require(r.model.label >= 0, "reward.model.label cannot be negative")
+        _require(
+            "{response}" in r.model.template,
+            f"reward.model.template must contain {{response}}: {r.model.template!r}",
+        )
     if "http" in sources:
         url = r.http.url or ""
         _require(
@@ -983,6 +1027,10 @@ def _validate_reward_and_algorithm(c: Config) -> None:
         _require(r.http.timeout > 0, "reward.http.timeout must be positive")
         _require(r.http.retries >= 0, "reward.http.retries cannot be negative")
         _require(r.http.backoff >= 0, "reward.http.backoff cannot be negative")
+        _require(
+            "{response}" in r.http.template,
+            f"reward.http.template must contain {{response}}: {r.http.template!r}",
+        )
         try:
             groups = re.compile(r.http.score_pattern).groups
         except re.error as e:
@@ -996,6 +1044,11 @@ def _validate_reward_and_algorithm(c: Config) -> None:
     if a.clip_low is not None:
         _require(a.clip_low < 1, "algorithm.clip_low must be below 1 (the ratio stays positive)")
     _require(a.max_extra_groups >= 0, "algorithm.max_extra_groups cannot be negative")
+    _require(
+        a.filter_groups or a.max_extra_groups == 0,
+        "algorithm.max_extra_groups > 0 replaces groups that algorithm.filter_groups leaves "
+        "out: it needs filter_groups: true",
+    )
     if a.filter_groups and a.max_extra_groups > 0:
         _require(
             c.launcher == "local"

@@ -172,18 +172,20 @@ def _changes(was: Any, will: Any, key: str) -> Iterator[tuple[str, Any, Any]]:
 
 
 def prompt_budget(config: Config, model_dir: Path) -> int:
-    """``data.max_prompt_length``, or what the tightest bound on a sample leaves once a response
-    is added: the model's positions, ``rollout.max_model_len`` and the trainer's micro-batch
-    (``trainer.micro_batch_tokens``, which must hold a whole sample). The response is
-    ``rollout.max_tokens``, or in agent runs a whole trajectory's ``agent.max_tokens`` (model and
-    environment turns), should it be the larger."""
-    if config.data.max_prompt_length is not None:
-        return config.data.max_prompt_length
+    """What the tightest bound on a sample leaves for the prompt once a response is added: the
+    model's positions, ``rollout.max_model_len`` and the trainer's micro-batch
+    (``trainer.micro_batch_tokens``, which must hold a whole sample); ``data.max_prompt_length``
+    if set, which may not be more. The response is ``rollout.max_tokens``, or in agent runs a
+    whole trajectory's ``agent.max_tokens`` (model and environment turns), should it be the
+    larger."""
     hf_config = json.loads((model_dir / "config.json").read_text())
-    # A multimodal model's (Gemma 3, Qwen2-VL) language model says it in its own section.
-    positions = hf_config.get("max_position_embeddings")
-    if positions is None:
-        positions = (hf_config.get("text_config") or {}).get("max_position_embeddings")
+    # A multimodal model's (Gemma 3, Qwen2-VL) language model says it in its own section; GPT-2
+    # style configs name it n_positions.
+    sections = [hf_config, hf_config.get("text_config") or {}]
+    positions = next(
+        (s[k] for s in sections for k in ("max_position_embeddings", "n_positions") if k in s),
+        None,
+    )
     bounds = {
         "the model's positions": positions,
         "rollout.max_model_len": config.rollout.max_model_len,
@@ -195,7 +197,17 @@ def prompt_budget(config: Config, model_dir: Path) -> int:
         response, name = config.agent.max_tokens, "agent.max_tokens"
     if most <= response:
         raise ConfigError(f"{bound} ({most}) leave no room for a prompt before {name} ({response})")
-    return most - response
+    wanted = config.data.max_prompt_length
+    if wanted is None:
+        return most - response
+    if wanted > most - response:
+        # A longer prompt would have its response cut short by the engine, before
+        # rollout.max_tokens, where the overlong rules do not see it.
+        raise ConfigError(
+            f"data.max_prompt_length ({wanted}) and {name} ({response}) are more than "
+            f"{bound} ({most}): at most {most - response} for prompts"
+        )
+    return wanted
 
 
 #: Consumers of the samples that only some runs have.

@@ -106,6 +106,27 @@ def test_masked_tokens_do_not_count() -> None:
     assert float(loss) == pytest.approx(-1.0)
 
 
+@pytest.mark.parametrize("correction", ["none", "tis"])
+def test_a_masked_token_far_below_its_reference_leaves_loss_and_gradient_finite(
+    correction: str,
+) -> None:
+    # A prompt token's log-prob of -95 against the 0 that stands there for the reference and
+    # behaviour: exp(95) overflows float32, and inf times the mask's 0 was NaN.
+    logp = torch.tensor([[-95.0, math.log(0.5)]], requires_grad=True)
+    zero_there = torch.tensor([[0.0, math.log(0.25)]])
+    mask = torch.tensor([[0.0, 1.0]])
+    settings = LossSettings(correction=correction, kl_coef=0.5)  # type: ignore[arg-type]
+    loss, stats = policy_loss(
+        logp, zero_there, torch.tensor([1.0]), mask, settings,
+        prox_logp=zero_there if correction != "none" else None, ref_logp=zero_there,
+    )  # fmt: skip
+    assert math.isfinite(float(loss.detach()))
+    loss.backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+    assert float(logp.grad[0, 0]) == 0.0
+    assert stats["kl"] == pytest.approx(0.5 - math.log(0.5) - 1, rel=1e-5)
+
+
 def test_sequence_aggregation_weights_sequences_equally() -> None:
     logp = torch.zeros(2, 3)
     adv = torch.tensor([1.0, -1.0])

@@ -47,6 +47,14 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["trainer.lr_schedule=linear"], "trainer.lr_schedule must be one of"),
         (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio must be in"),
         (["trainer.timeout=0"], "trainer.timeout must be positive"),
+        # Zero stopped learning and a negative norm turned the update around (hf, fsdp).
+        (["trainer.grad_clip=0"], "trainer.grad_clip must be positive"),
+        (["trainer.grad_clip=-1"], "trainer.grad_clip must be positive"),
+        (["algorithm.max_extra_groups=2"], "needs filter_groups: true"),
+        (
+            ["reward.type=http", "reward.http.url=http://x:9", "reward.http.template=S {r}"],
+            r"reward.http.template must contain \{response\}",
+        ),
     ],
 )
 def test_bad_settings_are_rejected_with_the_key_named(override: list[str], message: str) -> None:
@@ -57,6 +65,39 @@ def test_bad_settings_are_rejected_with_the_key_named(override: list[str], messa
 def test_a_missing_config_file_is_reported() -> None:
     with pytest.raises(cfg.ConfigError, match="does not exist"):
         cfg.load("/no/such.yaml")
+
+
+def test_a_config_file_or_override_that_is_not_yaml_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text("trainer: {lr: [1,\n")
+    with pytest.raises(cfg.ConfigError, match=r"bad\.yaml is not valid YAML"):
+        cfg.load(tmp_path / "bad.yaml")
+    with pytest.raises(cfg.ConfigError, match=r"override trainer\.lr='\[1,': not a YAML value"):
+        cfg.load(None, ["trainer.lr=[1,"])
+
+
+def test_a_text_settings_override_is_taken_as_written(tmp_path: Path) -> None:
+    c = cfg.load(
+        None,
+        [
+            "data.system_prompt=End your answer with #### and the number",  # YAML: a comment
+            "reward.type=http",
+            "reward.http.url=http://127.0.0.1:9",
+            "reward.http.template=Q: {prompt} A: {response}",  # YAML: a mapping
+            "reward.model.template='{response} #quoted'",
+        ],
+    )
+    assert c.data.system_prompt == "End your answer with #### and the number"
+    assert c.reward.http.template == "Q: {prompt} A: {response}"
+    assert c.reward.model.template == "{response} #quoted"
+    assert cfg.load(None, ["data.system_prompt=null"]).data.system_prompt is None
+
+
+def test_a_reward_model_template_without_the_response_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(cfg.ConfigError, match=r"reward.model.template must contain \{response\}"):
+        cfg.load(
+            None,
+            ["reward.type=model", f"reward.model.path={tmp_path}", "reward.model.template={r}"],
+        )
 
 
 def test_the_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -32,7 +33,7 @@ from asyncflow.train import register_tasks
 from asyncflow.workers.advantage import AdvantageWorker
 from asyncflow.workers.base import SAMPLES, Context, RunState, step_partition
 from asyncflow.workers.feeder import EXTRA_GROUPS
-from asyncflow.workers.reward import RewardModelWorker, RewardWorker
+from asyncflow.workers.reward import RewardModelWorker, RewardWorker, claimed_rows
 from asyncflow.workers.reward_sources import (
     Failure,
     FnSource,
@@ -112,7 +113,7 @@ def test_weighted_sources_sum_and_a_failure_makes_the_row_nan() -> None:
 # ---- model ---------------------------------------------------------------------------------
 
 
-def tiny_classifier(directory: Path, head: bool = True) -> Path:
+def tiny_classifier(directory: Path, head: bool = True, labels: int = 2) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     tok = chatml_tokenizer()
@@ -125,7 +126,7 @@ def tiny_classifier(directory: Path, head: bool = True) -> Path:
         num_key_value_heads=1,
         max_position_embeddings=64,
         pad_token_id=tok.pad_id,
-        num_labels=2,
+        num_labels=labels,
     )
     torch.manual_seed(0)
     model = (Qwen2ForSequenceClassification if head else Qwen2ForCausalLM)(config)
@@ -145,6 +146,72 @@ def test_the_model_source_scores_in_batches_as_one_row_at_a_time(tmp_path: Path)
     assert len({round(float(g), 5) for g in got}) == 4  # it does read the text (random head)
     probs = ModelSource(RewardModelConfig(path=str(path), probability=True)).score(rows(*texts))
     assert all(0.0 < float(p) < 1.0 for p in probs)
+
+
+def test_a_template_is_filled_in_one_pass_so_a_response_cannot_call_for_the_truth(
+    tmp_path: Path,
+) -> None:
+    seen: list[str] = []
+    source = ModelSource(
+        RewardModelConfig(path=str(tiny_classifier(tmp_path / "rm")), template="{response}|{truth}")
+    )
+    source._forward = lambda texts: seen.extend(texts) or [0.0] * len(texts)  # type: ignore[method-assign]
+    source.score([RewardRow(1, 0, "{truth}", "I say {truth} and {prompt}", "42")])
+    assert seen == ["I say {truth} and {prompt}|42"]
+
+
+def test_a_one_label_reward_models_probability_is_its_logits_sigmoid(tmp_path: Path) -> None:
+    path = tiny_classifier(tmp_path / "rm", labels=1)
+    texts = ["4", "a much longer response 4", "5"]
+    logits = ModelSource(RewardModelConfig(path=str(path))).score(rows(*texts))
+    probs = ModelSource(RewardModelConfig(path=str(path), probability=True)).score(rows(*texts))
+    # A softmax over the one logit made every score 1.0.
+    expected = 1 / (1 + np.exp(-np.array(logits, float)))
+    np.testing.assert_allclose(np.array(probs, float), expected, atol=1e-6)
+    assert len({round(float(p), 6) for p in probs}) == 3
+
+
+def test_a_row_longer_than_the_reward_models_positions_fails_alone(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    # Learned positions (rotary ones, as Qwen2's, take any length): 32 of them.
+    tok = chatml_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=1, n_head=2,
+        pad_token_id=tok.pad_id, num_labels=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / "rm"
+    GPT2ForSequenceClassification(config).save_pretrained(str(path), safe_serialization=True)
+    save_chatml_tokenizer(path)
+    texts = ["4", " ".join(["word"] * 200), "5"]
+    scores = ModelSource(RewardModelConfig(path=str(path), batch_size=3)).score(rows(*texts))
+    assert isinstance(scores[1], Failure) and "forward pass raised" in scores[1].reason
+    alone = ModelSource(RewardModelConfig(path=str(path), batch_size=1)).score(rows("4", "5"))
+    np.testing.assert_allclose([scores[0], scores[2]], np.array(alone, float), atol=1e-5)
+
+
+def test_reward_sources_see_every_message_of_a_chat_prompt() -> None:
+    tok = chatml_tokenizer()
+    system, user = "Answer briefly.", "What is 37+48?"
+    prompt = tok.encode_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    )
+    batch = SimpleNamespace(
+        indexes=np.array([5]),
+        groups=np.array([0]),
+        read=lambda: {
+            "prompt_ids": [np.array(prompt)],
+            "response_ids": [np.array(tok.encode("85"))],
+            "answer": [b"85"],
+        },
+    )
+    config = cfg.load(None, [])
+    (row,) = claimed_rows(batch, SimpleNamespace(tokenizer=tok), config)  # type: ignore[arg-type]
+    # Decoding stopped at the system message's end of turn: a judge saw no question.
+    squeezed = row.prompt.replace(" ", "")
+    assert system.replace(" ", "") in squeezed and user.replace(" ", "") in squeezed
+    assert row.response.replace(" ", "") == "85"
 
 
 def test_a_model_directory_without_a_classification_head_is_refused(tmp_path: Path) -> None:

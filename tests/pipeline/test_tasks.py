@@ -464,6 +464,23 @@ def test_the_prompt_budget_is_the_tightest_bound_on_a_sample(tmp_path: Path) -> 
     wider = [*sizes, "trainer.micro_batch_tokens=16384"]
     assert prompt_budget(load_config(None, wider), tmp_path) == 8192 - 100  # the positions
     assert prompt_budget(load_config(None, [*wider, "rollout.max_model_len=1000"]), tmp_path) == 900
+    # A length of one's own may not be more: the engine would cut its responses short.
+    within = [*wider, "rollout.max_model_len=1000", "data.max_prompt_length=900"]
+    assert prompt_budget(load_config(None, within), tmp_path) == 900
+    beyond = [*wider, "rollout.max_model_len=1000", "data.max_prompt_length=901"]
+    with pytest.raises(ConfigError, match=r"max_prompt_length \(901\) .* at most 900"):
+        prompt_budget(load_config(None, beyond), tmp_path)
+    (tmp_path / "config.json").write_text('{"n_positions": 256}')  # GPT-2's name for it
+    assert prompt_budget(load_config(None, wider), tmp_path) == 256 - 100
+
+
+def test_a_prompt_with_no_tokens_is_refused_naming_its_row(tmp_path: Path) -> None:
+    rows = [{**r, "prompt": f"{i}+1="} for i, r in enumerate(sums(3))]
+    rows[1]["prompt"] = ""
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    data = DataConfig(task="dataset", train_file=str(path), eval_size=1, chat_template=False)
+    with pytest.raises(DatasetError, match=r"train.jsonl row 1 key 'prompt': the prompt has no"):
+        load_task(data, encoder(tmp_path / "tok", chat_template=False))
 
 
 @pytest.mark.parametrize("text", ["a\u2028b", "a\u2029b", "a\x85b", "é"])

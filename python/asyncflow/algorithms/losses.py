@@ -109,6 +109,13 @@ def policy_loss(
     ``[batch]``, or per token for packed rows (with their ``sequence_ids``); ``mask`` marks
     response tokens."""
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    live = mask.bool()
+
+    def log_ratio(x: torch.Tensor) -> torch.Tensor:
+        # 0 off the mask: a prompt or pad token's log-prob against a 0 there could overflow
+        # exp() to inf, and inf times the mask's 0 is NaN.
+        return torch.where(live, x, torch.zeros_like(x))
+
     if settings.correction == "none":
         anchor = behaviour_logp
         weight = torch.ones_like(logp)
@@ -116,7 +123,7 @@ def policy_loss(
         if prox_logp is None:
             raise ValueError(f"correction {settings.correction!r} needs the proximal log-probs")
         anchor = prox_logp
-        weight = torch.exp(prox_logp - behaviour_logp).detach()
+        weight = torch.exp(log_ratio(prox_logp - behaviour_logp)).detach()
         if settings.correction == "tis":
             weight = weight.clamp(max=settings.is_cap)
     if settings.ratio_level == "sequence":
@@ -131,7 +138,7 @@ def policy_loss(
             if settings.correction == "tis":
                 weight = weight.clamp(max=settings.is_cap)
     else:
-        ratio = torch.exp(logp - anchor)
+        ratio = torch.exp(log_ratio(logp - anchor))
     low, high = settings.clip_range
     clipped = ratio.clamp(low, high)
     surrogate = -torch.minimum(ratio * adv, clipped * adv) * weight
@@ -145,7 +152,7 @@ def policy_loss(
     if settings.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs reference log-probs")
-        delta = ref_logp - logp
+        delta = log_ratio(ref_logp - logp)
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative
         kl_term = aggregate(kl, mask, settings.aggregation, sequence_ids)
         loss = loss + settings.kl_coef * kl_term

@@ -25,6 +25,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def text(self, ids: list[int]) -> str: ...
+
     def encode_prompt(self, text: str) -> list[int]: ...
 
     @property
@@ -85,7 +87,12 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text up to the first stop token, without special tokens."""
         end = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
-        return str(self._tok.decode(ids[:end], skip_special_tokens=True))
+        return self.text(ids[:end])
+
+    def text(self, ids: list[int]) -> str:
+        """All of ``ids`` as text, without special tokens: a chat prompt's every message (its
+        turns end with stop tokens)."""
+        return str(self._tok.decode(ids, skip_special_tokens=True))
 
     @property
     def has_chat_template(self) -> bool:

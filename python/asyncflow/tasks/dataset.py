@@ -90,6 +90,8 @@ def read_problems(
             ids = prompts.render(problem.prompt)
         except PromptError as e:
             raise DatasetError(f"{where} key {data.prompt_key!r}: {e}") from None
+        if not ids:
+            raise DatasetError(f"{where} key {data.prompt_key!r}: the prompt has no tokens")
         if not prompts.fits(ids) and prompts.truncation == "filter":
             too_long += 1
             continue

@@ -204,7 +204,7 @@ def claimed_rows(batch: Batch, ctx: Context, config: Config) -> list[RewardRow]:
     rows = []
     for i, (ids, packed) in enumerate(zip(data["response_ids"], data["answer"], strict=True)):
         truth, info = unpack_answer(packed, extra, config.agent.enabled)
-        prompt = decode(data["prompt_ids"][i].tolist()) if "prompt_ids" in data else ""
+        prompt = ctx.tokenizer.text(data["prompt_ids"][i].tolist()) if "prompt_ids" in data else ""
         rows.append(
             RewardRow(
                 int(batch.indexes[i]),

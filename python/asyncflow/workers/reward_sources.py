@@ -89,12 +89,14 @@ def checked(value: Any, row: RewardRow, source: str) -> Score:
     return number
 
 
+_PLACEHOLDER = re.compile(r"\{(prompt|response|truth)\}")
+
+
 def _fill(template: str, row: RewardRow) -> str:
-    return (
-        template.replace("{prompt}", row.prompt)
-        .replace("{response}", row.response)
-        .replace("{truth}", row.truth)
-    )
+    """``template`` with its placeholders filled in one pass: a response that writes
+    ``{truth}`` is scored as written, not with the ground truth put in its place."""
+    values = {"prompt": row.prompt, "response": row.response, "truth": row.truth}
+    return _PLACEHOLDER.sub(lambda m: values[m[1]], template)
 
 
 # ---- fn ------------------------------------------------------------------------------------
@@ -207,15 +209,20 @@ class ModelSource:
         out: list[Score] = []
         size = self.config.batch_size
         for start in range(0, len(rows), size):
-            chunk = rows[start : start + size]
-            try:
-                values = self._forward([_fill(self.config.template, r) for r in chunk])
-            except Exception as e:
-                why = f"forward pass raised {type(e).__name__}: {e}"
-                out += [Failure(r.index, r.group, self.name, why) for r in chunk]
-                continue
-            out += [checked(v, r, self.name) for v, r in zip(values, chunk, strict=True)]
+            out += self._score_chunk(rows[start : start + size])
         return out
+
+    def _score_chunk(self, chunk: Sequence[RewardRow]) -> list[Score]:
+        """Scores for ``chunk``; if its forward pass fails, each row's alone, so that one row
+        the model cannot take (longer than its positions) fails by itself."""
+        try:
+            values = self._forward([_fill(self.config.template, r) for r in chunk])
+        except Exception as e:
+            if len(chunk) > 1:
+                return [s for r in chunk for s in self._score_chunk([r])]
+            why = f"forward pass raised {type(e).__name__}: {e}"
+            return [Failure(r.index, r.group, self.name, why) for r in chunk]
+        return [checked(v, r, self.name) for v, r in zip(values, chunk, strict=True)]
 
     def _forward(self, texts: list[str]) -> list[float]:
         enc = self.tokenizer(texts, return_tensors="pt", padding=True)
@@ -223,7 +230,9 @@ class ModelSource:
         with self._lock, torch.no_grad():
             logits = self.model(**enc).logits.float()
         if self.config.probability:
-            logits = torch.softmax(logits, dim=-1)
+            # One label: the probability its logit stands for (a softmax over it is always 1).
+            one = logits.shape[-1] == 1
+            logits = torch.sigmoid(logits) if one else torch.softmax(logits, dim=-1)
         return [float(v) for v in logits[:, self.config.label].cpu()]
 
 

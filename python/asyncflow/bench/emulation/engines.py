@@ -298,6 +298,9 @@ class EmulatedTokenizer:
     def decode(self, ids: list[int]) -> str:
         return ""
 
+    def text(self, ids: list[int]) -> str:
+        return ""
+
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
