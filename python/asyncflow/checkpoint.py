@@ -41,7 +41,12 @@ def saved(run_dir: Path) -> list[Path]:
     """The run's checkpoints, oldest first (by step number: ``step-1000000`` after
     ``step-999999``)."""
     found = checkpoints_dir(run_dir).glob("step-*[0-9]")
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+    return sorted(found, key=step_of)
+
+
+def step_of(checkpoint: Path) -> int:
+    """The step a checkpoint directory was taken after."""
+    return int(checkpoint.name.removeprefix("step-"))
 
 
 def latest(run_dir: Path) -> Path | None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,17 @@ def warm_starts(config: Config) -> bool:
 
 #: Settings a resumed run must keep: they decide which prompts make which step and group (the
 #: checkpoint's cursor and in-flight rows count in them) and which model the weights fit.
-RESUME_FIXED = ("run.seed", "rollout.n", "trainer.groups_per_step", "data", "model")
+#: ``trainer.ppo_epochs``: the learning-rate schedule counts optimiser steps, that many a step.
+#: ``warm_start``: a run stopped before its first checkpoint resumes from its warm start.
+RESUME_FIXED = (
+    "run.seed",
+    "rollout.n",
+    "trainer.groups_per_step",
+    "trainer.ppo_epochs",
+    "data",
+    "model",
+    "warm_start",
+)
 
 
 def check_resumable(config: Config, run_dir: Path) -> None:
@@ -126,6 +137,12 @@ def check_resumable(config: Config, run_dir: Path) -> None:
         raise ConfigError(
             f"cannot resume {run_dir} with {leaf} changed: it was {was!r}, now {will!r} "
             "(start a new run instead)"
+        )
+    last = checkpoint.latest(run_dir)
+    if last is not None and checkpoint.step_of(last) > config.trainer.max_steps:
+        raise ConfigError(
+            f"cannot resume {run_dir} with trainer.max_steps {config.trainer.max_steps}: its "
+            f"checkpoint {last.name} is past it"
         )
 
 
@@ -169,6 +186,17 @@ def _changes(was: Any, will: Any, key: str) -> Iterator[tuple[str, Any, Any]]:
             yield from _changes(was.get(name), will.get(name), f"{key}.{name}")
     elif was != will:
         yield key, was, will
+
+
+def made_whole(directory: Path, make: Callable[[Path], object]) -> None:
+    """Has ``make`` write ``directory`` under a temporary name, renamed when complete: a run
+    killed while a model is written leaves nothing there that a rerun or resume would take for
+    a whole one (``config.json`` is written before the weights)."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make(tmp)
+    shutil.rmtree(directory, ignore_errors=True)  # one cut short before this rule
+    tmp.rename(directory)
 
 
 def prompt_budget(config: Config, model_dir: Path) -> int:
@@ -269,7 +297,7 @@ class Run:
         base = self.run_dir / "model-init"
         if not (base / "config.json").exists():
             self.reporter.line(f"creating the built-in tiny Qwen2 model in {base}")
-            create_tiny_model(c.model, base, c.run.seed)
+            made_whole(base, lambda into: create_tiny_model(c.model, into, c.run.seed))
         return base
 
     def load_task(self, base: Path) -> tuple[Task, PromptEncoder]:
@@ -295,8 +323,11 @@ class Run:
             return warm
         since = time.monotonic()
         with self.reporter.task("warm start", c.warm_start.steps) as advance:
-            warm_start(
-                c, task, prompts, base, warm, lambda step, loss: advance(step, f"loss {loss:.3f}")
+            made_whole(
+                warm,
+                lambda into: warm_start(
+                    c, task, prompts, base, into, lambda s, loss: advance(s, f"loss {loss:.3f}")
+                ),
             )
         self.phases.timed("warm_start", since)
         return warm
@@ -396,6 +427,12 @@ class Run:
                 f"resumed from {ckpt.name}: step {trainer_engine.version}, "
                 f"{restored} rows in flight"
             )
+            if (self.run_dir / "summary.json").exists():
+                # The last step takes no checkpoint (the final model is written instead).
+                self.reporter.line(
+                    f"warning: this run had finished; the steps after {ckpt.name} are trained "
+                    "again from it"
+                )
             if c.algorithm.filter_groups and c.algorithm.max_extra_groups > 0:
                 self.reporter.line(
                     "warning: replacement prompt groups (algorithm.max_extra_groups) are not "
@@ -407,7 +444,8 @@ class Run:
 
         metrics = MetricsLog(
             self.run_dir,
-            keep_until=trainer_engine.version if ckpt else None,
+            # Resumed before its first checkpoint: none of the records is kept.
+            keep_until=trainer_engine.version if self.resume else None,
             loggers=c.run.loggers,
             config=c.to_dict(),
         )

@@ -16,7 +16,11 @@ import pytest
 
 import asyncflow as af
 from asyncflow import checkpoint
+from asyncflow import config as cfg
+from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.batch import Batch
+from asyncflow.engines.hf import HFTrainEngine
+from asyncflow.models.tiny import create_tiny_model
 from asyncflow.train import register_tasks
 from asyncflow.workers.base import PROMPTS, RunState
 
@@ -184,3 +188,29 @@ def test_a_checkpoint_keeps_the_runs_counts_for_the_resumed_runs_summary(tmp_pat
     assert resumed.staleness == {0: 4, 1: 21}
     assert resumed.version_span_histogram() == {"0": 2, "2": 1}
     assert resumed.weight_failures == ["version 3 failed to load"]
+
+
+def test_a_resumed_train_engine_takes_this_runs_learning_rate_and_weight_decay(
+    tmp_path: Path,
+) -> None:
+    """The optimiser and schedule a checkpoint brings back carry the rate, weight decay and
+    base rate they were saved with; the resumed run's own (a resume may change them) apply,
+    at the schedule's place."""
+    first = cfg.load(None, ["trainer.warmup_steps=2", "trainer.max_steps=8"])
+    model_dir = create_tiny_model(first.model, tmp_path / "model", 0)
+    engine = HFTrainEngine(model_dir, first)
+    for _ in range(3):
+        engine.optimizer.step()
+        engine.schedule.step()
+    engine.save(tmp_path / "ckpt")
+    changed = ["trainer.lr=1e-5", "trainer.weight_decay=0.1", "trainer.max_steps=20"]
+    second = cfg.load(None, ["trainer.warmup_steps=2", *changed])
+    resumed = HFTrainEngine(model_dir, second)
+    resumed.load(tmp_path / "ckpt")
+    (group,) = resumed.optimizer.param_groups
+    factor = lr_factor(second.trainer)
+    assert group["lr"] == pytest.approx(1e-5 * factor(3))
+    assert group["weight_decay"] == 0.1
+    resumed.optimizer.step()
+    resumed.schedule.step()
+    assert group["lr"] == pytest.approx(1e-5 * factor(4))

@@ -244,7 +244,15 @@ def test_a_fresh_run_in_a_directory_that_holds_a_run_is_refused(tmp_path: Path) 
 
 
 @pytest.mark.parametrize(
-    "change", ["rollout.n=4", "trainer.groups_per_step=4", "run.seed=3", "data.digits=3"]
+    "change",
+    [
+        "rollout.n=4",
+        "trainer.groups_per_step=4",
+        "run.seed=3",
+        "data.digits=3",
+        "trainer.ppo_epochs=2",  # the schedule counts optimiser steps: it would jump
+        "warm_start.steps=7",  # the warm start made is kept
+    ],
 )
 def test_a_resume_that_changes_what_the_checkpoint_means_is_refused(
     tmp_path: Path, change: str
@@ -256,6 +264,13 @@ def test_a_resume_that_changes_what_the_checkpoint_means_is_refused(
     saved = cfg.load(tmp_path / "config.yaml", [])
     with pytest.raises(cfg.ConfigError, match="stays in its directory"):
         train(saved, run_dir=tmp_path / "elsewhere", resume=tmp_path)
+
+
+def test_a_resume_with_max_steps_below_its_checkpoint_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(cfg.load(None, []).to_yaml())
+    (tmp_path / "checkpoints" / "step-000004").mkdir(parents=True)
+    with pytest.raises(cfg.ConfigError, match=r"max_steps 2: its checkpoint step-000004 is past"):
+        train(cfg.load(tmp_path / "config.yaml", ["trainer.max_steps=2"]), resume=tmp_path)
 
 
 def test_sigterm_stops_the_train_command_through_its_cleanup() -> None:

@@ -76,6 +76,9 @@ def test_a_resumed_run_gives_tensorboard_each_step_once(tmp_path: Path) -> None:
     first.close()
     first.finish()
     resumed = MetricsLog(tmp_path, keep_until=1, loggers=["tensorboard"])
+    # Whole on disk before the first new step is logged: a kill then lost the history.
+    kept = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in kept] == [1]
     for step in (2, 3, 4):
         resumed.log({"step": step, "loss": 10.0 * step})
     resumed.close()

@@ -110,6 +110,20 @@ def test_a_steps_checkpoint_is_taken_once_its_record_is_logged(
     assert logged_then == [[1]] and metrics.history[0]["eval_accuracy"] == 0.5
 
 
+def test_a_resumed_trainers_first_rate_counts_only_the_tokens_since_the_resume(
+    tmp_path: Path, metrics: MetricsLog
+) -> None:
+    ctx = context()
+    clock = iter([10.0, 12.0])  # the trainer starts at 10 s, its first step ends at 12 s
+    ctx.tracer.now = lambda: next(clock)  # type: ignore[method-assign]
+    ctx.state.generated_tokens = 5000  # the checkpoint's count, before this run generated any
+    trainer = Trainer(ctx, None, metrics, Ledger(tmp_path / "ledger"))  # type: ignore[arg-type]
+    ctx.state.generated_tokens += 40
+    trainer._record(0, StepResult())
+    (record,) = metrics.history
+    assert record["tokens_per_s"] == 20.0  # 40 tokens in 2 s, not 5040
+
+
 class ReloadedMidCall(RolloutEngine):
     """An engine shared with another worker, which loads version 1 while this call runs."""
 

@@ -27,7 +27,8 @@ from asyncflow.engines import register_rollout_engine
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.progress import Reporter
 from asyncflow.scheduler import Rerouted, Router
-from asyncflow.train import train
+from asyncflow.telemetry.metrics import MetricsLog
+from asyncflow.train import made_whole, train
 from asyncflow.weight_sync import broadcast
 from asyncflow.weight_sync.layout import Layout
 from asyncflow.workers import routing
@@ -232,9 +233,37 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(tmp_pat
     (tmp_path / "config.yaml").write_text(config.to_yaml())
     before_kill = [{"step": 0, "trained": [0, 1]}, {"step": 1, "trained": [2, 3]}]
     (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in before_kill))
+    logged = MetricsLog(tmp_path, loggers=["tensorboard"])
+    logged.log({"step": 1, "reward_mean": -7.0})
+    logged.close()
+    logged.finish()
     train(config, resume=tmp_path, reporter=Reporter(enabled=False))
     assert [entry["step"] for entry in ledger(tmp_path)] == [0, 1]
     assert trained_groups(tmp_path) == list(range(2 * GROUPS))
+    # TensorBoard shows each step once, as metrics.jsonl does (the killed run's step 1 too).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2]
+    assert -7.0 not in [e.value for e in events.Scalars("reward_mean")]
+
+
+def test_a_model_directory_is_made_whole_or_not_at_all(tmp_path: Path) -> None:
+    """A run killed while it writes its built-in model or warm start (``config.json`` comes
+    before the weights) left a directory every rerun took for a whole model."""
+
+    def cut_short(into: Path) -> None:
+        into.mkdir()
+        (into / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        made_whole(tmp_path / "warm_start", cut_short)
+    assert not (tmp_path / "warm_start").exists()
+    made_whole(tmp_path / "warm_start", lambda into: into.mkdir())
+    assert (tmp_path / "warm_start").is_dir()
+    assert not (tmp_path / "warm_start.tmp").exists()
 
 
 @pytest.mark.parametrize("job", [FAST, TOOLS], ids=["addition", "tools"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
+
 from asyncflow.config import TrainerConfig
 
 
@@ -25,3 +27,17 @@ def lr_factor(t: TrainerConfig) -> Callable[[int], float]:
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def reapply(schedule: torch.optim.lr_scheduler.LambdaLR, t: TrainerConfig) -> None:
+    """This run's ``trainer.lr`` and ``trainer.weight_decay`` on an optimiser and its schedule
+    just loaded from a checkpoint, which brought back the ones they were saved with: a resume
+    may change them. The rate in effect is the new one at the schedule's place (this run's
+    schedule, should ``trainer.max_steps`` or the warm-up have changed)."""
+    optimizer = schedule.optimizer
+    schedule.base_lrs = [t.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, schedule.lr_lambdas, strict=True):
+        group["initial_lr"] = t.lr
+        group["lr"] = t.lr * factor(schedule.last_epoch)
+        group["weight_decay"] = t.weight_decay
+    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr says

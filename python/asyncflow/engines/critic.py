@@ -89,9 +89,10 @@ class HFCriticEngine(CriticEngine):
         c = config.critic
         self.model = load_value_model(Path(c.path) if c.path else model_dir).train()
         self.grad_clip = config.trainer.grad_clip
+        self.lr = c.lr if c.lr is not None else config.trainer.lr
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=c.lr if c.lr is not None else config.trainer.lr,
+            lr=self.lr,
             betas=ADAM_BETAS,
             weight_decay=0.0,
         )
@@ -126,4 +127,6 @@ class HFCriticEngine(CriticEngine):
         state = torch.load(directory / "critic.pt", weights_only=True, map_location="cpu")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # a resume may change critic.lr
+            group["lr"] = self.lr
         self.version = int(state["version"])

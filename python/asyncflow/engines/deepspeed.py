@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncflow.algorithms.lr_schedule import lr_factor
+from asyncflow.algorithms.lr_schedule import lr_factor, reapply
 from asyncflow.config import Config
 from asyncflow.engines import lora
 from asyncflow.engines.base import ADAM_BETAS, LossFn, TrainBatch, TrainEngine, token_logprobs
@@ -75,6 +75,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.model_dir = model_dir
         self.temperature = config.rollout.temperature
         self.lora = config.model.lora
+        self.settings = config.trainer
         rank = 0 if rendezvous is None else rendezvous.rank
         try:
             init_process_group(rendezvous, config.trainer.timeout)
@@ -153,6 +154,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         _, client = self.engine.load_checkpoint(str(directory), tag=TAG)
         if client is None:
             raise FileNotFoundError(f"no deepspeed checkpoint in {directory}")
+        reapply(self.engine.lr_scheduler, self.settings)
         self.version = int(client["version"])
 
     @torch.no_grad()

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from asyncflow.algorithms.lr_schedule import lr_factor
+from asyncflow.algorithms.lr_schedule import lr_factor, reapply
 from asyncflow.config import Config
 from asyncflow.engines import lora
 from asyncflow.engines.base import ADAM_BETAS, LossFn, TrainBatch, TrainEngine, token_logprobs
@@ -80,6 +80,7 @@ class FSDPTrainEngine(TrainEngine):
         self.model_dir = model_dir
         self.temperature = config.rollout.temperature
         self.grad_clip = config.trainer.grad_clip
+        self.settings = config.trainer
         self.lora = config.model.lora
         rank = 0 if rendezvous is None else rendezvous.rank
         try:
@@ -183,6 +184,7 @@ class FSDPTrainEngine(TrainEngine):
         )
         extra = torch.load(directory / "fsdp-trainer.pt", weights_only=True)
         self.schedule.load_state_dict(extra["schedule"])
+        reapply(self.schedule, self.settings)
         self.version = int(extra["version"])
 
     def save_pretrained(self, directory: Path) -> None:

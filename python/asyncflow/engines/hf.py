@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.algorithms.lr_schedule import lr_factor
+from asyncflow.algorithms.lr_schedule import lr_factor, reapply
 from asyncflow.config import Config, check_device
 from asyncflow.engines import lora
 from asyncflow.engines.base import (
@@ -238,6 +238,7 @@ class HFTrainEngine(TrainEngine):
         self.model_dir = model_dir
         self.temperature = config.rollout.temperature
         self.grad_clip = config.trainer.grad_clip
+        self.settings = config.trainer
         self.lora = config.model.lora
         self.model = (
             lora.wrap(load_model(model_dir, config.model.dtype), self.lora, config.run.seed)
@@ -306,6 +307,7 @@ class HFTrainEngine(TrainEngine):
         self.optimizer.load_state_dict(state["optimizer"])
         if "schedule" in state:  # checkpoints written before schedules existed have none
             self.schedule.load_state_dict(state["schedule"])
+        reapply(self.schedule, self.settings)
         self.version = int(state["version"])
 
     def save_pretrained(self, directory: Path) -> None:

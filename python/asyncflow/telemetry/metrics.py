@@ -4,12 +4,24 @@ trackers of ``run.loggers`` (TensorBoard by default)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from asyncflow.telemetry.loggers import Trackers
+
+
+def rewrite(path: Path, lines: Sequence[str]) -> None:
+    """Replaces ``path`` with ``lines`` whole: written beside it, synced, then renamed over it,
+    so that a process killed meanwhile leaves the old file, never a cut or empty one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.writelines(line + "\n" for line in lines)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
 
 
 class MetricsLog:
@@ -29,9 +41,8 @@ class MetricsLog:
         if keep_until is not None and self.path.exists():
             records = [json.loads(line) for line in self.path.read_text().splitlines()]
             self.history = [r for r in records if r.get("step", 0) <= keep_until]
-        self._file = self.path.open("w")
-        for record in self.history:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        rewrite(self.path, [json.dumps(r, sort_keys=True) for r in self.history])
+        self._file = self.path.open("a")
         self._lock = threading.Lock()
         self.trackers = Trackers(loggers, run_dir, config or {}, keep_until)
 

@@ -28,7 +28,7 @@ import numpy as np
 from asyncflow import weights
 from asyncflow.engines.base import StepResult, StepTrainEngine, TrainBatch, TrainEngine
 from asyncflow.errors import StoreTimeoutError
-from asyncflow.telemetry.metrics import MetricsLog
+from asyncflow.telemetry.metrics import MetricsLog, rewrite
 from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.steps import (
     StepLoss,
@@ -65,7 +65,7 @@ class Ledger:
             for line in self.path.read_text().splitlines()
             if json.loads(line)["step"] < before_step
         ]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        rewrite(self.path, kept)
 
 
 class Trainer(Worker):
@@ -92,7 +92,7 @@ class Trainer(Worker):
         self.fields = sample_fields(self.config)
         self.rows_per_step = self.loss.rows_per_step
         self._last_step_end = ctx.tracer.now()
-        self._last_tokens = 0
+        self._last_tokens = ctx.state.generated_tokens  # a resumed run's count goes on
         #: Tokens a sample is expected to take in a micro-batch, for claim sizes: at first the
         #: longest a sample can be (a guess without a prompt limit); packed, then the mean of
         #: the samples seen (padded, a micro-batch's rows all take its longest's length).
