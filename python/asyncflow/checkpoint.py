@@ -11,6 +11,7 @@ A checkpoint directory is written under a temporary name and renamed when comple
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import defaultdict
 from contextlib import nullcontext
@@ -127,6 +128,22 @@ def _in_flight(store: Store) -> tuple[pa.Table, int]:
     return pa.table(meta | dict(columns)), len(kept)
 
 
+def synced(directory: Path) -> None:
+    """Every file and directory under ``directory``, and itself, on disk: renamed into place
+    after this, a checkpoint is whole after a power cut too, not only after a killed process
+    (which the rename alone covers)."""
+    for path in [*sorted(directory.rglob("*"), reverse=True), directory]:
+        synced_entry(path)
+
+
+def synced_entry(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save(
     run_dir: Path,
     step: int,
@@ -163,8 +180,10 @@ def save(
         **figures,
     }
     (tmp / "state.json").write_text(json.dumps(info, indent=1) + "\n")
+    synced(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    synced_entry(final.parent)
     for old in saved(run_dir)[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final

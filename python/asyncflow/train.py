@@ -337,7 +337,8 @@ class Run:
     def execute(self) -> dict[str, Any]:
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(c.to_yaml())
+        if not self.resume:  # a resume's, once its checkpoint has loaded (see _run)
+            (self.run_dir / "config.yaml").write_text(c.to_yaml())
         torch.manual_seed(c.run.seed)
         base = self.base_model()
         task, prompts = self.load_task(base)
@@ -441,6 +442,10 @@ class Run:
         # The steps from here on are (re)done: a run resumed before its first checkpoint
         # starts over.
         ledger.truncate(trainer_engine.version)
+        if self.resume:
+            # Not before: a resume that failed (an engine that cannot load the checkpoint)
+            # left its settings there, and the next plain resume failed the same way.
+            (self.run_dir / "config.yaml").write_text(c.to_yaml())
 
         metrics = MetricsLog(
             self.run_dir,

@@ -5,6 +5,7 @@ embedded store and on a store sharded over storage daemons, as the Ray launcher 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -188,6 +189,26 @@ def test_a_checkpoint_keeps_the_runs_counts_for_the_resumed_runs_summary(tmp_pat
     assert resumed.staleness == {0: 4, 1: 21}
     assert resumed.version_span_histogram() == {"0": 2, "2": 1}
     assert resumed.weight_failures == ["version 3 failed to load"]
+
+
+def test_a_checkpoint_is_on_disk_before_it_takes_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Synced, then renamed: after a power cut its newest checkpoint held empty files, and the
+    run could not resume (an older whole one was there)."""
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def noting(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", noting)
+    final = checkpoint.save(tmp_path, 3, NoEngine(), af.Store(), RunState(), {})  # type: ignore[arg-type]
+    tmp = final.with_name(final.name + ".tmp")
+    written = {tmp / p.relative_to(final) for p in final.rglob("*")} | {tmp}
+    assert written <= set(synced[: len(written)]), "each file and directory, before the rename"
+    assert synced[-1] == final.parent, "and the rename itself"
 
 
 def test_a_resumed_train_engine_takes_this_runs_learning_rate_and_weight_decay(

@@ -249,6 +249,23 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(tmp_pat
     assert -7.0 not in [e.value for e in events.Scalars("reward_mean")]
 
 
+def test_a_resume_that_fails_to_load_its_checkpoint_keeps_the_runs_settings(
+    tmp_path: Path,
+) -> None:
+    """Written before the checkpoint loaded, the failed resume's settings were taken for the
+    run's by the next plain resume, which failed the same way."""
+    config = cfg.load(None, [*FAST, "warm_start.steps=10"])
+    (tmp_path / "config.yaml").write_text(config.to_yaml())
+    (tmp_path / "checkpoints" / "step-000004" / "trainer").mkdir(parents=True)  # no state in it
+    with pytest.raises(FileNotFoundError):
+        train(
+            cfg.load(tmp_path / "config.yaml", ["trainer.lr=1e-5"]),
+            resume=tmp_path,
+            reporter=Reporter(enabled=False),
+        )
+    assert cfg.load(tmp_path / "config.yaml").trainer.lr == config.trainer.lr
+
+
 def test_a_model_directory_is_made_whole_or_not_at_all(tmp_path: Path) -> None:
     """A run killed while it writes its built-in model or warm start (``config.json`` comes
     before the weights) left a directory every rerun took for a whole model."""
