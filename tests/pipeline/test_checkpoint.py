@@ -200,7 +200,7 @@ def test_a_checkpoint_is_on_disk_before_it_takes_its_name(
     real_fsync = os.fsync
 
     def noting(fd: int) -> None:
-        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        synced.append(Path(f"/proc/self/fd/{fd}").readlink())
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", noting)
