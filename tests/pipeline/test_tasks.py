@@ -557,3 +557,10 @@ def test_training_rows_that_ask_a_held_out_prompt_are_left_out(
     trained = {str(next(stream).prompt) for _ in range(100)}
     assert trained == {str(p) for p in (r["prompt"] for r in sums(7))}
     assert "3 rows of" in caplog.text
+
+
+def test_a_directory_without_a_tokenizer_is_a_config_error(tmp_path: Path) -> None:
+    # The command line reports a ConfigError as invalid configuration; a ValueError as a
+    # traceback.
+    with pytest.raises(ConfigError, match="holds no Hugging Face tokenizer"):
+        load_tokenizer(tmp_path)

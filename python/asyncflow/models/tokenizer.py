@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from asyncflow.errors import ConfigError
+
 #: A chat: messages with a ``role`` and a ``content``.
 Messages = Sequence[Mapping[str, Any]]
 
@@ -44,7 +46,7 @@ class HFTokenizer:
         self._tok = tokenizer
         self.source = source
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {source} has no eos token")
+            raise ConfigError(f"the tokenizer of {source} has no eos token")
         self.eos_id = int(tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id
@@ -57,7 +59,7 @@ class HFTokenizer:
         try:
             tok = AutoTokenizer.from_pretrained(str(directory))
         except (OSError, ValueError) as e:
-            raise ValueError(f"{directory} holds no Hugging Face tokenizer: {e}") from e
+            raise ConfigError(f"{directory} holds no Hugging Face tokenizer: {e}") from e
         return cls(tok, str(directory), generation_stop_ids(Path(directory)))
 
     def __len__(self) -> int:
@@ -116,10 +118,10 @@ def generation_stop_ids(model_dir: Path) -> list[int]:
     try:
         named = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
     except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{path} is not a generation config: {e}") from e
+        raise ConfigError(f"{path} is not a generation config: {e}") from e
     ids = named if isinstance(named, list) else [] if named is None else [named]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them: {named!r}")
+        raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them: {named!r}")
     return ids
 
 
