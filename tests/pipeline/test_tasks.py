@@ -376,12 +376,22 @@ def test_the_reward_function_gets_the_extra_keys() -> None:
         ("1,234 or maybe 12", "1234", 0.0),
         ("no number", "3", 0.0),
         ("3", "three", 0.0),
+        # Commas between groups of three digits only: a list of digits is no number.
+        ("the digits are 2,3", "23", 0.0),
+        ("the digits are 2,3", "3", 1.0),
+        ("1,2345", "12345", 0.0),
+        ("so 1,000,000.", "1000000", 1.0),
     ],
 )
 def test_numeric_match_reads_thousands_separators_on_both_sides(
     response: str, truth: str, score: float
 ) -> None:
     assert numeric_match(response, truth) == score
+
+
+def test_gsm8k_reads_only_a_number_after_its_final_line_marker() -> None:
+    assert gsm8k_match("#### 1,000", "1000") == 1.0
+    assert gsm8k_match("#### 1,0", "10") == 0.0
 
 
 def test_a_dataset_reads_as_its_reward_function_will_see_it(tmp_path: Path) -> None:

@@ -82,8 +82,9 @@ def exact_match(response: str, truth: str, extra_info: Mapping[str, Any] | None 
     return 1.0 if response.strip() == truth.strip() else 0.0
 
 
-#: A number in text, with thousands separators or not: ``-1,234.5``.
-NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+#: A number in text, with thousands separators or not: ``-1,234.5``. Commas count only between
+#: groups of three digits: ``2,3`` is two numbers, not 23.
+NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?")
 #: GSM8K's final-answer line, as its reference solutions and the usual scorers write it.
 FINAL_ANSWER = re.compile(rf"####\s*({NUMBER.pattern})")
 
