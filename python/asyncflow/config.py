@@ -245,8 +245,8 @@ class AlgorithmConfig:
     #: is known before the step's other samples are; DAPO divides by the tokens the step holds);
     #: ``seq-mean-token-mean`` (``sequence``): per-sequence means summed, divided by rows per
     #: step; ``seq-mean-token-sum``: per-sequence sums, divided by rows per step times
-    #: ``rollout.max_tokens``. Rows per step is ``groups_per_step`` times ``rollout.n``, also
-    #: when a step trains fewer (groups left out).
+    #: ``rollout.max_tokens`` (so the same loss as ``token-mean``). Rows per step is
+    #: ``groups_per_step`` times ``rollout.n``, also when a step trains fewer (groups left out).
     loss_aggregation: Literal[
         "token", "sequence", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum"
     ] = "token"
