@@ -36,8 +36,10 @@ class HandDevice:
                 assert seq.call.on_done is not None
                 seq.call.on_done()
 
-    def cut(self, sequences: list[_Sequence]) -> None:
+    def cut(self, sequences: list[_Sequence]) -> list[_Sequence]:
+        found = [s for s in self.sequences if s in sequences and not s.call.done.is_set()]
         self.sequences = [s for s in self.sequences if s not in sequences]
+        return found
 
     def pause(self, seconds: float) -> None:
         pass
@@ -76,11 +78,26 @@ def test_abort_keeps_the_prefix_and_prefills_it_again_under_the_new_version() ->
     assert kept == (length // 2) // 10 and set(cut.versions) == {0}
     e.load_weights(1, [])
     e.add_request(cut)
-    assert device.prefills[-1] == costs.workload.prompt_tokens + kept * 10
+    # Every modelled token decoded before the cut is prefilled, not decoded again.
+    assert device.prefills[-1] == costs.workload.prompt_tokens + length // 2
+    assert device.sequences[-1].remaining == length - length // 2
     device.decode(length)
     (done,) = e.step()
-    assert done.versions == [0] * kept + [1] * (len(done.token_ids) - kept)
+    before = -(-(length // 2) // 10)  # stored tokens standing for modelled ones before the cut
+    assert done.versions == [0] * before + [1] * (len(done.token_ids) - before)
     assert len(done.token_ids) == -(-length // 10)
+
+
+def test_a_sequence_that_ended_before_the_abort_is_not_cut_but_returned_whole() -> None:
+    e, device, costs = engine()
+    length = response_lengths(PROMPT, costs.workload.group_size, costs)[0]
+    e.add_request(Request((0, 0), PROMPT, Sampling()))
+    device.decode(length)  # ended under version 0, not yet collected by step()
+    assert e.abort_requests() == []
+    e.load_weights(1, [])
+    (done,) = e.step()
+    assert done.versions == [0] * -(-length // 10)
+    assert device.prefills == [costs.workload.prompt_tokens], "no second prefill"
 
 
 def test_the_hand_device_has_the_real_ones_interface() -> None:

@@ -372,6 +372,21 @@ def test_an_engine_killed_mid_sequence_loses_only_its_in_flight_groups(model_dir
     assert again.groups.tolist() == [1], "the cut group's prompt is back; the finished one is acked"
 
 
+def test_a_stopped_run_hands_its_groups_in_flight_back(model_dir: Path) -> None:
+    """Their leases were renewed for as long as the process lived, the engine decoding on."""
+    ctx = context("rollout.partial=continue", "rollout.max_tokens=16")
+    engine = HFRolloutEngine(model_dir, ctx.config)
+    put_prompts(ctx.store, target=0)
+    worker = PartialRollout(ctx, engine)
+    worker.step()  # admits the group
+    assert engine.in_flight() > 0 and len(LEASES) == 1
+    ctx.stop.set()
+    worker.run()
+    assert (worker.groups, engine.in_flight(), len(LEASES)) == ({}, 0, 0)
+    again = ctx.store.claim("rollout", "prompt_ids", 1, timeout=1, allow_partial=True)
+    assert len(again) == 1
+
+
 def test_a_long_generation_is_progress_not_a_stall(model_dir: Path) -> None:
     ctx = context("rollout.partial=continue")
     worker = PartialRollout(ctx, HFRolloutEngine(model_dir, ctx.config))

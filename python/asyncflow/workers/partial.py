@@ -67,6 +67,14 @@ class PartialRollout(Rollout):
         #: The dispatcher's count of rerouted groups when this worker last looked for its own.
         self._reroutes_seen = 0
 
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            # A run that stops hands its unfinished groups back, as a failed step does: their
+            # leases were renewed for as long as the process lived, its engine decoding on.
+            self.release_in_flight()
+
     def step(self) -> bool:
         try:
             self._cut_rerouted()
@@ -183,8 +191,12 @@ class PartialRollout(Rollout):
         self._deliver(entry.work, self.engine.version, outputs)
 
     def release_in_flight(self) -> None:
-        """Hands the prompts of every unfinished group back (none of their tokens is kept)."""
+        """Hands the prompts of every unfinished group back (none of their tokens is kept), and
+        stops their sequences."""
         groups, self.groups = self.groups, {}
+        if groups:
+            with contextlib.suppress(Exception):  # an engine that failed may fail again
+                self.engine.abort_requests({(g, i) for g in groups for i in range(self.sampling.n)})
         for entry in groups.values():
             entry.kept.close()
             # Should the store refuse, the prompts' leases expire and return them anyway.

@@ -230,16 +230,19 @@ class DecodeDevice:
             self._cond.notify_all()
         return seq
 
-    def cut(self, sequences: list[_Sequence]) -> None:
+    def cut(self, sequences: list[_Sequence]) -> list[_Sequence]:
         """Takes these sequences out of the batch and the queue (their ``remaining`` steps stay
-        as they are); the decode steps since the last wake-up of the serving thread are not
-        credited to them, so a :meth:`pause` first makes the cut exact."""
+        as they are) and returns those it found there: not those that ended meanwhile. The
+        decode steps since the last wake-up of the serving thread are not credited to them, so
+        a :meth:`pause` first makes the cut exact."""
         with self._cond:
             gone = {id(s) for s in sequences}
+            found = [s for s in [*self._active, *self._queue] if id(s) in gone]
             self._active = [s for s in self._active if id(s) not in gone]
             self._queue = deque(s for s in self._queue if id(s) not in gone)
             self._report_work()
             self._cond.notify_all()
+        return found
 
     def wait_for_room(self, timeout: float) -> bool:
         """Waits until no sequence is waiting for a slot. One waiter is woken each time the

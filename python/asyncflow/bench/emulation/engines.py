@@ -133,16 +133,22 @@ class EmulatedPartialRollout(EmulatedRollout):
         self.step_timeout = step_timeout
         self._flights: list[_Flight] = []
         self._finished = threading.Event()
+        #: Each cut request's flight, by key: the modelled tokens it had decoded (more than its
+        #: stored tokens stand for, one per ``compression``), which its re-admission does not
+        #: decode again, and the versions that sampled them.
+        self._cut: dict[Any, _Flight] = {}
 
     def add_request(self, request: Request) -> None:
         c = self.costs.emulation.compression
         sample = request.key[1]
         n = self.costs.workload.group_size
         length = response_lengths(request.prompt, n, self.costs)[sample]
-        done = int(len(request.token_ids) * c)
+        before = self._cut.pop(request.key, None)
+        done = before.generated() if before else int(len(request.token_ids) * c)
         prefill = self.costs.workload.prompt_tokens + done
         seq = self.device.start(max(1, length - done), prefill, self._finished.set)
-        self._flights.append(_Flight(request, seq, length, [(done, self.version)]))
+        switches = [*(before.switches if before else []), (done, self.version)]
+        self._flights.append(_Flight(request, seq, length, switches))
 
     def step(self) -> list[Request]:
         self._finished.wait(self.step_timeout)
@@ -159,11 +165,15 @@ class EmulatedPartialRollout(EmulatedRollout):
 
     def abort_requests(self, keys: Collection[Any] | None = None) -> list[Request]:
         self.device.pause(0.0)  # the serving thread credits the steps decoded so far
-        flights = [f for f in self._flights if keys is None or f.request.key in keys]
-        self._flights = [f for f in self._flights if not (keys is None or f.request.key in keys)]
-        self.device.cut([f.sequence for f in flights])
+        chosen = [f for f in self._flights if keys is None or f.request.key in keys]
+        # A sequence that ended on the device is step()'s to return, not cut: it would be
+        # decoded again, and its last stored token tagged with the next version.
+        cut = {id(s) for s in self.device.cut([f.sequence for f in chosen])}
+        flights = [f for f in chosen if id(f.sequence) in cut]
+        self._flights = [f for f in self._flights if id(f.sequence) not in cut]
         c = self.costs.emulation.compression
         for f in flights:
+            self._cut[f.request.key] = f
             self._fill(f, int(f.generated() // c))
         return [f.request for f in flights]
 
