@@ -128,6 +128,51 @@ impl Link {
         Self::open_holding(address, token, prefer, policy, &[])
     }
 
+    /// Says hello on the Unix socket of the daemon that answered `found` over TCP, asking for
+    /// rings unless `prefer` is `ShmSocket`: the socket, the daemon's answer there and the ends
+    /// of the rings it set up.
+    fn move_local(
+        address: &str,
+        token: Option<&str>,
+        prefer: Preference,
+        policy: &Policy,
+        leases: &[u64],
+        found: &ServerHello,
+    ) -> Result<(Stream, ServerHello, Option<ClientEnds>)> {
+        let same_host = found.host == host_id() && !found.host.is_empty();
+        let unix = match (&found.shm_socket, same_host) {
+            (Some(path), true) => UnixStream::connect(path)
+                .map_err(|e| Error::connection(format!("shared-memory socket {path}: {e}")))?,
+            (None, _) => return Err(Error::connection("the daemon offers no shared-memory path")),
+            (_, false) => return Err(Error::connection("the daemon is on another machine")),
+        };
+        let mut local = Stream::Unix(unix);
+        let ring = if prefer == Preference::ShmSocket { 0 } else { RING };
+        let (local_hello, fds) =
+            greet(&mut local, token, Ask::Serve { leases, ring }, address, policy)?;
+        // The socket must be served by the daemon that answered over TCP: a path another
+        // daemon serves would send this client's data there.
+        if local_hello.instance != found.instance {
+            let e = Error::connection(format!(
+                "the shared-memory socket {} is served by another daemon than the one at \
+                 {address} (instance {:#x}, not {:#x})",
+                found.shm_socket.as_deref().unwrap_or_default(),
+                local_hello.instance,
+                found.instance
+            ));
+            tracing::warn!(error = %e, "not using the shared-memory path");
+            return Err(e);
+        }
+        // Rings the daemon set up must be used: it reads requests from them only.
+        let ends = match local_hello.ring {
+            0 => None,
+            cap => Some(ClientEnds::open(cap as usize, fds).map_err(|e| {
+                Error::connection(format!("the daemon's shared-memory rings: {e}"))
+            })?),
+        };
+        Ok((local, local_hello, ends))
+    }
+
     /// [`Link::open`] for a client that still holds `leases` from a link that broke: the daemon
     /// keeps them for this link (see `--reconnect-grace`).
     pub fn open_holding(
@@ -143,48 +188,10 @@ impl Link {
         let first = if prefer == Preference::Tcp { serve } else { Ask::Probe };
         let mut stream = Stream::Tcp(connect_tcp(address, policy.request_timeout)?);
         let (mut hello, _) = greet(&mut stream, token, first, address, &policy)?;
-        let same_host = hello.host == host_id() && !hello.host.is_empty();
         let mut shm = false;
         let mut rings = None;
         if prefer != Preference::Tcp {
-            let unix = match (&hello.shm_socket, same_host) {
-                (Some(path), true) => UnixStream::connect(path)
-                    .map_err(|e| Error::connection(format!("shared-memory socket {path}: {e}"))),
-                (None, _) => Err(Error::connection("the daemon offers no shared-memory path")),
-                (_, false) => Err(Error::connection("the daemon is on another machine")),
-            };
-            // The socket must be served by the daemon that answered over TCP: a path another
-            // daemon serves would send this client's data there.
-            let same_daemon = |local: &ServerHello| {
-                if local.instance == hello.instance {
-                    return Ok(());
-                }
-                let e = Error::connection(format!(
-                    "the shared-memory socket {} is served by another daemon than the one at \
-                     {address} (instance {:#x}, not {:#x})",
-                    hello.shm_socket.as_deref().unwrap_or_default(),
-                    local.instance,
-                    hello.instance
-                ));
-                tracing::warn!(error = %e, "not using the shared-memory path");
-                Err(e)
-            };
-            let ring = if prefer == Preference::ShmSocket { 0 } else { RING };
-            let unix = unix.and_then(|u| {
-                let mut local = Stream::Unix(u);
-                let ask = Ask::Serve { leases, ring };
-                let (local_hello, fds) = greet(&mut local, token, ask, address, &policy)?;
-                same_daemon(&local_hello)?;
-                // Rings the daemon set up must be used: it reads requests from them only.
-                let ends = match local_hello.ring {
-                    0 => None,
-                    cap => Some(ClientEnds::open(cap as usize, fds).map_err(|e| {
-                        Error::connection(format!("the daemon's shared-memory rings: {e}"))
-                    })?),
-                };
-                Ok((local, local_hello, ends))
-            });
-            match unix {
+            match Self::move_local(address, token, prefer, &policy, leases, &hello) {
                 Ok((local, local_hello, ends)) => {
                     hello = local_hello;
                     stream.shutdown();
