@@ -14,7 +14,8 @@ import json
 import os
 import shutil
 from collections import defaultdict
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,19 @@ def _in_flight(store: Store) -> tuple[pa.Table, int]:
     return pa.table(meta | dict(columns)), len(kept)
 
 
+@contextmanager
+def made_whole(directory: Path) -> Iterator[Path]:
+    """The temporary directory to write ``directory`` in, renamed to it when the block ends
+    without an exception: a process killed meanwhile leaves nothing under the name that a
+    later run would take for whole (a model's ``config.json`` is written before its weights, a
+    checkpoint's state after its trainer's)."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    yield tmp
+    shutil.rmtree(directory, ignore_errors=True)  # one cut short before this rule
+    tmp.rename(directory)
+
+
 def synced(directory: Path) -> None:
     """Every file and directory under ``directory``, and itself, on disk: renamed into place
     after this, a checkpoint is whole after a power cut too, not only after a killed process
@@ -156,33 +170,30 @@ def save(
     """Writes the checkpoint of the moment between step ``step - 1`` and ``step``; with a
     ``critic``, its state as of the rows kept (no critic update between the two)."""
     final = checkpoints_dir(run_dir) / f"step-{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    engine.save(tmp / "trainer")
-    with critic.lock if critic is not None else nullcontext():
-        if critic is not None:
-            critic.engine.save(tmp / "critic")
-        with state.snapshot_lock:
-            table, count = _in_flight(store)
-            cursor = state.issued_groups
-            counts = state.counts()
-    pq.write_table(table, tmp / "rows.parquet")
-    schemas = {
-        name: store.schema(name)[0] for name in table.column_names if not name.startswith("__")
-    }
-    info = {
-        "step": step,
-        "issued_groups": cursor,
-        "rows": count,
-        "dtypes": schemas,
-        "counts": counts,
-        **figures,
-    }
-    (tmp / "state.json").write_text(json.dumps(info, indent=1) + "\n")
-    synced(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    with made_whole(final) as tmp:
+        tmp.mkdir(parents=True)
+        engine.save(tmp / "trainer")
+        with critic.lock if critic is not None else nullcontext():
+            if critic is not None:
+                critic.engine.save(tmp / "critic")
+            with state.snapshot_lock:
+                table, count = _in_flight(store)
+                cursor = state.issued_groups
+                counts = state.counts()
+        pq.write_table(table, tmp / "rows.parquet")
+        schemas = {
+            name: store.schema(name)[0] for name in table.column_names if not name.startswith("__")
+        }
+        info = {
+            "step": step,
+            "issued_groups": cursor,
+            "rows": count,
+            "dtypes": schemas,
+            "counts": counts,
+            **figures,
+        }
+        (tmp / "state.json").write_text(json.dumps(info, indent=1) + "\n")
+        synced(tmp)
     synced_entry(final.parent)
     for old in saved(run_dir)[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)

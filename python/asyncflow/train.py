@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,17 +187,6 @@ def _changes(was: Any, will: Any, key: str) -> Iterator[tuple[str, Any, Any]]:
         yield key, was, will
 
 
-def made_whole(directory: Path, make: Callable[[Path], object]) -> None:
-    """Has ``make`` write ``directory`` under a temporary name, renamed when complete: a run
-    killed while a model is written leaves nothing there that a rerun or resume would take for
-    a whole one (``config.json`` is written before the weights)."""
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    make(tmp)
-    shutil.rmtree(directory, ignore_errors=True)  # one cut short before this rule
-    tmp.rename(directory)
-
-
 def prompt_budget(config: Config, model_dir: Path) -> int:
     """What the tightest bound on a sample leaves for the prompt once a response is added: the
     model's positions, ``rollout.max_model_len`` and the trainer's micro-batch
@@ -297,7 +285,8 @@ class Run:
         base = self.run_dir / "model-init"
         if not (base / "config.json").exists():
             self.reporter.line(f"creating the built-in tiny Qwen2 model in {base}")
-            made_whole(base, lambda into: create_tiny_model(c.model, into, c.run.seed))
+            with checkpoint.made_whole(base) as into:
+                create_tiny_model(c.model, into, c.run.seed)
         return base
 
     def load_task(self, base: Path) -> tuple[Task, PromptEncoder]:
@@ -322,12 +311,12 @@ class Run:
         if (warm / "config.json").exists():
             return warm
         since = time.monotonic()
-        with self.reporter.task("warm start", c.warm_start.steps) as advance:
-            made_whole(
-                warm,
-                lambda into: warm_start(
-                    c, task, prompts, base, into, lambda s, loss: advance(s, f"loss {loss:.3f}")
-                ),
+        with (
+            self.reporter.task("warm start", c.warm_start.steps) as advance,
+            checkpoint.made_whole(warm) as into,
+        ):
+            warm_start(
+                c, task, prompts, base, into, lambda step, loss: advance(step, f"loss {loss:.3f}")
             )
         self.phases.timed("warm_start", since)
         return warm

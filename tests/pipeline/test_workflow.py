@@ -22,13 +22,14 @@ import torch
 
 from asyncflow import config as cfg
 from asyncflow import weights
+from asyncflow.checkpoint import made_whole
 from asyncflow.daemon import DaemonProcess
 from asyncflow.engines import register_rollout_engine
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.progress import Reporter
 from asyncflow.scheduler import Rerouted, Router
 from asyncflow.telemetry.metrics import MetricsLog
-from asyncflow.train import made_whole, train
+from asyncflow.train import train
 from asyncflow.weight_sync import broadcast
 from asyncflow.weight_sync.layout import Layout
 from asyncflow.workers import routing
@@ -270,15 +271,17 @@ def test_a_model_directory_is_made_whole_or_not_at_all(tmp_path: Path) -> None:
     """A run killed while it writes its built-in model or warm start (``config.json`` comes
     before the weights) left a directory every rerun took for a whole model."""
 
-    def cut_short(into: Path) -> None:
-        into.mkdir()
-        (into / "config.json").write_text("{}")
-        raise KeyboardInterrupt
+    def cut_short() -> None:
+        with made_whole(tmp_path / "warm_start") as into:
+            into.mkdir()
+            (into / "config.json").write_text("{}")
+            raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        made_whole(tmp_path / "warm_start", cut_short)
+        cut_short()
     assert not (tmp_path / "warm_start").exists()
-    made_whole(tmp_path / "warm_start", lambda into: into.mkdir())
+    with made_whole(tmp_path / "warm_start") as into:
+        into.mkdir()
     assert (tmp_path / "warm_start").is_dir()
     assert not (tmp_path / "warm_start.tmp").exists()
 

@@ -71,23 +71,19 @@ class PartialRollout(Rollout):
         try:
             super().run()
         finally:
-            # A run that stops hands its unfinished groups back, as a failed step does: their
-            # leases were renewed for as long as the process lived, its engine decoding on.
+            # Stopped or failed, the worker hands its unfinished groups back: their leases were
+            # otherwise renewed for as long as the process lived, its engine decoding on.
             self.release_in_flight()
 
     def step(self) -> bool:
-        try:
-            self._cut_rerouted()
-            self._update_weights()
-            self._admit()
-            if self.engine.in_flight():
-                with self.busy(f"decode v{self.engine.version}"):
-                    finished = self.engine.step()
-                for request in finished:
-                    self._finish(request)
-        except BaseException:
-            self.release_in_flight()
-            raise
+        self._cut_rerouted()
+        self._update_weights()
+        self._admit()
+        if self.engine.in_flight():
+            with self.busy(f"decode v{self.engine.version}"):
+                finished = self.engine.step()
+            for request in finished:
+                self._finish(request)
         return True
 
     def note_progress(self, progressed: bool, waiting_for: str) -> None:
