@@ -8,11 +8,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
+from asyncflow import config as cfg
+from asyncflow.engines.deepspeed import DeepSpeedTrainEngine
 from asyncflow.engines.errors import EngineDiedError
-from rank_groups import Setting, check_initial_weights, check_one_step, rank_config, rank_group
+from asyncflow.engines.hf import HFTrainEngine
+from asyncflow.models.chatml import chatml_tokenizer
+from asyncflow.models.tiny import create_tiny_model
+from asyncflow.workers.steps import StepLoss
+from rank_groups import (
+    Setting,
+    check_initial_weights,
+    check_one_step,
+    rank_config,
+    rank_group,
+    samples,
+)
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -39,6 +54,25 @@ def test_the_ranks_meet_and_listen_on_loopback_only(
     _, group, _ = setting
     next(group.export_weights())  # once every rank has started
     assert listeners_off_loopback() == []
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_one_rank_reports_the_gradient_norm_it_clipped_at_stage(stage: int, tmp_path: Path) -> None:
+    """ZeRO-0 clips with a plain optimiser, whose norm DeepSpeed does not keep: it read NaN."""
+    config = cfg.load(None, ["model.hidden_size=64", f"trainer.zero_stage={stage}"])
+    model_dir = create_tiny_model(config.model, tmp_path / "model", seed=3)
+    loss = StepLoss(config, chatml_tokenizer().pad_id)
+    batch = loss.batch(samples(0))
+    reference = HFTrainEngine(model_dir, config)
+    reference.forward_backward(batch, loss)
+    expected = reference.optimizer_step()["grad_norm"]
+    engine = DeepSpeedTrainEngine(model_dir, config)
+    try:
+        engine.forward_backward(batch, loss)
+        assert engine.optimizer_step()["grad_norm"] == pytest.approx(expected, rel=1e-4)
+    finally:
+        engine.close()
+        torch.distributed.destroy_process_group()
 
 
 def test_a_rank_that_dies_is_an_error_naming_it_not_a_hang(

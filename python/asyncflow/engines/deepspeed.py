@@ -54,6 +54,21 @@ def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
     }
 
 
+def _keep_clipped_norm(engine: Any) -> None:
+    """ZeRO-0 in fp32 clips with a plain optimiser and drops the norm it computed, so
+    ``get_global_grad_norm()`` would stay ``None``; keep it where that call reads it."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        engine._global_grad_norm = clip_grad_norm_(
+            parameters=engine.module.parameters(),
+            max_norm=engine.gradient_clipping(),
+            mpu=engine.mpu,
+        )
+
+    engine.clip_fp32_gradients = clip
+
+
 class DeepSpeedTrainEngine(TrainEngine):
     """One data-parallel rank. Every method that touches parameters is collective under ZeRO-3:
     all ranks call it, in the same order."""
@@ -100,6 +115,8 @@ class DeepSpeedTrainEngine(TrainEngine):
                 f"{type(e).__name__}: {e}"
             ) from e
         self.zero_stage = config.trainer.zero_stage
+        if self.zero_stage == 0 and config.model.dtype != "bfloat16":
+            _keep_clipped_norm(self.engine)
 
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         out = self.engine(**batch.model_inputs())

@@ -155,6 +155,8 @@ def init_process_group(rendezvous: Rendezvous | None, timeout: float) -> None:
             deepspeed.init_distributed(dist_backend=dist.get_backend())
             return
         rendezvous = group_of_one()
+    # DeepSpeed keeps the world group it first saw; one destroyed since would be used again.
+    deepspeed.utils.groups._WORLD_GROUP = None
     _skip_inference_comm_op()
     # DeepSpeed adopts the group made here, on the store made here.
     backend = join_group(rendezvous, timeout)
