@@ -115,8 +115,10 @@ def warm_starts(config: Config) -> bool:
 #: checkpoint's cursor and in-flight rows count in them) and which model the weights fit.
 #: ``trainer.ppo_epochs``: the learning-rate schedule counts optimiser steps, that many a step.
 #: ``warm_start``: a run stopped before its first checkpoint resumes from its warm start.
+#: ``trainer.engine``: each engine reads only the checkpoints it writes.
 RESUME_FIXED = (
     "run.seed",
+    "trainer.engine",
     "rollout.n",
     "trainer.groups_per_step",
     "trainer.ppo_epochs",

@@ -252,6 +252,7 @@ def test_a_fresh_run_in_a_directory_that_holds_a_run_is_refused(tmp_path: Path) 
         "data.digits=3",
         "trainer.ppo_epochs=2",  # the schedule counts optimiser steps: it would jump
         "warm_start.steps=7",  # the warm start made is kept
+        "trainer.engine=hf",  # it failed only once the engine had started, reading its state
     ],
 )
 def test_a_resume_that_changes_what_the_checkpoint_means_is_refused(
