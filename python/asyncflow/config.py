@@ -434,15 +434,17 @@ class WeightsConfig:
 @dataclass
 class SandboxConfig:
     """Limits of the sandboxed processes the ``python`` tool (and a calculator in a subprocess)
-    runs: CPU seconds, address space, wall-clock seconds (then its process group is killed),
-    bytes of output kept, and processes at once (as root, where the child runs under a user id of
-    its own)."""
+    runs: CPU seconds, address space of each process (a run may hold ``processes`` times
+    ``memory``), wall-clock seconds (then its process group is killed), bytes of output kept,
+    processes at once, and bytes of files in its working directory, a tmpfs held in memory (the
+    last two as root, where the child runs under a user id of its own)."""
 
     cpu_seconds: int = 5
     memory: str = "512MiB"
     wall_seconds: float = 10.0
     output_bytes: int = 16384
     processes: int = 8
+    disk: str = "64MiB"
 
 
 @dataclass
@@ -466,6 +468,9 @@ class AgentConfig:
     #: A registered environment (``tools``: the model's tool calls answered by ``tools``).
     environment: str = "tools"
     tools: list[str] = field(default_factory=lambda: ["calculator"])
+    #: Give the tools' schemas to the chat template, which describes them in the prompt (as
+    #: Qwen's does); the built-in model's template ignores them.
+    tools_in_prompt: bool = True
     #: How tool calls are read from the model's text (``hermes``:
     #: ``<tool_call>{json}</tool_call>``).
     parser: str = "hermes"
@@ -970,16 +975,26 @@ def _validate_agent(c: Config) -> None:
         "{observation}" in a.observation_template,
         "agent.observation_template must contain {observation}",
     )
+    try:  # as the agent loop reads it: the text on each side of the observation
+        for side in a.observation_template.split("{observation}", 1):
+            side.format()
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(
+            f"agent.observation_template: {e!r} in {a.observation_template!r}; it holds "
+            "{observation} once, and any other brace doubled ({{ or }})"
+        ) from None
     _require(a.latency.median >= 0 and a.latency.sigma >= 0, "agent.latency cannot be negative")
     s = a.sandbox
     _require(
         min(s.cpu_seconds, s.wall_seconds, s.output_bytes, s.processes) > 0,
         "agent.sandbox limits must be positive",
     )
-    try:
-        _require((parse_size(s.memory) or 0) > 0, "agent.sandbox.memory must be a positive size")
-    except ValueError as e:
-        raise ConfigError(f"agent.sandbox.memory: {e}") from None
+    for key in ("memory", "disk"):
+        try:
+            size = parse_size(getattr(s, key)) or 0
+        except ValueError as e:
+            raise ConfigError(f"agent.sandbox.{key}: {e}") from None
+        _require(size > 0, f"agent.sandbox.{key} must be a positive size")
     _require(c.launcher == "local", "agent.enabled runs with launcher local only (for now)")
     _require(
         c.rollout.partial == "off",

@@ -25,6 +25,7 @@ import torch
 from asyncflow import checkpoint, weights
 from asyncflow.agents.evaluation import agent_totals, agent_view
 from asyncflow.agents.loop import check_names
+from asyncflow.agents.tools import prompt_tools
 from asyncflow.config import Config
 from asyncflow.config import load as load_config
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
@@ -295,7 +296,9 @@ class Run:
         """The task, every prompt checked against the model's tokenizer."""
         c = self.config
         resolve_reward(c.reward.fn, bool(c.data.extra_keys))  # refused now, not mid-run
-        prompts = PromptEncoder.for_data(load_tokenizer(base), c.data, prompt_budget(c, base))
+        prompts = PromptEncoder.for_data(
+            load_tokenizer(base), c.data, prompt_budget(c, base), prompt_tools(c)
+        )
         task = load_task(c.data, prompts)
         self.too_long = dict(getattr(task, "too_long", {}))
         if any(self.too_long.values()):

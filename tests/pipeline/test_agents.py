@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import copy
 import json
 import math
 import os
@@ -20,21 +21,29 @@ import torch
 
 import asyncflow as af
 from asyncflow import checkpoint
-from asyncflow.agents import calculator
+from asyncflow.agents import calculator, sandbox
 from asyncflow.agents import rollout as agent_rollout
 from asyncflow.agents.calculator import CalculatorError, evaluate
 from asyncflow.agents.env import Latency, Step, ToolEnvironment, register_environment
-from asyncflow.agents.loop import AgentLoop
+from asyncflow.agents.loop import AgentLoop, check_names
 from asyncflow.agents.parser import CallError, HermesParser, ToolCall, format_call
 from asyncflow.agents.rollout import AgentRollout
-from asyncflow.agents.tools import Tool, ToolError, calculator_tool, check_arguments, python_tool
+from asyncflow.agents.sandbox import SandboxLimits, SandboxResult
+from asyncflow.agents.tools import (
+    Tool,
+    ToolError,
+    calculator_tool,
+    check_arguments,
+    prompt_tools,
+    python_tool,
+)
 from asyncflow.agents.trajectory import TrajectoryCompletion
 from asyncflow.config import AgentConfig, Config, ConfigError, LatencyConfig, load
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling, StepResult
 from asyncflow.engines.errors import EngineError
 from asyncflow.evaluation import verifier
 from asyncflow.models.chatml import chatml_tokenizer, save_chatml_tokenizer
-from asyncflow.models.tokenizer import load_tokenizer
+from asyncflow.models.tokenizer import HFTokenizer, load_tokenizer
 from asyncflow.tasks.base import Problem
 from asyncflow.tasks.multiply_tools import MultiplyToolsTask
 from asyncflow.tasks.prompts import PromptEncoder
@@ -50,6 +59,13 @@ TOKENIZER = chatml_tokenizer()
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
+
+
+def load_tokenizer_with_template(template: str) -> HFTokenizer:
+    """The built-in tokenizer with another chat template."""
+    fast = copy.deepcopy(TOKENIZER._tok)
+    fast.chat_template = template
+    return HFTokenizer(fast, "chatml, another template")
 
 
 # -- the loss mask ---------------------------------------------------------------------------
@@ -139,9 +155,16 @@ def test_hermes_calls_are_read_with_the_text_around_them() -> None:
     assert turn.content == "let me see"
 
 
-def test_a_written_call_reads_back_as_itself() -> None:
-    call = ToolCall("python", {"code": "print('<tool_call>')"})
-    assert HermesParser().parse(format_call(call)).calls == [call]
+@pytest.mark.parametrize("code", ["print('<tool_call>')", "print('</tool_call>')"])
+def test_a_written_call_reads_back_as_itself(code: str) -> None:
+    call = ToolCall("python", {"code": code})
+    turn = HermesParser().parse(f"a {format_call(call)} b")
+    assert turn.calls == [call] and turn.content == "a  b"
+
+
+def test_a_call_with_null_arguments_takes_none() -> None:
+    turn = HermesParser().parse('<tool_call> {"name": "now", "arguments": null}\n</tool_call>')
+    assert turn.calls == [ToolCall("now", {})]
 
 
 @pytest.mark.parametrize(
@@ -288,6 +311,40 @@ def test_python_that_breaks_a_limit_is_an_error_observation(code: str, says: str
     assert len(step.observation) < 1500  # the output budget, plus the framing
     if "truncated" not in says:
         assert step.errors == {"tool_error": 1}
+
+
+def test_a_plain_function_tool_answers_from_a_thread_of_its_own() -> None:
+    caller = threading.get_ident()
+
+    def lookup() -> str:
+        return "main thread" if threading.get_ident() == caller else "own thread"
+
+    step = run(_env(lookup=lookup).step(_call("lookup")))  # type: ignore[arg-type]
+    assert step.errors == {} and step.observation == "<tool_response>\nown thread\n</tool_response>"
+
+
+def test_the_wait_for_a_sandbox_slot_is_not_the_tools_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst of calls queues for the sandbox's slots; a call's timeout counts only its own run
+    (the slot is held here for longer than the timeout, and the run itself is instant)."""
+    finished = []
+
+    async def instant(code: str, limits: SandboxLimits) -> SandboxResult:
+        finished.append(code)
+        return SandboxResult(code, 0, False, 0, 0.0, True, True, True, True)
+
+    monkeypatch.setattr(sandbox, "_run", instant)
+
+    async def burst() -> Step:
+        slots = sandbox._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(1))
+        await slots.acquire()  # the only slot taken, as by another call's process
+        asyncio.get_running_loop().call_later(0.6, slots.release)
+        return await _env(timeout=0.2).step(_call("python", code="ran"))
+
+    step = run(burst())
+    assert step.errors == {}, step.observation
+    assert finished == ["ran"] and "ran" in step.observation
 
 
 def test_a_turn_without_calls_ends_the_trajectory() -> None:
@@ -983,6 +1040,56 @@ def test_environments_that_hang_starve_neither_the_engine_nor_the_run_end() -> N
     trajectories = [group[0] for group in done[0]]
     assert [t.errors["env_timeout"] for t in trajectories] == [k % 2 for k in range(2 * hanging)]
     assert [t.env_reward for t in trajectories] == [1 - k % 2 for k in range(2 * hanging)]
+
+
+def test_the_environment_reads_a_turn_with_its_special_tokens() -> None:
+    """A call format may be marked by a special token; the verifier reads the turn without."""
+    seen: list[str] = []
+
+    class Recording(_ForgingEnv):
+        def step(self, action: str) -> Step:
+            seen.append(action)
+            return Step("", 0.0, True)
+
+    register_environment("recording-specials", lambda config, tools: Recording())
+    loop = AgentLoop(AgentConfig(enabled=True, environment="recording-specials"), TOKENIZER)
+    engine = ScriptedEngine(lambda context, turn: "a<|im_start|>b")
+    ((t,),) = loop.run(engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=1))
+    assert seen == ["a<|im_start|>b"] and t.final_text == "ab"
+
+
+def test_an_environment_its_factory_cannot_make_is_refused_before_the_run() -> None:
+    class NeedsNothing:  # registered as the factory itself: called with (config, tools)
+        def __init__(self) -> None:
+            pass
+
+    register_environment("needs-nothing", NeedsNothing)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"'needs-nothing': its factory.*TypeError"):
+        check_names(AgentConfig(enabled=True, environment="needs-nothing"))
+
+
+@pytest.mark.parametrize("template", ["<{x}>{observation}", "{observation}|{observation}"])
+def test_an_observation_template_the_loop_cannot_fill_is_refused(template: str) -> None:
+    with pytest.raises(ConfigError, match=r"observation_template.*doubled"):
+        load(None, ["agent.enabled=true", f"agent.observation_template={template}"])
+    load(None, ["agent.enabled=true", "agent.observation_template={{x}}{observation}"])
+
+
+def test_the_tools_are_described_to_a_chat_template_that_reads_them() -> None:
+    config = load("examples/tools.yaml", [])
+    schemas = prompt_tools(config)
+    assert schemas == [calculator_tool().schema()]
+    reading = load_tokenizer_with_template(
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    encode = PromptEncoder.for_data(reading, config.data, None, schemas).encode
+    assert reading.text(encode("2*3=")) == "[calculator]2*3="
+    # The built-in template ignores them: the prompts the warm start taught are unchanged.
+    builtin = PromptEncoder.for_data(TOKENIZER, config.data, None, schemas).encode("2*3=")
+    assert builtin == PromptEncoder.for_data(TOKENIZER, config.data, None).encode("2*3=")
+    config.agent.tools_in_prompt = False
+    assert prompt_tools(config) is None
 
 
 def test_an_unknown_environment_or_tool_is_a_config_error() -> None:

@@ -5,6 +5,7 @@ that the file runs in seconds."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import os
@@ -174,6 +175,23 @@ def test_as_root_the_working_directory_is_the_codes_user_id_alone() -> None:
         "import os\nst = os.stat('.')\nprint(oct(st.st_mode & 0o777), st.st_uid == os.getuid())"
     )
     assert result.ok and result.output == "0o700 True\n", result.output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the working directory is a tmpfs as root")
+def test_files_the_code_writes_are_capped_all_together() -> None:
+    """However many files: each under the file-size limit, they filled the host's disk."""
+    code = (
+        "n = 0\n"
+        "try:\n"
+        "    while n < 100:\n"
+        "        open(f'f{n}', 'wb').write(b'x' * 500_000)\n"
+        "        n += 1\n"
+        "except OSError as e:\n"
+        "    print(n, e.errno)\n"
+    )
+    result = sandboxed(code, dataclasses.replace(LIMITS, disk_bytes=2 * 2**20))
+    assert result.disk_limited
+    assert result.ok and result.output == f"4 {errno.ENOSPC}\n", result.output
 
 
 def test_there_is_no_network() -> None:

@@ -33,6 +33,9 @@ CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 0x1000, 0x4000, 0x40000
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
+#: Files and directories the code may make in its working directory (as root, where it is a
+#: tmpfs of its own).
+DISK_INODES = 8192
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 #: As root, the code runs as ``UID_BASE`` plus the launcher's PID: a user id of its own among the
@@ -100,19 +103,25 @@ def set_read_only(path: bytes, read_only: bool, flags: int = 0) -> bool:
     )
 
 
-def mount_namespace() -> bool:
+def mount_namespace(disk: int) -> tuple[bool, bool]:
     """Inside the new mount namespace: its mounts made private first (else a mount here could
     reach the host's through shared propagation), then a ``/proc`` of the new PID namespace, then
-    every mount read-only but the working directory (bound onto itself first, so that it is a
-    mount of its own). Whether the files outside the working directory were made read-only."""
+    a mount of its own over the working directory, then every mount read-only but that one. As
+    root the working directory becomes a tmpfs of ``disk`` bytes (the code's files count against
+    it, however many); without root it is bound onto itself (a tmpfs made in a user namespace
+    that maps no user id takes no new file). Whether the files outside the working directory
+    were made read-only, and whether the working directory's size is capped."""
     if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return False
+        return False, False
     libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     here = os.getcwdb()  # noqa: PTH109 (bytes for libc; no pathlib import in the launcher)
-    if libc.mount(here, here, None, MS_BIND, None) != 0:
-        return False
+    options = f"size={disk},nr_inodes={DISK_INODES},mode=0777".encode()
+    tmpfs = MS_NOSUID | MS_NODEV
+    capped = os.geteuid() == 0 and libc.mount(b"tmpfs", here, b"tmpfs", tmpfs, options) == 0
+    if not capped and libc.mount(here, here, None, MS_BIND, None) != 0:
+        return False, False
     os.chdir(here)  # the working directory held the mount beneath the new one
-    return set_read_only(b"/", True, AT_RECURSIVE) and set_read_only(here, False)
+    return set_read_only(b"/", True, AT_RECURSIVE) and set_read_only(here, False), capped
 
 
 class CapHeader(ctypes.Structure):
@@ -231,11 +240,12 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
 def init(code: str, settings: dict[str, int], isolated: str, report: int) -> None:
     """PID 1 of the sandbox (or a plain child where no PID namespace could be made)."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the launcher killed: so is the sandbox
-    files = os.getpid() == 1 and mount_namespace()
+    files, disk = mount_namespace(int(settings["disk"])) if os.getpid() == 1 else (False, False)
     child = os.fork()
     if child == 0:
         os.close(report)
-        os._exit(run_code(code, settings, f"sandbox:{isolated},fs={int(files)}\n"))
+        header = f"sandbox:{isolated},fs={int(files)},disk={int(disk)}\n"
+        os._exit(run_code(code, settings, header))
     while True:  # reap orphans too, until the code itself ends
         pid, status = os.waitpid(-1, 0)
         if pid == child:

@@ -1,6 +1,6 @@
 """Environments: what answers the model's turns. ``reset(problem)`` gives the first observation
 (text appended after the prompt; empty for none), ``step(action)`` takes the model's turn text
-and gives ``(observation, reward, done)``. Either may be ``async def`` (awaited) or plain
+(its special tokens kept, up to the end token) and gives ``(observation, reward, done)``. Either may be ``async def`` (awaited) or plain
 (run in a thread, so a slow one never blocks the other trajectories).
 
 Environments are found by name, like engines: built-ins, :func:`register_environment`, or the
@@ -26,7 +26,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from asyncflow.agents import calls
 from asyncflow.agents.parser import CallError, ToolCall, create_parser
+from asyncflow.agents.sandbox import tool_deadline
 from asyncflow.agents.tools import Tool, ToolError, check_arguments
 from asyncflow.errors import ConfigError
 from asyncflow.tasks.base import Problem
@@ -136,10 +138,11 @@ class ToolEnvironment:
             return f"error: {call.name}: {problem}", "bad_arguments"
         delay = self.latency.draw()
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout) as deadline:
+                tool_deadline.set(deadline)  # this call's task's own context
                 if delay:
                     await asyncio.sleep(delay)
-                return str(await tool.fn(**call.arguments)), None
+                return str(await calls.call(tool.fn, **call.arguments)), None
         except TimeoutError:
             return f"error: {call.name} did not answer within {self.timeout:g} s", "tool_timeout"
         except ToolError as e:

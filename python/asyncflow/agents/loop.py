@@ -16,8 +16,6 @@ killed; it is left to finish).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import logging
 import math
 import threading
@@ -27,12 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from asyncflow.agents.calls import call, in_thread
 from asyncflow.agents.env import Environment, Step, cancelled_by_caller, environment_factory
 from asyncflow.agents.parser import create_parser
 from asyncflow.agents.tools import Tool, create_tool
 from asyncflow.agents.trajectory import Trajectory
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.errors import EngineError
+from asyncflow.errors import ConfigError
 from asyncflow.models.tokenizer import Tokenizer
 from asyncflow.tasks.base import Problem
 
@@ -119,44 +119,6 @@ class TurnBatcher:
                     future.set_result((turn, version))
 
 
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, awaited if it is a coroutine function; a plain one runs in a thread."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    result = await in_thread(fn, *args)
-    return await result if inspect.isawaitable(result) else result
-
-
-async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a daemon thread of its own. Unlike ``asyncio.to_thread`` it takes no
-    thread of the loop's shared pool, and the loop's end does not wait for it: a call that hangs,
-    given up by its caller's timeout, costs one idle thread and nothing else."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # given up already
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def work() -> None:
-        error: BaseException | None
-        try:
-            result, error = fn(*args), None
-        except StopIteration as e:  # a future refuses it (PEP 479): it would never settle
-            result, error = None, RuntimeError(f"raised StopIteration: {e}")
-        except BaseException as e:
-            result, error = None, e
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=work, name="agent-call", daemon=True).start()
-    return await future
-
-
 #: Seconds between looks at the run's stop event while trajectories are under way.
 STOP_POLL = 0.1
 
@@ -187,11 +149,18 @@ def _as_step(result: Any) -> Step:
 
 def check_names(config: AgentConfig) -> None:
     """Raises ``ConfigError`` naming an environment, tool-call parser or tool that is not
-    registered (checked when a run starts, before any worker)."""
-    environment_factory(config.environment)
+    registered, or an environment its factory fails to make (checked when a run starts, before
+    any worker: else every trajectory would end in the error, and every group be left out)."""
+    make_env = environment_factory(config.environment)
     create_parser(config.parser)
-    for name in config.tools:
-        create_tool(name, config)
+    tools = {name: create_tool(name, config) for name in config.tools}
+    try:
+        make_env(config, tools)
+    except Exception as e:
+        raise ConfigError(
+            f"agent.environment {config.environment!r}: its factory, called as "
+            f"factory(agent_config, tools), failed: {type(e).__name__}: {e}"
+        ) from e
 
 
 class AgentLoop:
@@ -333,7 +302,10 @@ class AgentLoop:
             if last and self.config.reward == "verifier":
                 # Nothing the environment answers would be read or counted: no tool runs.
                 return self._finish(t, "turns")
-            ok, result = await self._env_call(t, env.step, t.final_text)
+            # The environment reads the turn with its special tokens (a call may be marked by
+            # one, as Mistral's and Llama 3.1's are); the verifier reads it without.
+            action = self.tokenizer.decode(ids, special=True)
+            ok, result = await self._env_call(t, env.step, action)
             if not ok:
                 return self._finish(t, "error")
             try:
@@ -359,7 +331,7 @@ class AgentLoop:
     ) -> tuple[bool, Any]:
         """``fn(*args)`` of the environment, bounded in time; a failure is counted in ``t``."""
         try:
-            return True, await asyncio.wait_for(_call(fn, *args), self.config.tool_timeout * 2)
+            return True, await asyncio.wait_for(call(fn, *args), self.config.tool_timeout * 2)
         except TimeoutError:
             t.errors["env_timeout"] += 1
         except asyncio.CancelledError as e:

@@ -47,25 +47,40 @@ class ToolCallParser(Protocol):
 
 
 class HermesParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number per turn."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number per turn. A
+    block's JSON is read first, so a string in it may hold the closing tag; a block whose JSON
+    cannot be read ends at the next closing tag."""
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
 
-    def __init__(self) -> None:
-        self._block = re.compile(
-            re.escape(self.open_tag) + r"(.*?)" + re.escape(self.close_tag), re.DOTALL
-        )
-
     def parse(self, text: str) -> ParsedTurn:
-        calls: list[ToolCall | CallError] = [
-            self._call(m.group(1)) for m in self._block.finditer(text)
-        ]
-        content = self._block.sub("", text)
-        if self.open_tag in content:  # opened, never closed
-            calls.append(CallError("bad_format", f"{self.open_tag} without {self.close_tag}"))
-            content = content[: content.index(self.open_tag)]
-        return ParsedTurn(content.strip(), calls)
+        calls: list[ToolCall | CallError] = []
+        content: list[str] = []
+        pos = 0
+        while (start := text.find(self.open_tag, pos)) >= 0:
+            content.append(text[pos:start])
+            body = start + len(self.open_tag)
+            end = self._json_end(text, body)
+            if end < 0:
+                end = text.find(self.close_tag, body)
+            if end < 0:  # opened, never closed
+                calls.append(CallError("bad_format", f"{self.open_tag} without {self.close_tag}"))
+                pos = len(text)
+                break
+            calls.append(self._call(text[body:end]))
+            pos = end + len(self.close_tag)
+        content.append(text[pos:])
+        return ParsedTurn("".join(content).strip(), calls)
+
+    def _json_end(self, text: str, at: int) -> int:
+        """Where the closing tag starts if one JSON value and whitespace lie before it, else -1."""
+        try:
+            _, end = _DECODER.raw_decode(text, _skip_space(text, at))
+        except (ValueError, RecursionError):
+            return -1
+        end = _skip_space(text, end)
+        return end if text.startswith(self.close_tag, end) else -1
 
     @staticmethod
     def _call(body: str) -> ToolCall | CallError:
@@ -77,7 +92,9 @@ class HermesParser:
             return CallError("bad_json", f"the tool call is not JSON this parser reads: {e}"[:200])
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return CallError("bad_format", 'a tool call is an object with a string "name"')
-        arguments = obj.get("arguments", {})
+        arguments = obj.get("arguments")
+        if arguments is None:  # absent or null: a tool that takes none
+            arguments = {}
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
@@ -86,6 +103,16 @@ class HermesParser:
         if not isinstance(arguments, dict):
             return CallError("bad_arguments", '"arguments" must be an object')
         return ToolCall(obj["name"], arguments)
+
+
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _skip_space(text: str, at: int) -> int:
+    match = _SPACE.match(text, at)
+    assert match is not None  # it matches the empty string
+    return match.end()
 
 
 def format_call(call: ToolCall) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
 import re
@@ -26,11 +27,14 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 CHILD = Path(__file__).with_name("_sandbox_child.py")
-HEADER = re.compile(rb"sandbox:net=(?P<net>[01]),pid=(?P<pid>[01]),fs=(?P<fs>[01])")
+HEADER = re.compile(
+    rb"sandbox:net=(?P<net>[01]),pid=(?P<pid>[01]),fs=(?P<fs>[01]),disk=(?P<disk>[01])"
+)
 #: Seconds between looks at whether the child has exited.
 POLL = 0.005
 
@@ -46,6 +50,8 @@ class SandboxLimits:
     processes: int = 8
     #: Largest file the child may write.
     file_bytes: int = 1024 * 1024
+    #: Bytes of files in its working directory, all together (applied when running as root).
+    disk_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass
@@ -64,6 +70,8 @@ class SandboxResult:
     processes_isolated: bool
     #: Whether every file outside its working directory was read-only to the code.
     files_isolated: bool
+    #: Whether its working directory held at most ``disk_bytes`` of files.
+    disk_limited: bool
 
     @property
     def ok(self) -> bool:
@@ -99,13 +107,43 @@ _slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] 
 )
 
 
+#: The timeout of the tool call under way (the ``tools`` environment sets it): the wait for a
+#: slot is not the tool's time, so that timeout is held while it lasts and then moved on by as
+#: long. Else a burst of calls would read as tools that did not answer, the model paying for it.
+tool_deadline: contextvars.ContextVar[asyncio.Timeout | None] = contextvars.ContextVar(
+    "tool_deadline", default=None
+)
+
+
 async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Runs ``code`` under ``limits``; never raises for anything the code does. The wall-clock
     limit counts from the start of the process, not from the wait for a slot."""
     loop = asyncio.get_running_loop()
     slots = _slots.setdefault(loop, asyncio.Semaphore(MAX_CONCURRENT))
-    async with slots:
+    async with _held(tool_deadline.get(), loop):
+        await slots.acquire()
+    try:
         return await _run(code, limits)
+    finally:
+        slots.release()
+
+
+@contextlib.asynccontextmanager
+async def _held(
+    timeout: asyncio.Timeout | None, loop: asyncio.AbstractEventLoop
+) -> AsyncIterator[None]:
+    """``timeout`` (if it has a deadline) does not run inside the block."""
+    when = None if timeout is None or timeout.expired() else timeout.when()
+    if when is None:
+        yield
+        return
+    assert timeout is not None
+    began = loop.time()
+    timeout.reschedule(None)
+    try:
+        yield
+    finally:
+        timeout.reschedule(when + loop.time() - began)
 
 
 async def _start(workdir: str, settings: dict[str, int]) -> asyncio.subprocess.Process:
@@ -133,6 +171,7 @@ async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
         "memory": limits.memory_bytes,
         "processes": limits.processes,
         "file": limits.file_bytes,
+        "disk": limits.disk_bytes,
     }
     started = time.monotonic()
     try:
@@ -182,4 +221,5 @@ async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
         bool(made and made["net"] == b"1"),
         bool(made and made["pid"] == b"1"),
         bool(made and made["fs"] == b"1"),
+        bool(made and made["disk"] == b"1"),
     )

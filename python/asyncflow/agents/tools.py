@@ -20,7 +20,7 @@ from asyncflow.errors import ConfigError
 from asyncflow.units import parse_size
 
 if TYPE_CHECKING:
-    from asyncflow.config import AgentConfig
+    from asyncflow.config import AgentConfig, Config
 
 ENTRY_POINTS = "asyncflow.tools"
 
@@ -35,8 +35,9 @@ class Tool:
     description: str
     #: JSON schema of the arguments (an object schema).
     parameters: Mapping[str, Any]
-    #: ``await fn(**arguments)`` -> the text the model reads back.
-    fn: Callable[..., Awaitable[str]] = field(compare=False)
+    #: ``fn(**arguments)`` -> the text the model reads back: an ``async def`` function, or a
+    #: plain one (run in a thread of its own, so it blocks no other trajectory).
+    fn: Callable[..., Awaitable[str] | str] = field(compare=False)
 
     def schema(self) -> dict[str, Any]:
         """The tool as chat templates and OpenAI-style APIs describe it."""
@@ -141,6 +142,16 @@ def python_tool(config: AgentConfig | None = None) -> Tool:
     )
 
 
+def prompt_tools(config: Config) -> list[dict[str, Any]] | None:
+    """The schemas of an agent run's tools, for the chat template to describe to the model (a
+    template that ignores them, as the built-in model's does, renders the same prompt); None
+    when the run is no agent run, has no tools, or ``agent.tools_in_prompt`` is off."""
+    agent = config.agent
+    if not (agent.enabled and agent.tools_in_prompt and agent.tools):
+        return None
+    return [create_tool(name, agent).schema() for name in agent.tools]
+
+
 def sandbox_limits(config: AgentConfig | None) -> SandboxLimits:
     if config is None:
         return SandboxLimits()
@@ -151,6 +162,7 @@ def sandbox_limits(config: AgentConfig | None) -> SandboxLimits:
         wall_seconds=s.wall_seconds,
         output_bytes=s.output_bytes,
         processes=s.processes,
+        disk_bytes=int(parse_size(s.disk) or SandboxLimits.disk_bytes),
     )
 
 

@@ -15,6 +15,8 @@ from asyncflow.errors import ConfigError
 
 #: A chat: messages with a ``role`` and a ``content``.
 Messages = Sequence[Mapping[str, Any]]
+#: Tools as a chat template reads them: ``{"type": "function", "function": {...}}`` each.
+Tools = Sequence[Mapping[str, Any]]
 
 
 class Tokenizer(Protocol):
@@ -25,7 +27,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, special: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], *, special: bool = False) -> str: ...
 
     def text(self, ids: list[int]) -> str: ...
 
@@ -34,7 +36,7 @@ class Tokenizer(Protocol):
     @property
     def has_chat_template(self) -> bool: ...
 
-    def encode_chat(self, messages: Messages) -> list[int]: ...
+    def encode_chat(self, messages: Messages, tools: Tools | None = None) -> list[int]: ...
 
 
 class HFTokenizer:
@@ -86,9 +88,12 @@ class HFTokenizer:
         plain.split_special_tokens = True
         return plain
 
-    def decode(self, ids: list[int]) -> str:
-        """Text up to the first stop token, without special tokens."""
+    def decode(self, ids: list[int], *, special: bool = False) -> str:
+        """Text up to the first stop token, without special tokens; with ``special`` the others
+        are kept as their strings (a tool-call format may mark a call with one)."""
         end = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        if special:
+            return str(self._tok.decode(ids[:end], skip_special_tokens=False))
         return self.text(ids[:end])
 
     def text(self, ids: list[int]) -> str:
@@ -100,10 +105,11 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def encode_chat(self, messages: Messages) -> list[int]:
-        """The chat rendered by the tokenizer's template, with the assistant's turn opened."""
+    def encode_chat(self, messages: Messages, tools: Tools | None = None) -> list[int]:
+        """The chat rendered by the tokenizer's template, with the assistant's turn opened;
+        ``tools`` (schemas, as OpenAI-style APIs write them) for a template that describes them."""
         text = self._tok.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            [dict(m) for m in messages], tools=tools, tokenize=False, add_generation_prompt=True
         )
         return self.encode(str(text))
 

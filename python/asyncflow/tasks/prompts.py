@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncflow.config import DataConfig
 from asyncflow.errors import ConfigError
-from asyncflow.models.tokenizer import Tokenizer
+from asyncflow.models.tokenizer import Tokenizer, Tools
 from asyncflow.tasks.base import Prompt
 
 
@@ -29,16 +29,24 @@ class PromptEncoder:
     #: Longest prompt in tokens (None: no limit), and what a longer one gets.
     max_length: int | None = None
     truncation: str = "filter"
+    #: The tools the chat template describes to the model (an agent run's), or None.
+    tools: Tools | None = None
 
     @classmethod
     def for_data(
-        cls, tokenizer: Tokenizer, data: DataConfig, max_length: int | None
+        cls,
+        tokenizer: Tokenizer,
+        data: DataConfig,
+        max_length: int | None,
+        tools: Tools | None = None,
     ) -> PromptEncoder:
         if data.chat_template is True and not tokenizer.has_chat_template:
             raise ConfigError(
                 "data.chat_template: true, but the model's tokenizer has no chat template"
             )
-        return cls(tokenizer, data.chat_template, data.system_prompt, max_length, data.truncation)
+        return cls(
+            tokenizer, data.chat_template, data.system_prompt, max_length, data.truncation, tools
+        )
 
     def __post_init__(self) -> None:
         self._cache: dict[tuple[str, str], list[int]] = {}
@@ -75,7 +83,7 @@ class PromptEncoder:
             assert isinstance(prompt, str)
             return self.tokenizer.encode_prompt(prompt)
         try:
-            return self.tokenizer.encode_chat(chat)
+            return self.tokenizer.encode_chat(chat, self.tools)
         except Exception as e:  # a template is a program: any error is the data's or its own
             raise PromptError(
                 f"the chat template failed to render it: {type(e).__name__}: {e}"

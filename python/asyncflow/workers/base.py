@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asyncflow.agents.tools import prompt_tools
 from asyncflow.batch import Batch
 from asyncflow.config import Config
 from asyncflow.errors import StoreError, StoreTimeoutError
@@ -171,7 +172,7 @@ class Context:
     ) -> None:
         data = self.config.data
         self.prompts = prompt_encoder or PromptEncoder.for_data(
-            self.tokenizer, data, data.max_prompt_length
+            self.tokenizer, data, data.max_prompt_length, prompt_tools(self.config)
         )
         # A tenth of the claim wait: new weights are seen promptly, for one store read. A wait
         # for weights waits in the store, noticing the run's stop within a claim's wait.

@@ -35,7 +35,7 @@ from asyncflow.engines.base import (
     TrainBatch,
     TrainEngine,
 )
-from asyncflow.models.tokenizer import Messages
+from asyncflow.models.tokenizer import Messages, Tools
 from asyncflow.scheduler import partition
 from asyncflow.tasks.base import Problem
 
@@ -305,7 +305,7 @@ class EmulatedTokenizer:
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         return [FILLER_TOKEN + int(c) for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], *, special: bool = False) -> str:
         return ""
 
     def text(self, ids: list[int]) -> str:
@@ -314,7 +314,7 @@ class EmulatedTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
-    def encode_chat(self, messages: Messages) -> list[int]:
+    def encode_chat(self, messages: Messages, tools: Tools | None = None) -> list[int]:
         raise NotImplementedError("emulated prompts are plain text")
 
 
