@@ -1,7 +1,8 @@
 """Environments: what answers the model's turns. ``reset(problem)`` gives the first observation
 (text appended after the prompt; empty for none), ``step(action)`` takes the model's turn text
-(its special tokens kept, up to the end token) and gives ``(observation, reward, done)``. Either may be ``async def`` (awaited) or plain
-(run in a thread, so a slow one never blocks the other trajectories).
+(its special tokens kept, up to the end token) and gives ``(observation, reward, done)``.
+Either may be ``async def`` (awaited) or plain (run in a thread, so a slow one never blocks the
+other trajectories).
 
 Environments are found by name, like engines: built-ins, :func:`register_environment`, or the
 entry-point group ``asyncflow.environments``; a factory is called as ``factory(agent_config,
