@@ -185,28 +185,51 @@ impl Index {
     }
 
     /// Live rows as `Rows` changes: one per run of consecutive indexes that share a partition and
-    /// agree on whether (and with which declared size) they belong to groups.
+    /// agree on whether (and with which declared size) they belong to groups, cut where it would
+    /// pass `DUMP_BYTES`. Rows that share one set of tags (those of one put)
+    /// write it once: repeated for each, a snapshot's record outgrew what a log may hold, and
+    /// the rows restored from it each held a copy.
     fn dump_rows(&self, live: &[u64], out: &mut Vec<Change>) {
+        let meta = |i: u64| &self.rows[(i - self.base) as usize];
         let key = |i: u64| {
-            let meta = &self.rows[(i - self.base) as usize];
+            let meta = meta(i);
             let size = meta.group.map(|g| self.groups[&(meta.partition, g)].size);
             (meta.partition, meta.group.is_some(), size)
         };
         let mut at = 0;
         while at < live.len() {
             let first = live[at];
+            let first_tags = &meta(first).tags;
+            let alike = |t: &Arc<Tags>| {
+                Arc::ptr_eq(t, first_tags) || (t.is_empty() && first_tags.is_empty())
+            };
+            // The second row decides: all rows with the first's tags (written once), or each
+            // row with its own.
+            let mut shared = None;
+            let mut bytes = ROW_BYTES + tags_bytes(first_tags);
             let mut end = at + 1;
             while end < live.len() && live[end] == live[end - 1] + 1 && key(live[end]) == key(first)
             {
+                let tags = &meta(live[end]).tags;
+                let one_set = *shared.get_or_insert(alike(tags));
+                if one_set && !alike(tags) {
+                    break;
+                }
+                bytes += ROW_BYTES + if one_set { 0 } else { tags_bytes(tags) };
+                if bytes > DUMP_BYTES {
+                    break;
+                }
                 end += 1;
             }
             let run = &live[at..end];
-            let metas: Vec<_> = run.iter().map(|&i| &self.rows[(i - self.base) as usize]).collect();
+            let metas: Vec<_> = run.iter().map(|&i| meta(i)).collect();
             let (partition, grouped, size) = key(first);
-            let tags: Vec<Arc<Tags>> = if metas.iter().all(|m| m.tags.is_empty()) {
+            let tags: Vec<Arc<Tags>> = if shared == Some(false) {
+                metas.iter().map(|m| Arc::clone(&m.tags)).collect()
+            } else if first_tags.is_empty() {
                 Vec::new()
             } else {
-                metas.iter().map(|m| Arc::clone(&m.tags)).collect()
+                vec![Arc::clone(first_tags)]
             };
             out.push(Change::Rows {
                 start: first,
@@ -222,6 +245,17 @@ impl Index {
             at = end;
         }
     }
+}
+
+/// About how many bytes one dumped `Rows` change holds at most (beyond its first row): a
+/// snapshot's record must stay well under what the log's reader takes (`MAX_RECORD`, 1 GiB).
+const DUMP_BYTES: usize = 16 << 20;
+/// A row's version and group id.
+const ROW_BYTES: usize = 16;
+
+/// The bytes a set of tags takes in a record, about.
+fn tags_bytes(tags: &Tags) -> usize {
+    tags.iter().map(|(k, v)| k.len() + v.len() + 16).sum::<usize>() + 8
 }
 
 /// The metadata of an index that was never allocated (a gap left by freed rows).
