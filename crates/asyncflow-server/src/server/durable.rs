@@ -19,11 +19,18 @@ const TICK: Duration = Duration::from_millis(50);
 /// How often it considers a snapshot.
 const SNAPSHOT_CHECK: Duration = Duration::from_secs(1);
 
-/// The lease ids this run starts from: seconds since 1970 in the high bits, so ids a client
-/// kept from an earlier run of the daemon (persistent or not) never name a lease of this one.
-pub fn lease_floor() -> u64 {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    secs << 32
+/// Lease ids a run of the daemon may hand out per millisecond of its life before they reach the
+/// floor of a run started that much later (2^21: about two million).
+const LEASES_PER_MS_BITS: u32 = 21;
+
+/// The lease ids a run started at `now` starts from: milliseconds since 1970 in the high bits
+/// (room until the year 2248), so ids a client kept from an earlier run of the daemon
+/// (persistent or not), started at least a millisecond before, never name a lease of this one.
+/// Whole seconds let a daemon restarted within the second hand an old lease's id to another
+/// claim, whose rows the old holder's late ack would then have committed.
+pub fn lease_floor(now: SystemTime) -> u64 {
+    let ms = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    u64::try_from(ms).unwrap_or(u64::MAX) << LEASES_PER_MS_BITS
 }
 
 fn unfit(e: &StoreError) -> Error {
@@ -149,5 +156,20 @@ pub fn maintain(persistence: &Persistence, roles: &Roles, stop: &AtomicBool) {
     }
     if let Err(e) = persistence.flush() {
         tracing::error!(error = %e, "cannot sync the write-ahead log at stop");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_restart_a_millisecond_later_starts_above_every_id_the_last_run_could_hand_out() {
+        let start = UNIX_EPOCH + Duration::from_millis(1_795_000_000_123);
+        let restart = start + Duration::from_millis(1); // within the same second
+        assert!(lease_floor(start) + (1 << 20) < lease_floor(restart));
+        // A run of an hour that handed out a million leases a second stays below a restart.
+        let hour = Duration::from_secs(3600);
+        assert!(lease_floor(start) + 3600 * 1_000_000 < lease_floor(start + hour));
     }
 }

@@ -22,7 +22,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use asyncflow_core::{Store, StoreConfig, Wait};
 use asyncflow_proto::{Request, Role};
@@ -148,7 +148,7 @@ fn build_roles(config: &Config) -> Result<Roles> {
     };
     let store = || -> Result<Arc<Store>> {
         let store = Store::new(store_config.clone())?;
-        store.set_lease_floor(durable::lease_floor());
+        store.set_lease_floor(durable::lease_floor(SystemTime::now()));
         Ok(Arc::new(store))
     };
     Ok(match config.role {
