@@ -630,7 +630,8 @@ def train(
         if run_dir is not None and run_dir.resolve() != resume.resolve():
             raise ConfigError(f"a resumed run stays in its directory {resume}, not {run_dir}")
         check_resumable(config, resume)
-    directory = resume if resume is not None else resolve_run_dir(config, run_dir)
+    # Absolute: processes started elsewhere (a Ray cluster's actors) write into it too.
+    directory = (resume if resume is not None else resolve_run_dir(config, run_dir)).absolute()
     if resume is None:
         check_fresh(config, directory)
     return Run(

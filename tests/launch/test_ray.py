@@ -24,6 +24,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 import asyncflow as af
 from asyncflow import checkpoint
 from asyncflow import config as cfg
+from asyncflow.launch.local import WorkerError
 from asyncflow.launch.ray_cluster import RayCluster
 from asyncflow.launch.ray_join import LOOPBACK, join
 from asyncflow.launch.ray_wait import PlacementError
@@ -137,8 +138,11 @@ def test_deepspeed_ranks_train_on_a_two_node_cluster_with_the_store_on_both(
             mid_run.append(listeners_off_loopback())
 
     monkeypatch.setattr(Ledger, "write", look_after_the_first_step)
+    # A run directory relative to the job's working directory, which is not the cluster's: the
+    # actors and ranks found no model there, and would have written into their own.
+    monkeypatch.chdir(tmp_path)
     summary = run(
-        cluster, tmp_path, "trainer.max_steps=2", "trainer.engine=deepspeed", "trainer.dp_size=2"
+        cluster, Path(), "trainer.max_steps=2", "trainer.engine=deepspeed", "trainer.dp_size=2"
     )
     assert mid_run == [[]], "the run listens on loopback only (the cluster is on loopback)"
     assert summary["launcher"] == "ray"
@@ -194,14 +198,17 @@ def test_killed_worker_actors_are_restarted_and_no_group_is_lost_or_trained_twic
     assert trained_groups(tmp_path) == list(range(steps * GROUPS)), "every group trained once"
 
 
-def slow_to_restart() -> Any:
+def slow_to_restart(fails: bool = False) -> Any:
     """An actor with a worker actor's surface whose restart outlasts the run: its new life never
-    answers. (Made in a function, so that Ray sends the class itself: its workers cannot import
-    this module.)"""
+    answers; or, ``fails``, whose restart raises (as a restarted worker does that cannot reach
+    the store). (Made in a function, so that Ray sends the class itself: its workers cannot
+    import this module.)"""
 
     class SlowToRestart:
         def __init__(self) -> None:
             if ray.get_runtime_context().was_current_actor_reconstructed:
+                if fails:
+                    raise ConnectionError("cannot reach the store")
                 time.sleep(600)
             self.life = uuid.uuid4().hex
             self.stopped = threading.Event()
@@ -247,6 +254,29 @@ def test_a_restart_is_counted_when_the_run_ends_before_the_new_life_answers(
         assert supervisor.lives == {}, "no life reported to the supervisor"
         assert supervisor.restarts == {"slow": 1}
         ray.kill(actor)
+    finally:
+        ray.shutdown()
+
+
+def test_an_actor_dead_for_good_ends_the_run_with_rays_count_of_its_deaths(
+    cluster: Cluster,
+) -> None:
+    """Killed once, its restart failing: two deaths, whatever the calls made to it since (each
+    failed too, and was counted as a death of its own)."""
+    join(cluster.address, log_to_driver=False)
+    try:
+        actor = slow_to_restart(fails=True).options(max_restarts=3, max_concurrency=2).remote()
+        ray.get(actor.report.remote(), timeout=180)
+        ctx = Context(af.Store(), cfg.load(None, []), chatml_tokenizer(), Tracer(), RunState())
+        supervisor = Supervisor(ctx, {"flaky": actor})
+        ray.kill(actor, no_restart=False)
+
+        def supervise() -> None:
+            for _ in range(1000):  # each step waits up to 0.5 s on the actor
+                supervisor.step()
+
+        with pytest.raises(WorkerError, match=r"flaky actor died 2 times .* no more"):
+            supervise()
     finally:
         ray.shutdown()
 
@@ -303,6 +333,11 @@ def test_a_placement_the_cluster_cannot_hold_is_an_error_naming_it(
     assert not ray.is_initialized(), "what was started is torn down"
     overrides = ["warm_start.enabled=false", "trainer.dp_size=2", "ray.trainer_cpus=3"]
     with pytest.raises(PlacementError, match=r"needs \{CPU: 9\} in all .* has \{CPU: 6"):
+        run(cluster, tmp_path, *overrides)
+    assert not ray.is_initialized()
+    # As the local launcher refuses it: ranks of the hf engine failed only once they started.
+    overrides = ["warm_start.enabled=false", "trainer.dp_size=2", "trainer.engine=hf"]
+    with pytest.raises(cfg.ConfigError, match=r"dp_size > 1 needs trainer.engine deepspeed"):
         run(cluster, tmp_path, *overrides)
     assert not ray.is_initialized()
 

@@ -28,9 +28,9 @@ from asyncflow.engines.registry import (
     create_train_engine,
     resolve_engine_name,
 )
-from asyncflow.errors import ConfigError, StoreError
+from asyncflow.errors import StoreError
 from asyncflow.launch.base import Resources, rollout_labels
-from asyncflow.launch.rank_process import RANK_ENGINES
+from asyncflow.launch.rank_process import check_rank_engine
 from asyncflow.launch.ranks import RankGroup
 from asyncflow.store import Store
 from asyncflow.units import parse_size
@@ -139,13 +139,9 @@ def start(
         f"starting engines: rollout={rollout_name} x{c.rollout.engines}, "
         f"trainer={train_name} x{c.trainer.dp_size}"
     )
+    check_rank_engine(c, train_name)
     if trainer_in_job_process(c):
         trainer: TrainEngine = create_train_engine(train_name, model_dir, c)
-    elif c.trainer.dp_size > 1 and train_name not in RANK_ENGINES:
-        raise ConfigError(
-            f"trainer.dp_size > 1 needs trainer.engine {' or '.join(RANK_ENGINES)}, "
-            f"not {train_name!r}"
-        )
     else:
         address = daemon.url if daemon is not None else c.store.address
         token = daemon.token if daemon is not None else c.store.token

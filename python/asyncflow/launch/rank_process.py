@@ -25,6 +25,7 @@ from asyncflow.daemon import connect
 from asyncflow.engines.base import TrainEngine
 from asyncflow.engines.process_group import Rendezvous
 from asyncflow.engines.registry import create_train_engine, resolve_engine_name
+from asyncflow.errors import ConfigError
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.store import Store
 from asyncflow.units import parse_size
@@ -37,6 +38,15 @@ from asyncflow.workers.rank_step import RankStep
 
 #: The train engines that run as data-parallel ranks, one process each.
 RANK_ENGINES = ("deepspeed", "fsdp")
+
+
+def check_rank_engine(config: Config, train_name: str) -> None:
+    """Refuses data-parallel ranks of an engine that cannot run as one (either launcher)."""
+    if config.trainer.dp_size > 1 and train_name not in RANK_ENGINES:
+        raise ConfigError(
+            f"trainer.dp_size > 1 needs trainer.engine {' or '.join(RANK_ENGINES)}, "
+            f"not {train_name!r}"
+        )
 
 
 @dataclass(frozen=True)

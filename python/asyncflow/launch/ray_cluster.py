@@ -11,6 +11,7 @@ in the job's process.
 
 from __future__ import annotations
 
+import copy
 import os
 import secrets
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.launch import ray_workers
 from asyncflow.launch.base import Resources, rollout_labels
+from asyncflow.launch.rank_process import check_rank_engine
 from asyncflow.launch.ray_join import join
 from asyncflow.launch.ray_ranks import RayRanks
 from asyncflow.launch.ray_store import place_store
@@ -177,6 +179,16 @@ class RayCluster:
         return actors
 
 
+def absolute_paths(config: Config) -> Config:
+    """A copy of ``config`` whose model directories, relative to this process's working
+    directory, are absolute."""
+    config = copy.deepcopy(config)
+    for section in (config.model, config.critic, config.reward.model):
+        if section.path is not None:
+            section.path = str(Path(section.path).absolute())
+    return config
+
+
 def start(
     config: Config,
     model_dir: Path,
@@ -186,9 +198,12 @@ def start(
 ) -> Resources:
     """The cluster joined and reserved, the store placed, the trainer ranks and the worker actors
     started; the job generates for evaluation through the first rollout actor. ``cleanup``
-    stops them all and leaves the cluster."""
+    stops them all and leaves the cluster. Actors run in the cluster's working directory, not
+    the job's: every path they are given is made absolute here."""
+    config, model_dir = absolute_paths(config), model_dir.absolute()
     rollout_name = resolve_engine_name("rollout", config.rollout.engine)  # unknown: refused now
     train_name = resolve_engine_name("train", config.trainer.engine)
+    check_rank_engine(config, train_name)
     cluster = cleanup.enter_context(RayCluster(config, say))
     say(f"on Ray: store controller at {cluster.url}")
     store = connect(cluster.url, token=cluster.token)

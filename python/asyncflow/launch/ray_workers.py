@@ -199,6 +199,13 @@ def ray_restarts(actor: Any) -> int | None:
     return int(entry["NumRestarts"]) if entry else None
 
 
+def ray_dead_for_good(actor: Any) -> bool | None:
+    """Whether Ray will not restart ``actor`` again (its table's state ``DEAD``); None where the
+    table has no entry for it."""
+    entry = ray_state.actors(actor_id=actor._actor_id.hex())
+    return entry["State"] == "DEAD" if entry else None
+
+
 class Supervisor(Worker):
     """Runs the worker actors from the job's process: restarts their ``run`` after Ray restarted
     them, fails the run when one raises or has died more than ``ray.max_restarts`` times, adds
@@ -217,7 +224,7 @@ class Supervisor(Worker):
         self.counted_spans: dict[str, Counter[int]] = {label: Counter() for label in actors}
         self.counted_failures = dict.fromkeys(actors, 0)
         #: Restarts: those seen (a new life reported) during the run, Ray's count at its end;
-        #: and deaths Ray reported as final.
+        #: and deaths seen, counted where Ray's actor table cannot say whether one was the last.
         self.restarts = dict.fromkeys(actors, 0)
         self.deaths = dict.fromkeys(actors, 0)
         #: When each actor being restarted died.
@@ -245,11 +252,17 @@ class Supervisor(Worker):
             self._ask_again(label)
             return
         except RayActorError as e:
+            # Every call to an actor dead for good fails so: Ray's table says whether this is
+            # one more death or the same one again, and how many restarts there were.
             self.deaths[label] += 1
-            if self.deaths[label] > self.config.ray.max_restarts:
+            final = ray_dead_for_good(self.actors[label])
+            limit = self.config.ray.max_restarts
+            if final or (final is None and self.deaths[label] > limit):
+                restarts = ray_restarts(self.actors[label])
+                lives = self.deaths[label] if restarts is None else restarts + 1
                 raise WorkerError(
-                    f"the {label} actor died {self.deaths[label]} times "
-                    f"(ray.max_restarts {self.config.ray.max_restarts}): {e}"
+                    f"the {label} actor died {lives} times (ray.max_restarts {limit}), and "
+                    f"Ray restarts it no more: {e}"
                 ) from None
             self._ask_again(label)
             return
