@@ -93,6 +93,8 @@ impl DataDir {
         }
         let dir = Self { path: path.to_owned(), _lock: lock };
         dir.check_role(role)?;
+        // A snapshot the last run did not finish (killed, or out of disk space) is no state.
+        dir.remove_own(|f| f.unfinished)?;
         Ok(dir)
     }
 
@@ -200,13 +202,18 @@ impl DataDir {
     /// Removes everything the snapshot of generation `keep_from` made obsolete, and leftovers of
     /// snapshots that never completed (never the copies `--recover` keeps).
     pub fn remove_before(&self, keep_from: u64) -> Result<()> {
+        self.remove_own(|f| f.generation < keep_from || f.unfinished)
+    }
+
+    /// Removes the daemon's own files that `gone` picks. Only files of its own naming: the
+    /// directory may hold others' (and the copies of damaged files `--recover` kept stay until
+    /// someone removes them).
+    fn remove_own(&self, gone: impl Fn(&OwnFile) -> bool) -> Result<()> {
         let entries = std::fs::read_dir(&self.path).map_err(|e| io(&self.path, "list it", &e))?;
         for entry in entries.flatten() {
             let name = entry.file_name();
-            // Only files of the daemon's own naming: the directory may hold others' (and the
-            // copies of damaged files `--recover` kept stay until someone removes them).
             let Some(file) = name.to_str().and_then(own_file) else { continue };
-            if file.generation < keep_from || file.unfinished {
+            if gone(&file) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
@@ -256,6 +263,21 @@ mod tests {
         let c = dir.contents().unwrap();
         assert_eq!((c.snapshot, c.logs), (Some(2), vec![3]));
         assert!(!path.join("snap-000000000004.meta.tmp").exists());
+        std::fs::remove_dir_all(&path).unwrap();
+    }
+
+    #[test]
+    fn a_snapshot_left_unfinished_is_removed_at_start() {
+        // One that ran out of disk space stayed, holding the space, until a later one finished.
+        let path = temp("unfinished");
+        drop(DataDir::open(&path, Role::Standalone).unwrap());
+        let left = ["snap-000000000002.meta.tmp", "snap-000000000002.payload.tmp"];
+        for name in left.iter().chain(&["log-000000000001.meta", "notes.tmp"]) {
+            std::fs::write(path.join(name), b"").unwrap();
+        }
+        drop(DataDir::open(&path, Role::Standalone).unwrap());
+        assert!(left.iter().all(|name| !path.join(name).exists()));
+        assert!(path.join("log-000000000001.meta").exists() && path.join("notes.tmp").exists());
         std::fs::remove_dir_all(&path).unwrap();
     }
 

@@ -5,6 +5,7 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::path::Path;
 
 use asyncflow_core::{Cell, Change, Snapshot, StoreError};
 use asyncflow_proto::{CellLoc, ChunkRef, FileId, Record, Stored};
@@ -81,19 +82,39 @@ fn stored_runs(
 }
 
 /// Writes `snapshot` as generation `generation`'s snapshot. A `Ready` change with cells is
-/// stored with them; without (a controller's), it stays a plain change.
+/// stored with them; without (a controller's), it stays a plain change. One that fails (out of
+/// disk space) leaves no file behind.
 pub fn write(dir: &DataDir, generation: u64, snapshot: Snapshot) -> Result<(), StoreError> {
-    let io = |e: std::io::Error| failed("write a snapshot", &e);
     let id = FileId { generation, snapshot: true };
     let (meta_path, payload_path) = (dir.meta(generation, true), dir.payload(id));
     let (meta_tmp, payload_tmp) =
         (DataDir::unfinished(&meta_path), DataDir::unfinished(&payload_path));
+    let written = write_files(snapshot, id, &meta_tmp, &payload_tmp);
+    if written.is_err() {
+        let _ = std::fs::remove_file(&meta_tmp);
+        let _ = std::fs::remove_file(&payload_tmp);
+    }
+    written?;
+    let io = |e: std::io::Error| failed("write a snapshot", &e);
+    std::fs::rename(&payload_tmp, &payload_path).map_err(io)?;
+    std::fs::rename(&meta_tmp, &meta_path).map_err(io)?;
+    dir.sync().map_err(|e| StoreError::Persistence(e.to_string()))
+}
+
+/// The snapshot's two files under their temporary names, synced.
+fn write_files(
+    snapshot: Snapshot,
+    id: FileId,
+    meta_tmp: &Path,
+    payload_tmp: &Path,
+) -> Result<(), StoreError> {
+    let io = |e: std::io::Error| failed("write a snapshot", &e);
     let mut payload = PayloadWriter {
-        out: BufWriter::new(private_file(&payload_tmp, true).map_err(io)?),
+        out: BufWriter::new(private_file(payload_tmp, true).map_err(io)?),
         id,
         at: 0,
     };
-    let mut meta = BufWriter::new(private_file(&meta_tmp, true).map_err(io)?);
+    let mut meta = BufWriter::new(private_file(meta_tmp, true).map_err(io)?);
     let with_cells = !snapshot.cells.is_empty();
     let mut cells = snapshot.cells.into_iter();
     let mut buf = Vec::new();
@@ -120,8 +141,26 @@ pub fn write(dir: &DataDir, generation: u64, snapshot: Snapshot) -> Result<(), S
     let payload = payload.out.into_inner().map_err(|e| io(e.into_error()))?;
     payload.sync_all().map_err(io)?;
     let meta = meta.into_inner().map_err(|e| io(e.into_error()))?;
-    meta.sync_all().map_err(io)?;
-    std::fs::rename(&payload_tmp, &payload_path).map_err(io)?;
-    std::fs::rename(&meta_tmp, &meta_path).map_err(io)?;
-    dir.sync().map_err(|e| StoreError::Persistence(e.to_string()))
+    meta.sync_all().map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use asyncflow_proto::Role;
+
+    #[test]
+    fn a_snapshot_that_fails_leaves_no_file_behind() {
+        // Out of disk space, its first file stayed, holding the space the daemon needed.
+        let path = std::env::temp_dir().join(format!("af-snapshot-fails-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        let dir = DataDir::open(&path, Role::Standalone).unwrap();
+        let meta_tmp = DataDir::unfinished(&dir.meta(2, true));
+        std::fs::create_dir(&meta_tmp).unwrap(); // the second file cannot be made
+        let snapshot = Snapshot { changes: Vec::new(), cells: Vec::new() };
+        assert!(write(&dir, 2, snapshot).is_err());
+        let payload = dir.payload(FileId { generation: 2, snapshot: true });
+        assert!(!DataDir::unfinished(&payload).exists());
+        std::fs::remove_dir_all(&path).unwrap();
+    }
 }
