@@ -80,12 +80,21 @@ pub struct PayloadFile {
     pub id: FileId,
     file: File,
     end: AtomicU64,
+    /// Bytes written, and those on the disk as of the last sync (0 when never written).
+    #[cfg(test)]
+    synced_to: std::sync::Mutex<u64>,
 }
 
 impl PayloadFile {
     fn create(dir: &DataDir, id: FileId) -> std::io::Result<Self> {
         let file = private_file(&dir.payload(id), true)?;
-        Ok(Self { id, file, end: AtomicU64::new(0) })
+        Ok(Self {
+            id,
+            file,
+            end: AtomicU64::new(0),
+            #[cfg(test)]
+            synced_to: std::sync::Mutex::new(0),
+        })
     }
 
     /// Writes `chunks` at a fresh place, each on a 64-byte boundary; returns where they went.
@@ -111,7 +120,14 @@ impl PayloadFile {
     }
 
     fn sync(&self) -> std::io::Result<()> {
-        self.file.sync_data()
+        #[cfg(test)]
+        let end = self.bytes();
+        self.file.sync_data()?;
+        #[cfg(test)]
+        {
+            *self.synced_to.lock().unwrap() = end;
+        }
+        Ok(())
     }
 }
 
@@ -137,6 +153,10 @@ pub struct Wal {
     pending: Mutex<Pending>,
     writer: Mutex<Writer>,
     payload: Mutex<Arc<PayloadFile>>,
+    /// Payload files a snapshot replaced that puts may still be writing to: synced with the
+    /// current one until the snapshot ends their generation's log. (Synced only as they were
+    /// replaced, a put that wrote to one afterwards was acknowledged with its bytes unsynced.)
+    retired: Mutex<Vec<Arc<PayloadFile>>>,
     /// Set once a write failed: from then on every change is refused.
     broken: Mutex<Option<String>>,
 }
@@ -152,6 +172,7 @@ impl Wal {
             pending: Mutex::new(Pending { bytes: Vec::new(), end: 0 }),
             writer: Mutex::new(Writer { meta, written: 0, synced: 0, meta_bytes: 0 }),
             payload: Mutex::new(Arc::new(payload)),
+            retired: Mutex::new(Vec::new()),
             broken: Mutex::new(None),
         })
     }
@@ -232,7 +253,7 @@ impl Wal {
 
     /// Payload first, then records: a record on the disk never points at bytes that are not.
     fn sync_files(&self, writer: &mut Writer) -> Result<(), StoreError> {
-        self.payload().sync().map_err(|e| failed("sync the payload log", &e))?;
+        self.sync_payloads()?;
         writer.meta.sync_data().map_err(|e| failed("sync the log", &e))?;
         writer.synced = writer.written;
         Ok(())
@@ -251,18 +272,33 @@ impl Wal {
         self.writer.lock().meta_bytes + self.payload().bytes()
     }
 
+    /// Every payload file a record may point into, the retired ones too.
+    fn sync_payloads(&self) -> Result<(), StoreError> {
+        let retired = self.retired.lock().clone();
+        for file in retired.iter().chain([&self.payload()]) {
+            file.sync().map_err(|e| failed("sync the payload log", &e))?;
+        }
+        Ok(())
+    }
+
     /// Starts a new payload file: puts from now on write their bytes there.
     pub fn rotate_payload(&self, dir: &DataDir, generation: u64) -> std::io::Result<()> {
         let next = PayloadFile::create(dir, FileId { generation, snapshot: false })?;
         let old = std::mem::replace(&mut *self.payload.lock(), Arc::new(next));
-        old.sync()
+        old.sync()?;
+        self.retired.lock().push(old);
+        Ok(())
     }
 
     /// Ends the current log and starts the next generation's: everything appended so far is
     /// written and synced to the old one. Call where no record can be appended meanwhile.
+    /// The puts that wrote to retired payload files have all committed by then: those files are
+    /// synced a last time and let go.
     pub fn rotate_meta(&self, dir: &DataDir, generation: u64) -> Result<(), StoreError> {
         let mut writer = self.writer.lock();
         self.write_out(&mut writer).map_err(|e| self.fail(e))?;
+        self.sync_payloads().map_err(|e| self.fail(e))?;
+        self.retired.lock().clear();
         writer.meta.sync_data().map_err(|e| self.fail(failed("sync the log", &e)))?;
         writer.synced = writer.written;
         writer.meta =
@@ -275,6 +311,25 @@ impl Wal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_put_that_writes_to_a_replaced_payload_file_is_synced_before_it_is_acknowledged() {
+        // A snapshot replaces the payload file while a put is still writing its bytes there;
+        // the put's commit synced only the new file.
+        let path = std::env::temp_dir().join(format!("af-wal-retired-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        let dir = DataDir::open(&path, asyncflow_proto::Role::Standalone).unwrap();
+        let wal = Wal::create(&dir, 1, Fsync::Always).unwrap();
+        let writing = wal.payload(); // the put took the file ...
+        wal.rotate_payload(&dir, 2).unwrap(); // ... the snapshot replaced it ...
+        writing.write(&[&[7u8; 4096]]).unwrap(); // ... and the put's bytes landed after
+        let at = wal.append(&[Record::Dropped(vec![1])]);
+        wal.sync(at).unwrap(); // the put's commit
+        assert_eq!(*writing.synced_to.lock().unwrap(), writing.bytes());
+        wal.rotate_meta(&dir, 2).unwrap();
+        assert!(wal.retired.lock().is_empty(), "let go once its generation's log ended");
+        std::fs::remove_dir_all(&path).unwrap();
+    }
 
     #[test]
     fn fsync_policies_parse() {
