@@ -385,3 +385,18 @@ fn a_snapshot_cuts_rows_whose_own_tags_would_make_a_record_too_large() {
         assert!(bytes <= (16 << 20) + 100_000, "{bytes}");
     }
 }
+
+#[test]
+fn a_replayed_put_committed_after_its_rows_were_cleared_keeps_no_cells() {
+    // A clear that landed between a put's admission and its commit: the live store freed the
+    // put's cells, the replayed one kept them (and their memory) until the daemon stopped.
+    let (store, recorder) = journaled();
+    store.put(vec![ints(&store, "a", &[1, 2])], &new_rows()).unwrap();
+    let mut entries = recorder.entries.lock().clone();
+    let commit = entries.iter().position(|(_, cells)| cells.is_some()).unwrap();
+    entries.insert(commit, (vec![Change::Cleared { partition: "p".into() }], None));
+    let restored = Store::new(config()).unwrap();
+    replay(&restored, &entries);
+    assert!(restored.rows(None).is_empty());
+    assert_eq!(restored.stats().payload_rows, 0);
+}

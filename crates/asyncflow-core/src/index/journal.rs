@@ -94,7 +94,9 @@ impl Index {
                 if let Some(f) = fields.iter().find(|&&f| f as usize >= self.fields.len()) {
                     return Err(corrupt(format!("field id {f} was never registered")));
                 }
-                self.commit_ready(rows, fields);
+                // Rows cleared or deleted between the put's admission and its commit: their
+                // cells are freed, as the live commit frees them.
+                return Ok(self.commit_ready(rows, fields));
             }
             Change::Acked { task, rows } => {
                 if *task as usize >= self.tasks.len() {
