@@ -346,6 +346,12 @@ def test_the_wait_for_a_sandbox_slot_is_not_the_tools_time(
     assert step.errors == {}, step.observation
     assert finished == ["ran"] and "ran" in step.observation
 
+    async def after_a_call() -> SandboxResult:
+        await _env(timeout=0.2).run_call(ToolCall("python", {"code": "first"}))
+        return await sandbox.run_python("second")  # in the same task: no timeout of its own
+
+    assert run(after_a_call()).output == "second"
+
 
 def test_a_turn_without_calls_ends_the_trajectory() -> None:
     step = run(_env().step("42"))

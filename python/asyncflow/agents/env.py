@@ -140,10 +140,13 @@ class ToolEnvironment:
         delay = self.latency.draw()
         try:
             async with asyncio.timeout(self.timeout) as deadline:
-                tool_deadline.set(deadline)  # this call's task's own context
-                if delay:
-                    await asyncio.sleep(delay)
-                return str(await calls.call(tool.fn, **call.arguments)), None
+                token = tool_deadline.set(deadline)
+                try:
+                    if delay:
+                        await asyncio.sleep(delay)
+                    return str(await calls.call(tool.fn, **call.arguments)), None
+                finally:
+                    tool_deadline.reset(token)
         except TimeoutError:
             return f"error: {call.name} did not answer within {self.timeout:g} s", "tool_timeout"
         except ToolError as e:
