@@ -191,19 +191,17 @@ def start(
     return actors
 
 
+def ray_entry(actor: Any) -> dict[str, Any] | None:
+    """``actor``'s row of the cluster's actor table (where Ray's own
+    ``was_current_actor_reconstructed`` looks): ``NumRestarts`` goes up as a restart begins,
+    ``State`` is ``DEAD`` once Ray restarts it no more. None where the table has no row for it."""
+    return ray_state.actors(actor_id=actor._actor_id.hex()) or None
+
+
 def ray_restarts(actor: Any) -> int | None:
-    """How many times Ray has restarted ``actor``, from the cluster's actor table (where Ray's
-    own ``was_current_actor_reconstructed`` looks): the count goes up as a restart begins. None
-    where the table has no entry for it."""
-    entry = ray_state.actors(actor_id=actor._actor_id.hex())
+    """How many times Ray has restarted ``actor``; None where the table has no row for it."""
+    entry = ray_entry(actor)
     return int(entry["NumRestarts"]) if entry else None
-
-
-def ray_dead_for_good(actor: Any) -> bool | None:
-    """Whether Ray will not restart ``actor`` again (its table's state ``DEAD``); None where the
-    table has no entry for it."""
-    entry = ray_state.actors(actor_id=actor._actor_id.hex())
-    return entry["State"] == "DEAD" if entry else None
 
 
 class Supervisor(Worker):
@@ -255,11 +253,11 @@ class Supervisor(Worker):
             # Every call to an actor dead for good fails so: Ray's table says whether this is
             # one more death or the same one again, and how many restarts there were.
             self.deaths[label] += 1
-            final = ray_dead_for_good(self.actors[label])
-            limit = self.config.ray.max_restarts
-            if final or (final is None and self.deaths[label] > limit):
-                restarts = ray_restarts(self.actors[label])
-                lives = self.deaths[label] if restarts is None else restarts + 1
+            entry, limit = ray_entry(self.actors[label]), self.config.ray.max_restarts
+            # Without Ray's row, counted here: each call made since may have counted again.
+            final = entry["State"] == "DEAD" if entry else self.deaths[label] > limit
+            if final:
+                lives = int(entry["NumRestarts"]) + 1 if entry else self.deaths[label]
                 raise WorkerError(
                     f"the {label} actor died {lives} times (ray.max_restarts {limit}), and "
                     f"Ray restarts it no more: {e}"
