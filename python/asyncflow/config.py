@@ -382,6 +382,9 @@ class RayConfig:
     max_restarts: int = 3
     #: Seconds to wait for placement groups and actors (engines loaded) before failing.
     start_timeout: float = 600.0
+    #: The cluster adds nodes on demand (KubeRay, the cluster launcher): a placement more than
+    #: the nodes alive now can hold waits for more (up to ``start_timeout``) instead of failing.
+    autoscaling: bool = False
 
 
 @dataclass

@@ -335,6 +335,11 @@ def test_a_placement_the_cluster_cannot_hold_is_an_error_naming_it(
     with pytest.raises(PlacementError, match=r"needs \{CPU: 9\} in all .* has \{CPU: 6"):
         run(cluster, tmp_path, *overrides)
     assert not ray.is_initialized()
+    # A cluster that adds nodes on demand may hold it later: the run waits for them.
+    later = [*overrides, "ray.autoscaling=true", "ray.start_timeout=3"]
+    with pytest.raises(TimeoutError, match=r"found no room: waited 3s"):
+        run(cluster, tmp_path, *later)
+    assert not ray.is_initialized()
     # As the local launcher refuses it: ranks of the hf engine failed only once they started.
     overrides = ["warm_start.enabled=false", "trainer.dp_size=2", "trainer.engine=hf"]
     with pytest.raises(cfg.ConfigError, match=r"dp_size > 1 needs trainer.engine deepspeed"):

@@ -128,8 +128,10 @@ class RayCluster:
 
     def _reserve(self) -> None:
         wanted = self._groups()
-        # Never fits: an error now, naming demand and capacity, rather than a wait until timeout.
-        check_fits({role: bundles for role, (bundles, _) in wanted.items()}, node_resources())
+        # Never fits: an error now, naming demand and capacity, rather than a wait until timeout
+        # (unless the cluster grows on demand: the nodes alive now are not all it will have).
+        if not self.config.ray.autoscaling:
+            check_fits({role: bundles for role, (bundles, _) in wanted.items()}, node_resources())
         for role, (bundles, strategy) in wanted.items():
             self.groups[role] = placement_group(bundles, strategy=strategy)
             self._cleanup.callback(remove_placement_group, self.groups[role])
