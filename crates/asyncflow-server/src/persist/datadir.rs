@@ -226,15 +226,17 @@ impl DataDir {
     }
 }
 
+/// A data directory's path for a test, empty (this process's own).
+#[cfg(test)]
+pub(super) fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("af-datadir-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn temp(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("af-datadir-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        dir
-    }
 
     #[test]
     fn one_daemon_at_a_time_and_of_one_role() {

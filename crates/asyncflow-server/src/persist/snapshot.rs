@@ -152,8 +152,7 @@ mod tests {
     #[test]
     fn a_snapshot_that_fails_leaves_no_file_behind() {
         // Out of disk space, its first file stayed, holding the space the daemon needed.
-        let path = std::env::temp_dir().join(format!("af-snapshot-fails-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
+        let path = crate::persist::datadir::temp("snapshot-fails");
         let dir = DataDir::open(&path, Role::Standalone).unwrap();
         let meta_tmp = DataDir::unfinished(&dir.meta(2, true));
         std::fs::create_dir(&meta_tmp).unwrap(); // the second file cannot be made

@@ -316,8 +316,7 @@ mod tests {
     fn a_put_that_writes_to_a_replaced_payload_file_is_synced_before_it_is_acknowledged() {
         // A snapshot replaces the payload file while a put is still writing its bytes there;
         // the put's commit synced only the new file.
-        let path = std::env::temp_dir().join(format!("af-wal-retired-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
+        let path = crate::persist::datadir::temp("wal-retired");
         let dir = DataDir::open(&path, asyncflow_proto::Role::Standalone).unwrap();
         let wal = Wal::create(&dir, 1, Fsync::Always).unwrap();
         let writing = wal.payload(); // the put took the file ...
