@@ -24,7 +24,7 @@ pub use frame::{
     decode_frame,
 };
 pub use hello::{Hello, Role, ServerHello};
-pub use record::{CellLoc, ChunkRef, FileId, Record, Stored, decode_record};
+pub use record::{CellLoc, ChunkRef, FileId, Record, Stored, decode_record, is_whole_record};
 pub use reply::{
     CellPlace, Failure, Reply, Segments, SharedCell, Spare, WireCell, WireClaimed, WireColumn,
     decode_answer,

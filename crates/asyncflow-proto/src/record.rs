@@ -238,6 +238,29 @@ impl Record {
 /// The record at the start of `buf` and the bytes it took; `Ok(None)` where the log ends
 /// cleanly (no bytes left), an error where it ends torn, corrupt or foreign.
 pub fn decode_record(buf: &[u8]) -> Result<Option<(Record, usize)>, ProtoError> {
+    let Some((crc, body)) = split_record(buf)? else {
+        return Ok(None);
+    };
+    if crc32fast::hash(body) != crc {
+        return Err(ProtoError::malformed("log record fails its checksum"));
+    }
+    Ok(Some((Record::decode_body(body)?, RECORD_HEADER + body.len())))
+}
+
+/// Whether a whole record starts at the start of `buf`: exactly when [`decode_record`] gives
+/// one. For a search at every offset of a damaged file, the body is decoded before its checksum
+/// is computed: at an offset inside a record the decoder gives up after a few bytes nearly
+/// always, while the checksum reads all the bytes the offset's length claims (megabytes inside a
+/// large record, at each of its millions of offsets).
+pub fn is_whole_record(buf: &[u8]) -> bool {
+    match split_record(buf) {
+        Ok(Some((crc, body))) => Record::decode_body(body).is_ok() && crc32fast::hash(body) == crc,
+        _ => false,
+    }
+}
+
+/// The checksum and body of the record at the start of `buf`, unchecked.
+fn split_record(buf: &[u8]) -> Result<Option<(u32, &[u8])>, ProtoError> {
     if buf.is_empty() {
         return Ok(None);
     }
@@ -257,10 +280,7 @@ pub fn decode_record(buf: &[u8]) -> Result<Option<(Record, usize)>, ProtoError> 
     let Some(body) = buf.get(RECORD_HEADER..end) else {
         return Err(ProtoError::Truncated { needed: end - buf.len() });
     };
-    if crc32fast::hash(body) != crc {
-        return Err(ProtoError::malformed("log record fails its checksum"));
-    }
-    Ok(Some((Record::decode_body(body)?, end)))
+    Ok(Some((crc, body)))
 }
 
 #[cfg(test)]
@@ -342,6 +362,30 @@ mod tests {
         let mut flipped = log.clone();
         *flipped.last_mut().unwrap() ^= 1;
         assert!(decode_record(&flipped[whole..]).is_err());
+    }
+
+    #[test]
+    fn a_whole_record_is_found_where_decoding_finds_one() {
+        let mut log = Vec::new();
+        for r in records() {
+            r.encode_into(&mut log);
+        }
+        let mut flipped = log.clone();
+        flipped[40] ^= 4;
+        for bytes in [&log[..], &log[..log.len() - 3], &flipped[..]] {
+            let mut found = 0;
+            for at in 0..bytes.len() {
+                let decoded = matches!(decode_record(&bytes[at..]), Ok(Some(_)));
+                assert_eq!(is_whole_record(&bytes[at..]), decoded, "offset {at}");
+                found += usize::from(decoded);
+            }
+            assert!(found >= records().len() - 2, "{found} whole records found");
+        }
+        let mut empty = Vec::new();
+        Record::Dropped(vec![]).encode_into(&mut empty);
+        let mut bad_crc = empty.clone();
+        bad_crc[4] ^= 1;
+        assert!(is_whole_record(&empty) && !is_whole_record(&bad_crc) && !is_whole_record(&[]));
     }
 
     #[test]

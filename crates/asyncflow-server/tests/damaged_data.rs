@@ -238,9 +238,8 @@ fn random_damage(base: &Path, rows: &[u64], seed: u64, cases: u32) {
                         assert!(old.starts_with(&now), "{what}: {name} changed, not cut");
                         // A torn write is one record cut short: no whole record went with it.
                         let tail = &old[now.len()..];
-                        let whole = (0..tail.len()).find(|&at| {
-                            matches!(asyncflow_proto::decode_record(&tail[at..]), Ok(Some(_)))
-                        });
+                        let whole = (0..tail.len())
+                            .find(|&at| asyncflow_proto::is_whole_record(&tail[at..]));
                         assert_eq!(whole, None, "{what}: a whole record was cut off {name}");
                     }
                 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use asyncflow_core::payload::{AlignedBytes, ByteStorage};
 use asyncflow_core::{Cell, Change, Chunk, MemoryGuard, StoreError};
-use asyncflow_proto::{FileId, ProtoError, Record, Stored, decode_record};
+use asyncflow_proto::{FileId, ProtoError, Record, Stored, decode_record, is_whole_record};
 
 use super::datadir::{DataDir, private_file};
 use crate::error::{Error, Result};
@@ -206,7 +206,7 @@ enum Damage {
 
 /// The first whole record at or after `from`, if any (a torn write is never followed by one).
 fn next_whole(bytes: &[u8], from: usize) -> Option<usize> {
-    (from..bytes.len()).find(|&at| matches!(decode_record(&bytes[at..]), Ok(Some(_))))
+    (from..bytes.len()).find(|&at| is_whole_record(&bytes[at..]))
 }
 
 /// Why the record at `at`, which does not decode, stops the log.

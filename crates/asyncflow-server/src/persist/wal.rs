@@ -281,11 +281,11 @@ impl Wal {
         Ok(())
     }
 
-    /// Starts a new payload file: puts from now on write their bytes there.
+    /// Starts a new payload file: puts from now on write their bytes there. The old one is kept
+    /// among the retired files, synced with the log until `rotate_meta` lets it go.
     pub fn rotate_payload(&self, dir: &DataDir, generation: u64) -> std::io::Result<()> {
         let next = PayloadFile::create(dir, FileId { generation, snapshot: false })?;
         let old = std::mem::replace(&mut *self.payload.lock(), Arc::new(next));
-        old.sync()?;
         self.retired.lock().push(old);
         Ok(())
     }
