@@ -14,12 +14,12 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from asyncflow.errors import StoreError, UnknownIndexError
+from asyncflow.errors import ConfigError, StoreError, UnknownIndexError
 from asyncflow.store import Store
 from asyncflow.weight_sync.source import WeightSource
 from asyncflow.weight_sync.versions import put_version
@@ -36,18 +36,55 @@ KEEP_VERSIONS = 2
 WAKE_WAIT = 1.0
 
 
+#: Bytes of weights in one store put, and in one read: well under a daemon's ``--max-frame`` (1 GiB
+#: by default), which a put or a reply over TCP may not exceed. A larger tensor goes in parts.
+PIECE_BYTES = 256 << 20
+
+
 def publish(store: Store, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Puts ``weights`` as version ``version``, the store's newest from then on; of the older
-    versions, the newest ``KEEP_VERSIONS - 1`` are kept (see :func:`put_version`)."""
-    fields: dict[str, object] = {}
-    manifest: list[tuple[str, list[int]]] = []  # (field less the prefix, shape)
+    versions, the newest ``KEEP_VERSIONS - 1`` are kept (see :func:`put_version`). The version is
+    one row, put in pieces of at most ``PIECE_BYTES``, its manifest last: it is published once the
+    manifest is ready. A store whose memory limit cannot hold ``KEEP_VERSIONS`` versions of this
+    size is refused before anything is put."""
+    pieces: list[dict[str, object]] = [{}]
+    piece_bytes = 0
+    #: (field less the prefix, shape, parts, bytes)
+    manifest: list[tuple[str, list[int], int, int]] = []
     for name, tensor in weights:
-        flat = tensor.detach().cpu().contiguous().view(1, tensor.numel())
+        flat = tensor.detach().cpu().contiguous().view(-1)
         field = f"{str(tensor.dtype).removeprefix('torch.')}/{name}"
-        fields[PREFIX + field] = flat
-        manifest.append((field, list(tensor.shape)))
-    fields[MANIFEST] = [json.dumps(manifest).encode()]
-    put_version(store, PARTITION, fields, version, KEEP_VERSIONS)
+        per = max(1, PIECE_BYTES // flat.element_size())
+        parts = [flat[at : at + per] for at in range(0, max(flat.numel(), 1), per)]
+        for k, part in enumerate(parts):
+            size = part.numel() * part.element_size()
+            if piece_bytes and piece_bytes + size > PIECE_BYTES:
+                pieces.append({})
+                piece_bytes = 0
+            pieces[-1][_part(field, k)] = part.view(1, part.numel())
+            piece_bytes += size
+        manifest.append((field, list(tensor.shape), len(parts), flat.numel() * flat.element_size()))
+    _check_room(store, sum(m[3] for m in manifest))
+    pieces[-1][MANIFEST] = [json.dumps(manifest).encode()]
+    put_version(store, PARTITION, pieces[0], version, KEEP_VERSIONS, pieces[1:])
+
+
+def _part(field: str, k: int) -> str:
+    """The store field of part ``k`` of a tensor's field (the first part is the field itself)."""
+    return PREFIX + (field if k == 0 else f"part{k}/{field}")
+
+
+def _check_room(store: Store, nbytes: int) -> None:
+    """Refuses weights the store cannot keep ``KEEP_VERSIONS`` versions of: its put would wait for
+    memory that never frees, and fail only after the put's timeout."""
+    limit = store.stats().get("memory_limit")
+    if limit and KEEP_VERSIONS * nbytes > limit:
+        raise ConfigError(
+            f"store.memory_limit: the store holds {KEEP_VERSIONS} versions of the policy weights "
+            f"at a time ({KEEP_VERSIONS} x {nbytes / 2**20:.0f} MiB) besides the samples, more "
+            f"than its limit of {limit / 2**20:.0f} MiB: raise store.memory_limit (or the "
+            f"daemon's --memory-limit)"
+        )
 
 
 def published(store: Store) -> dict[int, int]:
@@ -241,13 +278,15 @@ class Watcher(WeightSource):
     def load(self, engine: RolloutEngine, version: int) -> int:
         """Loads ``version`` into ``engine``, or the newest if newer ones have replaced it in the
         store meanwhile (it keeps the last few); returns the version loaded."""
-        try:
-            got, tensors = fetch(self.store, version)
-        except LookupError:  # (a row deleted under the read, too)
-            newest = latest_version(self.store)
-            if newest is None or newest <= version:
-                raise
-            got, tensors = fetch(self.store, newest)
+        while True:
+            try:
+                got, tensors = fetch(self.store, version)
+                break
+            except LookupError:  # (a row deleted under the read, too)
+                newest = latest_version(self.store)
+                if newest is None or newest <= version:
+                    raise
+                version = newest  # replaced again while read: read the newest again
         engine.load_weights(got, tensors)
         return got
 
@@ -258,7 +297,8 @@ class Watcher(WeightSource):
 
 def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     """``(version, [(name, tensor)])`` of ``version`` (default: the newest). The tensors view
-    store memory (no copy) and must not be written to."""
+    store memory (no copy; a tensor put in parts is joined in a copy) and must not be written
+    to. Fields are read a few at a time, at most ``PIECE_BYTES`` a read."""
     versions = published(store)
     if not versions:
         raise LookupError("no policy weights have been published yet")
@@ -268,10 +308,23 @@ def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str
     index = versions[wanted]
     manifest = store.read([index], MANIFEST)[MANIFEST][0]
     listed = json.loads(manifest)
-    cells = store.read([index], [PREFIX + f for f, _ in listed])
-    return wanted, [
-        (f.split("/", 1)[1], _as_tensor(cells[PREFIX + f][0]).view(shape)) for f, shape in listed
-    ]
+    cells: dict[str, Any] = {}
+    batch: list[str] = []
+    batch_bytes = 0
+    for field, _, parts, nbytes in listed:
+        for k in range(parts):
+            if batch and batch_bytes + nbytes / parts > PIECE_BYTES:
+                cells |= store.read([index], batch)
+                batch, batch_bytes = [], 0
+            batch.append(_part(field, k))
+            batch_bytes += nbytes / parts
+    cells |= store.read([index], batch)
+    tensors = []
+    for field, shape, parts, _ in listed:
+        views = [_as_tensor(cells[_part(field, k)][0]) for k in range(parts)]
+        whole = views[0] if parts == 1 else torch.cat(views)
+        tensors.append((field.split("/", 1)[1], whole.view(shape)))
+    return wanted, tensors
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:

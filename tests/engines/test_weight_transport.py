@@ -32,6 +32,7 @@ from asyncflow.daemon import DaemonProcess
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.engines.process_group import listening
+from asyncflow.errors import ConfigError
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.weight_sync import WeightSyncError, ipc
 from asyncflow.weight_sync import broadcast as bc
@@ -240,6 +241,67 @@ def test_the_store_transport_takes_a_tensor_of_any_dtype_and_shape_after_another
     got, [(name, back)] = store_weights.fetch(store)
     assert (got, name) == (0, "w") and back.dtype == tensor.dtype and back.shape == tensor.shape
     assert torch.equal(back, tensor)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_version_larger_than_the_daemons_largest_put_goes_in_pieces_and_comes_back_whole(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    # A version went in one put: a daemon refuses a put over its --max-frame (1 GiB by
+    # default), so a model of more than about 270 M float32 parameters could not be published.
+    monkeypatch.setattr(store_weights, "PIECE_BYTES", 256 << 10)
+    named = [
+        ("embed", torch.arange(3 << 18, dtype=torch.float32)),  # 3 MiB: in parts
+        ("norm", torch.arange(5).to(torch.bfloat16)),
+        ("scalar", torch.tensor(2.5)),
+        ("empty", torch.empty(0, 4)),
+        *((f"layer{k}", torch.full((200, 256), float(k))) for k in range(4)),  # 200 KiB each
+    ]
+    with DaemonProcess("--max-frame", "1MiB") as daemon:
+        with pytest.raises(af.BadRequestError, match="max-frame"):
+            daemon.connect(transport="shm").put({"x": torch.zeros(1, 3 << 18)}, partition="p")
+        store = daemon.connect(transport=transport)
+        store_weights.publish(store, 1, named)
+        store_weights.publish(store, 2, [(n, t + 1) for n, t in named])
+        got, back = store_weights.fetch(store, 1)
+        assert got == 1 and [n for n, _ in back] == [n for n, _ in named]
+        for (_, want), (_, have) in zip(named, back, strict=True):
+            assert have.dtype == want.dtype and torch.equal(have, want)
+        assert store_weights.fetch(store)[0] == 2
+
+
+def test_weights_the_store_cannot_keep_two_versions_of_are_refused_before_anything_is_put() -> None:
+    # The second version's put waited for memory that never freed, and failed a minute later.
+    store = af.Store(memory_limit="1MiB")
+    with pytest.raises(ConfigError, match=r"store\.memory_limit: .* 2 versions"):
+        store_weights.publish(store, 0, [("w", torch.zeros(200_000))])  # 800 kB
+    assert not len(store.rows(partition=store_weights.PARTITION))
+    store_weights.publish(store, 0, [("w", torch.zeros(100_000))])
+    store_weights.publish(store, 1, [("w", torch.ones(100_000))])
+    assert torch.equal(store_weights.fetch(store)[1][0][1], torch.ones(100_000))
+
+
+def test_a_watcher_loading_a_version_replaced_twice_meanwhile_loads_the_newest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = af.Store()
+    for v in (1, 2, 3):
+        store_weights.publish(store, v, [("w", torch.full((2,), float(v)))])
+    real_fetch = store_weights.fetch
+    newest = iter([2, 3])
+
+    def fetch(store: af.Store, version: int | None = None) -> Any:
+        if version in (1, 2):  # deleted under the read: a newer version replaced it
+            raise LookupError(f"weights version {version} is not in the store")
+        return real_fetch(store, version)
+
+    monkeypatch.setattr(store_weights, "fetch", fetch)
+    monkeypatch.setattr(store_weights, "latest_version", lambda _: next(newest))
+    engine = GatedEngine()
+    engine.gate.set()
+    watcher = store_weights.Watcher(store, interval=0.01)
+    assert watcher.load(engine, 1) == 3
+    assert engine.version == 3 and engine.got["w"] == torch.full((2,), 3.0).numpy().tobytes()
 
 
 # -- the broadcast transport ---------------------------------------------------------------------
@@ -695,6 +757,23 @@ def test_versions_arrive_while_an_engine_loads_and_never_into_the_buffer_it_read
     assert_bit_exact(engine.got, weights(3))
     receiver.close()
     publisher.close()
+
+
+def test_a_version_no_newer_than_the_last_sent_is_refused_at_once_and_the_group_goes_on() -> None:
+    # Receivers take only a newer version: the publisher waited for them in the header's
+    # broadcast until its timeout, then blamed them and refused every later version.
+    publisher, receiver = in_process_pair(FAULT_TIMEOUT)
+    try:
+        publisher.publish(1, [("w", torch.ones(64))])
+        assert receiver.wait_for(1, REPORT_WAIT)
+        for version in (1, 0):
+            with pytest.raises(ValueError, match=f"v{version} not sent: v1 was"):
+                publisher.publish(version, [("w", torch.zeros(64))])
+        publisher.publish(2, [("w", torch.full((64,), 2.0))])
+        assert receiver.wait_for(2, REPORT_WAIT)
+    finally:
+        receiver.close()
+        publisher.close()
 
 
 def test_a_publisher_that_fails_to_pack_a_version_names_itself_not_the_receivers(

@@ -83,6 +83,8 @@ class BroadcastPublisher(Publisher):
         #: The failure that ended the group: a receiver may still be mid-version, so nothing
         #: more is sent (an ipc buffer rewritten under a late copy would mix two versions).
         self._failed: WeightSyncError | None = None
+        #: The newest version sent: receivers take only newer ones.
+        self._sent: int | None = None
 
     def _bucket_buffers(self) -> list[torch.Tensor]:
         """Two buckets: one on the wire, one being packed."""
@@ -96,6 +98,11 @@ class BroadcastPublisher(Publisher):
     def publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._failed is not None:
             raise WeightSyncError(f"weights v{version} not sent: {self._failed}")
+        if self._sent is not None and version <= self._sent:
+            raise ValueError(
+                f"weights v{version} not sent: v{self._sent} was, and receivers take only a "
+                "newer version"
+            )
         named = list(weights)
         layout = Layout.of(version, named, self.bucket_size)
         # Once here, not once per bucket a non-contiguous tensor's bytes fall in.
@@ -108,6 +115,7 @@ class BroadcastPublisher(Publisher):
             self._send(layout, tensors)
             self._progress = " at the closing barrier"
             self.group.barrier()  # every receiver has swapped the version in
+            self._sent = version
         except _PackingError as e:  # this rank's own failure, not the wire's
             self._failed = WeightSyncError(
                 f"weights v{version}: {self.group.labels[0]} failed to pack it{self._progress}: "
