@@ -664,3 +664,16 @@ mod invariants {
         }
     }
 }
+
+#[test]
+fn a_share_too_large_to_lay_out_is_a_bad_request_not_an_abort() {
+    // Every part and seat cost memory up front: dp_size 2^32 - 1 aborted the process holding
+    // the store (a failed allocation of 64 GiB).
+    let mut h = Harness::new();
+    h.put(&[3, 4, 5, 6], None);
+    for share in [rank(0, 0, u32::MAX), peer(0, 0, u32::MAX), rank(0, 0, (1 << 16) + 1)] {
+        let e = h.claim(&shared(4, share)).unwrap_err();
+        assert!(matches!(&e, StoreError::BadRequest(m) if m.contains("at most 65536")), "{e}");
+    }
+    assert_eq!(h.claim(&shared(4, rank(0, 0, 1 << 16))).unwrap().rows.len(), 1);
+}

@@ -251,6 +251,41 @@ fn whole_groups_never_split_a_group_to_fill_a_batch() {
 }
 
 #[test]
+fn the_rest_of_a_group_partly_acked_is_delivered_again_as_the_group() {
+    // The rows a task committed are done with; the others, released, were never claimable
+    // as a whole group again (a group with freed members looked incomplete for ever, and
+    // the task's acked members looked busy), and stayed in the store for good.
+    for other_task in [false, true] {
+        let s = store();
+        s.register_task("adv", None).unwrap();
+        if other_task {
+            s.register_task("ref", None).unwrap();
+            let c = s.claim(&spec("ref", &["x"], 4), true, no_wait());
+            assert!(c.unwrap().rows.is_empty());
+        }
+        let target = PutTarget::New(NewRows {
+            partition: "p".into(),
+            groups: Some(vec![7; 4]),
+            versions: vec![0],
+            ..NewRows::default()
+        });
+        let rows = s.put(vec![ints(&s, "x", &[&[1], &[2], &[3], &[4]])], &target).unwrap();
+        if other_task {
+            // The other task commits every row: those the first acks are then freed.
+            let c = s.claim(&spec("ref", &["x"], 4), false, no_wait()).unwrap();
+            s.ack(c.lease.unwrap(), None).unwrap();
+        }
+        let mut whole = spec("adv", &["x"], 4);
+        whole.whole_groups = true;
+        let c = s.claim(&whole, false, no_wait()).unwrap();
+        s.ack(c.lease.unwrap(), Some(&rows[..2])).unwrap();
+        s.release(c.lease.unwrap(), Some(&rows[2..])).unwrap();
+        let again = s.claim(&whole, true, no_wait()).unwrap();
+        assert_eq!(again.rows, rows[2..], "with another task: {other_task}");
+    }
+}
+
+#[test]
 fn an_expired_lease_is_redelivered_and_its_ack_fails_without_effect() {
     let (s, advance) = store_on_a_driven_clock(Duration::from_secs(30));
     s.register_task("t", None).unwrap();

@@ -342,21 +342,26 @@ impl Index {
         spec: &ClaimSpec,
     ) -> Option<Vec<usize>> {
         let group = self.groups.get(&key)?;
-        if group.members.len() != group.size as usize {
+        if group.joined != group.size {
             return None;
         }
         let t = &self.tasks[task as usize];
-        group
-            .members
-            .iter()
-            .map(|&index| {
-                let slot = self.slot(index)?;
-                let ok = self.live.get(slot)
-                    && !t.busy.get(slot)
-                    && fields.iter().all(|&f| self.fields[f as usize].ready.get(slot))
-                    && self.passes_filters(slot, task, partition, spec.min_version);
-                ok.then_some(slot)
-            })
-            .collect()
+        let mut slots = Vec::with_capacity(group.members.len());
+        for &index in &group.members {
+            let slot = self.slot(index)?;
+            // Members this task committed already are done with: the rest is the group now.
+            if t.acked.get(slot) {
+                continue;
+            }
+            let ok = self.live.get(slot)
+                && !t.busy.get(slot)
+                && fields.iter().all(|&f| self.fields[f as usize].ready.get(slot))
+                && self.passes_filters(slot, task, partition, spec.min_version);
+            if !ok {
+                return None;
+            }
+            slots.push(slot);
+        }
+        (!slots.is_empty()).then_some(slots)
     }
 }

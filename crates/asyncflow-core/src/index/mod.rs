@@ -128,6 +128,8 @@ struct PartitionState {
 #[derive(Debug)]
 struct GroupState {
     size: u32,
+    /// Rows that ever joined the group (members freed since are no longer in `members`).
+    joined: u32,
     /// Global indexes, ascending.
     members: Vec<u64>,
 }
@@ -479,7 +481,7 @@ impl Index {
                             new.group_size.unwrap_or_default()
                         )));
                     }
-                    (g.size as usize, g.members.len())
+                    (g.size as usize, g.joined as usize)
                 }
                 None => (new.group_size.map_or(added, |s| s as usize), 0),
             };
@@ -546,15 +548,17 @@ impl Index {
         if let Some(groups) = &new.groups {
             for (group, added) in count_by_group(groups) {
                 let size = new.group_size.map_or(added as u32, |s| s);
-                self.groups.entry((pid, group)).or_insert(GroupState { size, members: Vec::new() });
+                self.groups.entry((pid, group)).or_insert(GroupState {
+                    size,
+                    joined: 0,
+                    members: Vec::new(),
+                });
             }
             for (k, &group) in groups.iter().enumerate() {
                 // Rows are appended in index order, so members stay sorted.
-                self.groups
-                    .get_mut(&(pid, group))
-                    .expect("registered above")
-                    .members
-                    .push(start + k as u64);
+                let g = self.groups.get_mut(&(pid, group)).expect("registered above");
+                g.joined += 1;
+                g.members.push(start + k as u64);
             }
         }
         self.counters.rows_put += n as u64;

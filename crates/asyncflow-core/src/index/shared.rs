@@ -32,8 +32,19 @@ use crate::scheduler::{CostModel, Method, PartitionOptions, partition};
 /// fresh batch under its name.
 const RETIRED_KEPT: usize = 1024;
 
+/// The most data-parallel parts, or replica peers, one shared batch may have.
+const MAX_SHARE: u32 = 1 << 16;
+
 impl Share {
     pub(super) fn check(&self, fields: &[String]) -> Result<()> {
+        // Every part and every seat costs memory up front (the partitioner keeps k loads per
+        // tuple): bound them, so one odd claim cannot abort the process that holds the store.
+        if self.dp_size > MAX_SHARE || self.replica_size > MAX_SHARE {
+            return Err(StoreError::bad_request(format!(
+                "dp_size and replica_size must be at most {MAX_SHARE}, not {} and {}",
+                self.dp_size, self.replica_size
+            )));
+        }
         if self.dp_rank >= self.dp_size {
             return Err(StoreError::bad_request(format!(
                 "dp_rank {} must be below dp_size {}",

@@ -10,6 +10,9 @@ use super::greedy::{greedy, round_robin};
 use super::refine::{DEFAULT_PROBES, refine};
 use crate::error::{Result, StoreError};
 
+/// The most parts a partition makes: each costs memory up front, whatever the row count.
+const MAX_PARTS: usize = 1 << 20;
+
 /// How to place units into parts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Method {
@@ -119,8 +122,10 @@ fn check(costs: &[f64], k: usize, options: &PartitionOptions<'_>) -> Result<()> 
     if k == 0 {
         return Err(StoreError::bad_request("a partition needs at least one part (k >= 1)"));
     }
-    if k > u32::MAX as usize {
-        return Err(StoreError::bad_request(format!("k = {k} parts is more than supported")));
+    if k > MAX_PARTS {
+        return Err(StoreError::bad_request(format!(
+            "k = {k} parts is more than the {MAX_PARTS} supported"
+        )));
     }
     if let Some(bad) = costs.iter().find(|c| !(c.is_finite() && **c >= 0.0)) {
         return Err(StoreError::bad_request(format!("costs must be finite and >= 0, not {bad}")));
