@@ -9,6 +9,7 @@ subclass and leaves the store unchanged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
@@ -92,6 +93,14 @@ class Rows:
         """Each row's tags as a dict, made when first asked for: most listings look only at
         indexes and groups, and a dict per row costs about a third of a listing."""
         return [dict(t) for t in self.tag_pairs]
+
+
+def _release_unwanted(claim: asyncio.Future[Batch]) -> None:
+    """Hands back the rows of a claim whose caller stopped waiting for it."""
+    if claim.cancelled() or claim.exception() is not None or not len(claim.result()):
+        return
+    with contextlib.suppress(StoreError):  # the lease ended, or the store is gone
+        claim.result().release()
 
 
 def _index_array(indexes: Indexes) -> np.ndarray:
@@ -278,8 +287,16 @@ class Store:
     async def claim_async(
         self, task: str, fields: str | Sequence[str], batch_size: int, **kwargs: Any
     ) -> Batch:
-        """``claim`` for asyncio code."""
-        return await asyncio.to_thread(self.claim, task, fields, batch_size, **kwargs)
+        """``claim`` for asyncio code. Cancelled, it hands back whatever the claim, still
+        running in its thread, leases afterwards."""
+        claim = asyncio.ensure_future(
+            asyncio.to_thread(self.claim, task, fields, batch_size, **kwargs)
+        )
+        try:
+            return await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            claim.add_done_callback(_release_unwanted)
+            raise
 
     async def ack_async(self, batch: Batch | int, indexes: Indexes | None = None) -> None:
         """``ack`` for asyncio code."""

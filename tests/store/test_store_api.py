@@ -355,6 +355,27 @@ def test_async_twins_interleave_with_asyncio(store: af.Store) -> None:
     assert store.stats()["rows_acked"] == 2
 
 
+def test_a_cancelled_async_claim_hands_back_the_rows_its_thread_leased(store: af.Store) -> None:
+    # The claim runs on in its thread after its caller is cancelled: the rows it then leased
+    # were held by nobody until the lease ran out (30 s by default).
+    store.register_task("t")
+
+    async def main() -> list[int]:
+        await store.put_async({"x": [10, 20]})
+        abandoned = asyncio.create_task(store.claim_async("t", "x", 2, timeout=30))
+        await asyncio.sleep(0)  # its claim is on its way in its thread
+        abandoned.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await abandoned
+        batch = await store.claim_async("t", "x", 2, timeout=20)
+        values = sorted(int(v) for v in batch.read()["x"])
+        await store.ack_async(batch)
+        return values
+
+    assert asyncio.run(main()) == [10, 20]
+    assert store.stats()["rows_acked"] == 2
+
+
 def test_stats_report_fields_tasks_and_transport(store: af.Store, transport: str) -> None:
     store.register_task("t")
     store.put({"x": [1, 2]}, partition="p")
