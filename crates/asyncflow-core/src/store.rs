@@ -487,6 +487,15 @@ impl Store {
         Ok(())
     }
 
+    /// Hands back a lease whose holder went away; whether anything was (see `Index::give_back`).
+    pub fn give_back(&self, lease: LeaseId) -> Result<bool> {
+        let gave = self.index.lock().give_back(lease, self.clock.now())?;
+        if gave {
+            self.notify_changed();
+        }
+        Ok(gave)
+    }
+
     /// Extends a lease by `timeout` (default: the store's lease timeout) from now.
     pub fn renew(&self, lease: LeaseId, timeout: Option<Duration>) -> Result<Instant> {
         let timeout = timeout.unwrap_or(self.config.lease_timeout);

@@ -197,6 +197,29 @@ fn peers_may_ack_rows_piecemeal() {
 }
 
 #[test]
+fn a_peer_that_went_away_done_leaves_its_part_to_the_others_and_one_mid_work_hands_it_back() {
+    // The daemon gives back the leases of a closed connection. A peer that had acked all its
+    // rows in pieces (as the trainer does) then handed the part back for every peer: the
+    // others' lease ended under them and their rows were trained again.
+    let mut h = Harness::new();
+    let rows = h.put(&[1, 2, 3], None);
+    let p0 = h.claim(&shared(3, peer(0, 0, 2))).unwrap();
+    let p1 = h.claim(&shared(3, peer(0, 1, 2))).unwrap();
+    h.index.ack(p0.lease.unwrap(), Some(&rows[..1]), h.now).unwrap();
+    h.index.ack(p0.lease.unwrap(), Some(&rows[1..]), h.now).unwrap();
+    assert_eq!(h.index.give_back(p0.lease.unwrap(), h.now), Ok(false));
+    assert_eq!(sorted(h.ack(&p1).unwrap()), rows);
+
+    let rows = h.put(&[1, 2, 3], None);
+    let p0 = h.claim(&shared(3, peer(1, 0, 2))).unwrap();
+    let p1 = h.claim(&shared(3, peer(1, 1, 2))).unwrap();
+    h.index.ack(p0.lease.unwrap(), Some(&rows[..1]), h.now).unwrap();
+    assert_eq!(h.index.give_back(p0.lease.unwrap(), h.now), Ok(true));
+    assert!(matches!(h.ack(&p1), Err(StoreError::Lease { .. })));
+    assert_eq!(h.claimable(), rows);
+}
+
+#[test]
 fn a_peer_acking_twice_gets_a_lease_error() {
     let mut h = Harness::new();
     h.put(&[1, 2], None);

@@ -197,6 +197,16 @@ impl Index {
         Ok(())
     }
 
+    /// Hands back a lease whose holder went away (its connection closed); whether anything
+    /// was handed back. As `release`, except that a replica peer that has acked every row its
+    /// part still holds leaves the part to its peers: their lease goes on.
+    pub fn give_back(&mut self, id: LeaseId, now: Instant) -> Result<bool> {
+        if self.shared.is_seat(id) && self.seat_is_done(id) {
+            return Ok(false);
+        }
+        self.release(id, None, now).map(|()| true)
+    }
+
     /// Moves a lease's deadline to `now + timeout`.
     pub fn renew(&mut self, id: LeaseId, now: Instant, timeout: Duration) -> Result<Instant> {
         if self.shared.is_seat(id) {

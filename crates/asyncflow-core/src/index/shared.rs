@@ -377,6 +377,17 @@ impl Index {
         self.ack(lease, Some(&commit), now)
     }
 
+    /// Whether seat `id` has acked every row its part still holds: a peer with nothing left to
+    /// do there.
+    pub(super) fn seat_is_done(&self, id: LeaseId) -> bool {
+        let (at, lease) = self.seat_lease(id);
+        let Some((held, _)) = self.leases.holding(lease) else {
+            return false;
+        };
+        let part = &self.shared.batches[&at.key].parts[at.part];
+        held.iter().all(|&r| part.seats[at.peer].acked[part.position(r)])
+    }
+
     /// Hands rows of a seat's part back for every peer.
     pub(super) fn release_seat(
         &mut self,

@@ -90,9 +90,10 @@ impl Roles {
         ))
     }
 
-    /// Returns a lease's rows to be delivered again; whether it was still held.
+    /// Returns the rows of a lease whose connection closed to be delivered again; whether any
+    /// were (a replica peer done with its part leaves it to its peers).
     pub fn release_lease(&self, lease: u64) -> bool {
-        self.claim_store().is_some_and(|store| store.release(lease, None).is_ok())
+        self.claim_store().is_some_and(|store| matches!(store.give_back(lease), Ok(true)))
     }
 
     /// Whatever a connection left unfinished when it closed.
