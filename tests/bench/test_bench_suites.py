@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncflow import cli
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.bench import costs, e2e_suite, pipeline_suite, run_suite
 from asyncflow.bench.emulation.modes import MODES
@@ -179,6 +180,26 @@ def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
     assert metric(rows, "trl", "rl_seconds", "trl")["value"] == trl["phase_seconds"]["rl"]
     # Both start from one warm-started model.
     assert metric(rows, "trl", "initial_accuracy")["value"] == job["accuracy_before"]
+    # TRL, one process, computes on every core, as torch does by default (it inherited the
+    # one thread per process that the command sets for the job's workers).
+    default = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=e2e_suite.peer_environment(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert trl["torch_threads"] == int(default.stdout) > (1 if (os.cpu_count() or 1) > 1 else 0)
+
+
+def test_a_peer_runs_without_the_one_thread_the_command_sets_for_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for var in e2e_suite.ONE_THREAD:
+        monkeypatch.delenv(var, raising=False)
+    cli._one_thread_per_worker()
+    assert all(os.environ[var] == "1" for var in e2e_suite.ONE_THREAD)
+    assert not set(e2e_suite.ONE_THREAD) & set(e2e_suite.peer_environment())
 
 
 @pytest.mark.slow

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -333,7 +334,23 @@ def trl(model_dir: Path, out: Path, overrides: list[str], quick: bool) -> None:
     if quick:
         overrides = [*overrides, "trainer.groups_per_step=4"]
     command = [sys.executable, "-m", "asyncflow.bench.trl_peer", "--model", str(model_dir)]
-    subprocess.run([*command, "--out", str(out), *overrides], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [*command, "--out", str(out), *overrides],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env=peer_environment(),
+    )
+
+
+#: What the ``asyncflow`` command sets for its own workers' processes: one thread each.
+ONE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def peer_environment() -> dict[str, str]:
+    """The environment of a peer's process: without the one thread per process that the
+    ``asyncflow`` command sets for its own workers (a peer that runs in one process computes on
+    every core, as torch does by default)."""
+    return {k: v for k, v in os.environ.items() if k not in ONE_THREAD}
 
 
 def _peer_result(run_dir: Path, seed: int, case: str) -> PeerResult:

@@ -20,7 +20,9 @@ settings where TRL has them:
   ``trainer.warmup_steps``; TRL's default decays linearly to zero), ``trainer.weight_decay``,
   gradient clip ``trainer.grad_clip``, float32 on the CPU;
 - no gradient checkpointing (TRL's default recomputes activations to save memory; the job's
-  trainer does not, and the tiny model needs no saving).
+  trainer does not, and the tiny model needs no saving);
+- torch's own number of threads (every core: TRL is one process), not the one thread per
+  process that ``asyncflow``'s command sets for its workers; ``summary.json`` says how many.
 
 With ``agent.enabled`` (the multi-turn ``multiply-tools`` job, ``examples/tools.yaml``) TRL runs
 the trajectories with its own tool support, as its docs set it up: the tool is an ``async def``
@@ -339,6 +341,7 @@ def run(model_dir: Path, out: Path, c: configuration.Config) -> dict[str, Any]:
     history = trainer.state.log_history
     summary = {
         "peer": f"trl {trl.__version__}",
+        "torch_threads": torch.get_num_threads(),
         "accuracy_after": after,
         f"pass_at_{PASS_K}_after": pass_after,
         "phase_seconds": phases,
