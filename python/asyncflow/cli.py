@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncflow.bench import SUITES
 
@@ -79,10 +80,37 @@ def build_parser() -> argparse.ArgumentParser:
     make = data.add_parser("make", help="write a generated dataset as parquet")
     make.add_argument("dataset", choices=["gsm-synthetic"], help="which dataset")
     make.add_argument("--out", type=Path, required=True, help="directory for the parquet files")
-    make.add_argument("--train", type=int, default=4000, help="training problems")
-    make.add_argument("--test", type=int, default=200, help="held-out problems")
+    make.add_argument("--train", type=_count, default=4000, help="training problems")
+    make.add_argument("--test", type=_count, default=200, help="held-out problems")
     make.add_argument("--seed", type=int, default=0, help="generator seed")
     return parser
+
+
+def _count(text: str) -> int:
+    """A number of problems: at least one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _check_not_overwritten(args: argparse.Namespace, config: Any) -> None:
+    """Refuses ``--config`` when it is the ``config.yaml`` a new run writes in ``--run-dir`` and
+    holds more than those settings (comments, a file of one's own): it would be replaced."""
+    from asyncflow.errors import ConfigError
+
+    if args.config is None or args.run_dir is None or args.resume is not None:
+        return
+    given, written = Path(args.config), args.run_dir / "config.yaml"
+    same = written.exists() and given.resolve() == written.resolve()
+    if same and given.read_text() != config.to_yaml():
+        raise ConfigError(
+            f"--config {given} is the file the run writes its settings to in --run-dir "
+            f"{args.run_dir}, and would be replaced: keep it elsewhere"
+        )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -103,7 +131,8 @@ def _train(args: argparse.Namespace) -> int:
             config = cfg.load(args.config or saved, overrides)
         else:
             config = cfg.load(args.config, overrides)
-    except ConfigError as e:
+        _check_not_overwritten(args, config)
+    except (ConfigError, OSError, UnicodeError) as e:
         print(f"asyncflow train: invalid configuration: {e}", file=sys.stderr)
         return 2
     _stop_on_sigterm()
@@ -112,6 +141,9 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"asyncflow train: invalid configuration: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("asyncflow train: interrupted (the run's processes were stopped)", file=sys.stderr)
+        return 130
     print(f"summary written to {summary['run_dir']}/summary.json")
     return 0
 
@@ -148,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "bench":
-        from asyncflow.bench import run_suite
+        from asyncflow.bench import ArgumentError, run_suite
         from asyncflow.daemon import TOKEN_ENV, new_token
 
         cases = tuple(args.cases.split(",")) if args.cases else None
@@ -166,14 +198,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # here: on loopback without one, any local user could read and clear their rows.
         os.environ.setdefault(TOKEN_ENV, new_token())
         _stop_on_sigterm()  # a suite's daemons and worker processes are stopped with it
-        return run_suite(
-            args.suite,
-            json_path=args.json,
-            quick=args.quick,
-            costs=args.costs,
-            cases=cases,
-            seeds=seeds,
-        )
+        try:
+            return run_suite(
+                args.suite,
+                json_path=args.json,
+                quick=args.quick,
+                costs=args.costs,
+                cases=cases,
+                seeds=seeds,
+            )
+        except ArgumentError as e:  # raised before the suite runs anything
+            parser.error(str(e))
     if args.command == "data":
         from asyncflow.tasks import gsm_synthetic
 

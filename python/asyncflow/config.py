@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -516,8 +517,17 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def shareable(self) -> dict[str, Any]:
+        """:meth:`to_dict` without ``store.token``: what is written to the run directory and
+        sent to trackers, which other users may read (a resume takes the token from
+        ``$ASYNCFLOW_TOKEN``, or ``store.token`` given again)."""
+        settings = self.to_dict()
+        settings["store"]["token"] = None
+        return settings
+
     def to_yaml(self) -> str:
-        return str(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """The settings as YAML, without the store's token (see :meth:`shareable`)."""
+        return str(yaml.safe_dump(self.shareable(), sort_keys=False))
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -532,9 +542,11 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p} is not valid YAML: {e}") from None
+        except (OSError, UnicodeError) as e:
+            raise ConfigError(f"cannot read {p}: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         raw = loaded
@@ -546,6 +558,22 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
     config: Config = _build(Config, raw, "")
     validate(config)
     return config
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """YAML's safe loader, refusing a key given twice in one mapping: a section repeated in a
+    file silently replaced the first one, settings and all."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return dict(super().construct_mapping(node, deep=deep))
 
 
 def _override_value(key: str, value: str) -> Any:
@@ -704,6 +732,8 @@ def validate(c: Config) -> None:
         ("trainer.ppo_epochs", c.trainer.ppo_epochs),
         ("trainer.dp_size", c.trainer.dp_size),
         ("store.shards", c.store.shards),
+        ("warm_start.steps", c.warm_start.steps),
+        ("warm_start.batch_size", c.warm_start.batch_size),
         ("run.eval_every", c.run.eval_every),
         ("run.checkpoint_every", c.run.checkpoint_every),
     ]:
@@ -724,7 +754,20 @@ def validate(c: Config) -> None:
             "model.max_positions leaves no room for a prompt before rollout.max_tokens",
         )
     for key, rate in [("trainer.lr", c.trainer.lr), ("warm_start.lr", c.warm_start.lr)]:
-        _require(rate > 0, f"{key} must be positive")
+        _require(0 < rate < math.inf, f"{key} must be a positive number, not {rate}")
+    _require(
+        0 <= c.trainer.weight_decay < math.inf,
+        f"trainer.weight_decay must be a number >= 0, not {c.trainer.weight_decay}",
+    )
+    _require(c.run.stall_timeout > 0, "run.stall_timeout must be positive")
+    try:
+        parse_size(c.store.memory_limit)
+    except ValueError as e:
+        raise ConfigError(f"store.memory_limit: {e}") from None
+    _require(
+        c.store.address == "embedded" or c.store.address.startswith("tcp://"),
+        f"store.address must be embedded or a daemon's tcp://HOST:PORT, not {c.store.address!r}",
+    )
     _require(
         c.trainer.grad_clip > 0,
         "trainer.grad_clip must be positive: the norm gradients are clipped to (a large value "
@@ -811,7 +854,17 @@ def validate(c: Config) -> None:
             "data.task: addition-longtail answers with a scratchpad and '#### <sum>': set "
             "reward.fn: gsm8k (exact_match would score every response 0)",
         )
-    if c.data.task not in ("arithmetic", "addition-longtail", "multiply-tools"):  # (no files)
+    if c.data.task in ("arithmetic", "addition-longtail", "multiply-tools"):  # (no files)
+        for key, file in [
+            ("data.train_file", c.data.train_file),
+            ("data.eval_file", c.data.eval_file),
+        ]:
+            _require(
+                file is None,
+                f"{key} is read only by a task of files (data.task: dataset or parquet); the "
+                f"built-in task {c.data.task!r} generates its problems",
+            )
+    else:
         task = c.data.task
         _require(c.data.train_file is not None, f"data.task: {task} needs data.train_file")
         for key, file in [

@@ -135,8 +135,15 @@ class DaemonProcess:
             env[PARENT_ENV] = str(os.getpid())
         #: The token it demands (None: none), for :meth:`connect`.
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        # A job's own daemon is kept out of the job's process group: a Ctrl-C in the terminal
+        # stops the job, whose cleanup then stops the daemon; stopped at once with the job, it
+        # left the job's workers retrying a dead store for minutes.
         self.proc = subprocess.Popen(
-            [*command, *defaults, *flags], stdout=subprocess.PIPE, text=True, env=env
+            [*command, *defaults, *flags],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=exit_with_parent,
         )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], startup_timeout)

@@ -446,7 +446,7 @@ class Run:
             # Resumed before its first checkpoint: none of the records is kept.
             keep_until=trainer_engine.version if self.resume else None,
             loggers=c.run.loggers,
-            config=c.to_dict(),
+            config=c.shareable(),
         )
         evals = [(0, before)] + [
             (r["step"], r["eval_accuracy"]) for r in metrics.history if "eval_accuracy" in r

@@ -36,6 +36,7 @@ from asyncflow.train import train
 from asyncflow.workers.base import Context, RunState
 from asyncflow.workers.trainer import Ledger
 from run_outputs import metrics
+from sigterm import assert_sigterm_runs_cleanup
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -384,3 +385,23 @@ def test_the_readme_ray_command_runs_from_a_cold_start_on_a_small_machine(
     assert summary["steps"] == 2
     assert summary["placement"]["nodes"] == 1
     assert len(ledger(tmp_path)) == 2
+
+
+def test_sigterm_stops_a_ray_run_through_its_cleanup() -> None:
+    # Ray's core worker replaced the command's SIGTERM handler with one that aborts the
+    # process: the run died by SIGABRT, its cleanup never ran.
+    script = (
+        "import time\n"
+        "import ray\n"
+        "from asyncflow import cli\n"
+        "from asyncflow.launch.ray_join import join\n"
+        "cli._stop_on_sigterm()\n"
+        "join(None, num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n"
+        "finally:\n"
+        "    ray.shutdown()\n"
+        "    print('cleaned up', flush=True)\n"
+    )
+    assert_sigterm_runs_cleanup(script)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,16 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["nosuch.key=1"], "unknown config key nosuch"),
         (["trainer.max_steps=three"], "trainer.max_steps must be an integer"),
         (["trainer.max_steps=0"], "trainer.max_steps must be at least 1"),
-        (["trainer.lr=-1"], "trainer.lr must be positive"),
+        (["trainer.lr=-1"], "trainer.lr must be a positive number"),
+        # Each of these was accepted, and the run failed later with a traceback.
+        (["trainer.lr=inf"], "trainer.lr must be a positive number"),
+        (["trainer.weight_decay=-1"], "trainer.weight_decay must be a number >= 0"),
+        (["run.stall_timeout=-1"], "run.stall_timeout must be positive"),
+        (["warm_start.batch_size=0"], "warm_start.batch_size must be at least 1"),
+        (["store.memory_limit=4GB_"], "store.memory_limit"),
+        (["store.address=foo"], "store.address must be embedded or"),
+        # Silently ignored: the built-in task trained instead.
+        (["data.train_file=/no/file.parquet"], "read only by a task of files"),
         (["rollout.n=1"], "rollout.n must be at least 2"),
         (["trainer.correction=magic"], "trainer.correction must be one of"),
         (["trainer.kl_coef=0.1"], "needs algorithm.reference"),
@@ -60,6 +70,30 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
 def test_bad_settings_are_rejected_with_the_key_named(override: list[str], message: str) -> None:
     with pytest.raises(cfg.ConfigError, match=message):
         cfg.load(None, override)
+
+
+def test_a_section_given_twice_in_a_file_is_refused(tmp_path: Path) -> None:
+    # The second silently replaced the first, settings and all.
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  max_steps: 10\nrollout:\n  n: 4\ntrainer:\n  lr: 0.5\n")
+    with pytest.raises(cfg.ConfigError, match="'trainer' is given twice"):
+        cfg.load(path)
+    path.write_text("trainer:\n  max_steps: 10\n  max_steps: 11\n")
+    with pytest.raises(cfg.ConfigError, match="'max_steps' is given twice"):
+        cfg.load(path)
+
+
+def test_a_config_file_that_is_not_text_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"trainer:\n  max_steps: \xff\xfe\n")
+    with pytest.raises(cfg.ConfigError, match="cannot read"):
+        cfg.load(path)
+
+
+def test_the_store_token_is_not_written_with_the_settings() -> None:
+    c = cfg.load(None, ["store.address=tcp://127.0.0.1:7391", "store.token=sekrit123"])
+    assert c.store.token == "sekrit123"
+    assert "sekrit123" not in c.to_yaml() and c.shareable()["store"]["token"] is None
 
 
 def test_a_missing_config_file_is_reported() -> None:
@@ -100,11 +134,11 @@ def test_a_reward_model_template_without_the_response_is_refused(tmp_path: Path)
         )
 
 
-def test_the_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:
+def test_the_resolved_config_round_trips_through_yaml_but_for_the_token(tmp_path: Path) -> None:
     c = cfg.load(None, ["trainer.max_steps=7", "store.token=abc"])
     path = tmp_path / "resolved.yaml"
     path.write_text(c.to_yaml())
-    assert cfg.load(path) == c
+    assert cfg.load(path) == dataclasses.replace(c, store=dataclasses.replace(c.store, token=None))
 
 
 EXAMPLES = Path(__file__).parents[2] / "examples"

@@ -27,6 +27,33 @@ SUITES = {
 COSTED = ("pipeline", "sim")
 
 
+class ArgumentError(ValueError):
+    """A suite asked for with options it does not take; nothing has run."""
+
+
+def check_arguments(
+    name: str,
+    json_path: str | None,
+    costs: str | None,
+    cases: tuple[str, ...] | None,
+    seeds: tuple[int, ...] | None,
+) -> None:
+    """Refuses options that ``name`` does not take or cannot use, before it runs."""
+    if costs is not None and name not in COSTED:
+        raise ArgumentError(f"suite {name!r} reads no cost model; --costs is for {COSTED}")
+    if costs is not None and not Path(costs).is_file():
+        raise ArgumentError(f"--costs {costs}: no such file")
+    if (cases is not None or seeds is not None) and name != "e2e":
+        raise ArgumentError(
+            f"suite {name!r} has no parts to choose; --cases and --seeds are for e2e"
+        )
+    if json_path is not None and Path(json_path).suffix in (".md", ".png"):
+        raise ArgumentError(
+            f"--json {json_path}: the table (.md) and figure (.png) are written beside the JSON "
+            "records, under the same name; give the records a name of their own (.json)"
+        )
+
+
 def run_suite(
     name: str,
     json_path: str | None = None,
@@ -38,10 +65,7 @@ def run_suite(
     """Runs one suite, prints its table, and writes its records to ``json_path`` (with the
     table and figure beside it). ``cases`` and ``seeds``: the parts and seeds of the ``e2e``
     suite to run."""
-    if costs is not None and name not in COSTED:
-        raise ValueError(f"suite {name!r} reads no cost model; --costs is for {COSTED}")
-    if (cases is not None or seeds is not None) and name != "e2e":
-        raise ValueError(f"suite {name!r} has no parts to choose; --cases and --seeds are for e2e")
+    check_arguments(name, json_path, costs, cases, seeds)
     module = importlib.import_module(SUITES[name])
     report = Report(name)
     report.note(f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}")

@@ -69,6 +69,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from asyncflow.bench import ArgumentError
 from asyncflow.bench.records import Report
 
 STALENESS = (0, 1, 2)
@@ -494,11 +495,11 @@ def run(
     settings = QUICK if quick else FULL
     unknown = set(cases) - set(CASES)
     if unknown:
-        raise ValueError(f"e2e cases are {CASES}, not {sorted(unknown)}")
+        raise ArgumentError(f"e2e cases are {CASES}, not {sorted(unknown)}")
     if seeds is None:
         seeds = SEEDS[:1] if quick else SEEDS
     if not seeds or not set(seeds) <= set(SEEDS):
-        raise ValueError(f"e2e seeds are some of {SEEDS}, not {list(seeds)}")
+        raise ArgumentError(f"e2e seeds are some of {SEEDS}, not {list(seeds)}")
     if set(cases) & set(DEFAULT_CASES):
         report.note(
             f"asyncflow train with its defaults except: {settings.steps} steps, evaluation every "

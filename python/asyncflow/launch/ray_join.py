@@ -10,6 +10,7 @@ loopback joined, with Ray in that one-machine mode for the call.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,15 +27,21 @@ LOOPBACK = "127.0.0.1"
 def join(address: str | None, **options: Any) -> None:
     """Connects this process to the Ray cluster at ``address`` (``host:port``) or, without one,
     starts a Ray instance of its own on loopback (never joining one another process started);
-    ``options`` go to ``ray.init``."""
-    if address is None:
-        with _one_machine():
-            ray.init(address="local", _node_ip_address=LOOPBACK, **options)
-    elif is_loopback(_host(address)):
-        with _one_machine():
+    ``options`` go to ``ray.init``. This process's SIGTERM handler is kept: Ray's core worker
+    replaces it with one that aborts the process (no cleanup, exit by SIGABRT)."""
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        if address is None:
+            with _one_machine():
+                ray.init(address="local", _node_ip_address=LOOPBACK, **options)
+        elif is_loopback(_host(address)):
+            with _one_machine():
+                ray.init(address=address, **options)
+        else:
             ray.init(address=address, **options)
-    else:
-        ray.init(address=address, **options)
+    finally:
+        if on_sigterm is not None:
+            signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _host(address: str) -> str:
