@@ -17,6 +17,7 @@ import torch
 from asyncflow import cli
 from asyncflow.algorithms.lr_schedule import lr_factor
 from asyncflow.bench import costs, e2e_suite, pipeline_suite, run_suite
+from asyncflow.bench import records as records_mod
 from asyncflow.bench.emulation.modes import MODES
 from asyncflow.bench.records import Report
 from asyncflow.bench.trl_peer import grpo_config, scheduler_settings
@@ -401,3 +402,12 @@ def test_sigterm_stops_a_bench_suite_through_its_cleanup() -> None:
         "sys.exit(cli.main(['bench', 'sched']))\n"
     )
     assert_sigterm_runs_cleanup(script)
+
+
+def test_a_suites_report_names_the_commit_it_measured() -> None:
+    # Reports said the date and machine but not the code: two published runs named the wrong one.
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], check=False).returncode != 0
+    assert records_mod.commit() == head + ("-dirty" if dirty else "")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from asyncflow.bench.plots import write_png
-from asyncflow.bench.records import Report, machine
+from asyncflow.bench.records import Report, commit, machine
 
 #: Suite name -> module exposing ``run(report, quick)``.
 SUITES = {
@@ -68,7 +68,7 @@ def run_suite(
     check_arguments(name, json_path, costs, cases, seeds)
     module = importlib.import_module(SUITES[name])
     report = Report(name)
-    report.note(f"{time.strftime('%Y-%m-%d %H:%M')}, {machine()}")
+    report.note(f"{time.strftime('%Y-%m-%d %H:%M')}, commit {commit()}, {machine()}")
     options: dict[str, object] = {"costs_path": costs} if costs else {}
     if cases is not None:
         options["cases"] = cases

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,23 @@ class Record:
 
     def as_json(self) -> dict[str, object]:
         return asdict(self) | {"ratio": self.ratio}
+
+
+def commit() -> str:
+    """The code measured: ``git describe --always --dirty`` of the package's checkout (a dirty
+    tree says so), or ``unknown`` outside one."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def machine() -> str:
