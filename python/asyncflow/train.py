@@ -29,6 +29,7 @@ from asyncflow.agents.tools import prompt_tools
 from asyncflow.config import Config
 from asyncflow.config import load as load_config
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
+from asyncflow.engines.registry import check_engine_names
 from asyncflow.errors import ConfigError
 from asyncflow.evaluation import accuracy, host_copy, pass_at_k, verifier
 from asyncflow.launch.base import Resources, launcher
@@ -624,8 +625,9 @@ def train(
 ) -> dict[str, Any]:
     """Runs the main job; returns the summary (also written to ``summary.json``)."""
     quiet_libraries()
+    check_engine_names(config)  # refused now, before anything starts
     if config.agent.enabled:
-        check_names(config.agent)  # refused now, before anything starts
+        check_names(config.agent)
     if resume is not None:
         if run_dir is not None and run_dir.resolve() != resume.resolve():
             raise ConfigError(f"a resumed run stays in its directory {resume}, not {run_dir}")

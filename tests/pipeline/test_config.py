@@ -96,6 +96,15 @@ def test_the_store_token_is_not_written_with_the_settings() -> None:
     assert "sekrit123" not in c.to_yaml() and c.shareable()["store"]["token"] is None
 
 
+@pytest.mark.parametrize("override", ["rollout.engine=vlm", "trainer.engine=deepspeeed"])
+def test_an_unknown_engine_is_refused_before_the_run_starts(tmp_path: Path, override: str) -> None:
+    # It failed when the engines were made: after the warm start (minutes), in a run directory
+    # left behind.
+    with pytest.raises(cfg.ConfigError, match=r"unknown (rollout|train) engine .*; known: .*hf"):
+        train(cfg.load(None, [override]), run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_config_file_is_reported() -> None:
     with pytest.raises(cfg.ConfigError, match="does not exist"):
         cfg.load("/no/such.yaml")

@@ -66,15 +66,32 @@ def _lookup(kind: str, table: dict[str, Any], name: str) -> Callable[[Path, Conf
                 entry = ep.load()
                 table[name] = entry
     if entry is None:
-        known = sorted(table) + [
-            ep.name for ep in importlib.metadata.entry_points(group=_GROUPS[kind])
-        ]
-        raise ConfigError(f"unknown {kind} engine {name!r}; known: {', '.join(known)}")
+        known = ", ".join(_known(kind, table))
+        raise ConfigError(f"unknown {kind} engine {name!r}; known: {known}")
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         entry = getattr(importlib.import_module(module), attr)
         table[name] = entry
     return entry  # type: ignore[no-any-return]
+
+
+def _known(kind: str, table: dict[str, Any]) -> list[str]:
+    return sorted(table) + [ep.name for ep in importlib.metadata.entry_points(group=_GROUPS[kind])]
+
+
+def check_engine_names(config: Config) -> None:
+    """Refuses an engine name that nothing here provides, before the run starts: it failed only
+    when the engines were made, after the warm start. Under Ray the engines are made on other
+    nodes, which may have engines of their own installed: not checked."""
+    if config.launcher != "local":
+        return
+    for kind, table, key, name in (
+        ("rollout", _ROLLOUT, "rollout.engine", config.rollout.engine),
+        ("train", _TRAIN, "trainer.engine", config.trainer.engine),
+    ):
+        known = _known(kind, table)
+        if resolve_engine_name(kind, name) not in known:
+            raise ConfigError(f"{key}: unknown {kind} engine {name!r}; known: {', '.join(known)}")
 
 
 def create_rollout_engine(name: str, model_dir: Path, config: Config) -> RolloutEngine:
