@@ -76,3 +76,15 @@ def test_a_jobs_own_daemon_is_out_of_reach_of_the_terminals_ctrl_c() -> None:
         assert os.getpgid(daemon.proc.pid) != os.getpgid(0)
     with DaemonProcess() as daemon:  # a daemon of one's own stays in the group
         assert os.getpgid(daemon.proc.pid) == os.getpgid(0)
+
+
+def test_overrides_after_an_option_are_overrides_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # argparse left them over and refused them ("unrecognized arguments").
+    argv = ["train", "trainer.max_steps=3", "--run-dir", str(tmp_path / "r"), "trainer.lr=fast"]
+    assert cli.main(argv) == 2
+    assert "trainer.lr must be a number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "sched", "extra=1"])
+    assert "unrecognized arguments: extra=1" in capsys.readouterr().err

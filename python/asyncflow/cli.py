@@ -176,7 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve(argv[2:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse takes a command's positionals in one run: key=value overrides after an
+        # option (asyncflow train a=1 --run-dir D b=2) are left over, and are overrides too.
+        if args.command != "train" or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if args.command == "train":
         return _train(args)
     if args.command == "bench":
