@@ -29,11 +29,12 @@ from asyncflow.agents.tools import prompt_tools
 from asyncflow.config import Config
 from asyncflow.config import load as load_config
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
-from asyncflow.engines.registry import check_engine_names
+from asyncflow.engines.registry import check_engine_names, resolve_engine_name
 from asyncflow.errors import ConfigError
 from asyncflow.evaluation import accuracy, host_copy, pass_at_k, verifier
 from asyncflow.launch.base import Resources, launcher
 from asyncflow.launch.local import run_threads
+from asyncflow.launch.rank_process import check_rank_engine
 from asyncflow.models.tiny import create_tiny_model, parameter_count
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.progress import Reporter
@@ -625,7 +626,9 @@ def train(
 ) -> dict[str, Any]:
     """Runs the main job; returns the summary (also written to ``summary.json``)."""
     quiet_libraries()
-    check_engine_names(config)  # refused now, before anything starts
+    # Refused now, before anything starts (the engines are made after the warm start).
+    check_engine_names(config)
+    check_rank_engine(config, resolve_engine_name("train", config.trainer.engine))
     if config.agent.enabled:
         check_names(config.agent)
     if resume is not None:

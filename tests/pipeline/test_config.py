@@ -105,6 +105,15 @@ def test_an_unknown_engine_is_refused_before_the_run_starts(tmp_path: Path, over
     assert not (tmp_path / "run").exists()
 
 
+def test_ranks_of_an_engine_that_cannot_run_as_ranks_are_refused_before_the_run_starts(
+    tmp_path: Path,
+) -> None:
+    # It was refused when the engines were made, after the warm start.
+    with pytest.raises(cfg.ConfigError, match=r"dp_size > 1 needs trainer.engine deepspeed"):
+        train(cfg.load(None, ["trainer.dp_size=2", "trainer.engine=hf"]), run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_missing_config_file_is_reported() -> None:
     with pytest.raises(cfg.ConfigError, match="does not exist"):
         cfg.load("/no/such.yaml")

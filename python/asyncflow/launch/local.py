@@ -30,7 +30,6 @@ from asyncflow.engines.registry import (
 )
 from asyncflow.errors import StoreError
 from asyncflow.launch.base import Resources, rollout_labels
-from asyncflow.launch.rank_process import check_rank_engine
 from asyncflow.launch.ranks import RankGroup
 from asyncflow.store import Store
 from asyncflow.units import parse_size
@@ -139,7 +138,6 @@ def start(
         f"starting engines: rollout={rollout_name} x{c.rollout.engines}, "
         f"trainer={train_name} x{c.trainer.dp_size}"
     )
-    check_rank_engine(c, train_name)
     if trainer_in_job_process(c):
         trainer: TrainEngine = create_train_engine(train_name, model_dir, c)
     else:

@@ -41,7 +41,8 @@ RANK_ENGINES = ("deepspeed", "fsdp")
 
 
 def check_rank_engine(config: Config, train_name: str) -> None:
-    """Refuses data-parallel ranks of an engine that cannot run as one (either launcher)."""
+    """Refuses data-parallel ranks of an engine that cannot run as one (either launcher; checked
+    when a run starts)."""
     if config.trainer.dp_size > 1 and train_name not in RANK_ENGINES:
         raise ConfigError(
             f"trainer.dp_size > 1 needs trainer.engine {' or '.join(RANK_ENGINES)}, "

@@ -30,7 +30,6 @@ from asyncflow.engines.hf import HFRolloutEngine
 from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.launch import ray_workers
 from asyncflow.launch.base import Resources, rollout_labels
-from asyncflow.launch.rank_process import check_rank_engine
 from asyncflow.launch.ray_join import join
 from asyncflow.launch.ray_ranks import RayRanks
 from asyncflow.launch.ray_store import place_store
@@ -205,7 +204,6 @@ def start(
     config, model_dir = absolute_paths(config), model_dir.absolute()
     rollout_name = resolve_engine_name("rollout", config.rollout.engine)  # unknown: refused now
     train_name = resolve_engine_name("train", config.trainer.engine)
-    check_rank_engine(config, train_name)
     cluster = cleanup.enter_context(RayCluster(config, say))
     say(f"on Ray: store controller at {cluster.url}")
     store = connect(cluster.url, token=cluster.token)
