@@ -159,11 +159,15 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+#: The thread settings of the command's own processes: one thread each (see below).
+ONE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def _one_thread_per_worker() -> None:
     """Each worker (rollout, trainer, ...) computes on its own core. Several OpenMP threads per
     kernel oversubscribe small machines badly (measured 7x slower on 2 cores), and vLLM's CPU
     worker ignores later changes, so this is set before torch is imported."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in ONE_THREAD:
         os.environ.setdefault(var, "1")
 
 

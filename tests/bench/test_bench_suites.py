@@ -196,11 +196,11 @@ def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
 def test_a_peer_runs_without_the_one_thread_the_command_sets_for_its_workers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for var in e2e_suite.ONE_THREAD:
+    for var in cli.ONE_THREAD:
         monkeypatch.delenv(var, raising=False)
     cli._one_thread_per_worker()
-    assert all(os.environ[var] == "1" for var in e2e_suite.ONE_THREAD)
-    assert not set(e2e_suite.ONE_THREAD) & set(e2e_suite.peer_environment())
+    assert all(os.environ[var] == "1" for var in cli.ONE_THREAD)
+    assert not set(cli.ONE_THREAD) & set(e2e_suite.peer_environment())
 
 
 @pytest.mark.slow

@@ -71,6 +71,7 @@ from typing import Any
 
 from asyncflow.bench import ArgumentError
 from asyncflow.bench.records import Report
+from asyncflow.cli import ONE_THREAD
 
 STALENESS = (0, 1, 2)
 SEEDS = (0, 1, 2)
@@ -341,10 +342,6 @@ def trl(model_dir: Path, out: Path, overrides: list[str], quick: bool) -> None:
         stdout=subprocess.DEVNULL,
         env=peer_environment(),
     )
-
-
-#: What the ``asyncflow`` command sets for its own workers' processes: one thread each.
-ONE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def peer_environment() -> dict[str, str]:
