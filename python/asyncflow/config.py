@@ -704,6 +704,15 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 # ---- validation ---------------------------------------------------------------------------
 
 
+def _size(key: str, text: str | None) -> int | None:
+    """Setting ``key``'s size in bytes (see :func:`parse_size`); a ``ConfigError`` naming it if
+    it is no size."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -760,10 +769,7 @@ def validate(c: Config) -> None:
         f"trainer.weight_decay must be a number >= 0, not {c.trainer.weight_decay}",
     )
     _require(c.run.stall_timeout > 0, "run.stall_timeout must be positive")
-    try:
-        parse_size(c.store.memory_limit)
-    except ValueError as e:
-        raise ConfigError(f"store.memory_limit: {e}") from None
+    _size("store.memory_limit", c.store.memory_limit)
     _require(
         c.store.address == "embedded" or c.store.address.startswith("tcp://"),
         f"store.address must be embedded or a daemon's tcp://HOST:PORT, not {c.store.address!r}",
@@ -796,13 +802,10 @@ def validate(c: Config) -> None:
         0 < c.rollout.gpu_memory_utilization <= 1,
         "rollout.gpu_memory_utilization must be in (0, 1]",
     )
-    try:
-        _require(
-            (parse_size(c.rollout.kv_cache_memory) or 0) > 0,
-            "rollout.kv_cache_memory must be a positive size such as 64MiB",
-        )
-    except ValueError as e:
-        raise ConfigError(f"rollout.kv_cache_memory: {e}") from None
+    _require(
+        (_size("rollout.kv_cache_memory", c.rollout.kv_cache_memory) or 0) > 0,
+        "rollout.kv_cache_memory must be a positive size such as 64MiB",
+    )
     if c.rollout.max_model_len is not None:
         _require(c.rollout.max_model_len >= 1, "rollout.max_model_len must be at least 1")
     _require(c.run.poll_interval > 0, "run.poll_interval must be positive")
@@ -1014,10 +1017,7 @@ def _validate_weights(c: Config) -> None:
             f"through CUDA IPC, and torch {torch.__version__} sees no CUDA device here; use "
             "store, or broadcast",
         )
-    try:
-        bucket = parse_size(w.bucket_size) or 0
-    except ValueError as e:
-        raise ConfigError(f"weights.bucket_size: {e}") from None
+    bucket = _size("weights.bucket_size", w.bucket_size) or 0
     _require(bucket > 0, "weights.bucket_size must be a positive size such as 64MiB")
     _require(w.timeout > 0, "weights.timeout must be positive")
 
@@ -1046,10 +1046,7 @@ def _validate_agent(c: Config) -> None:
         "agent.sandbox limits must be positive",
     )
     for key in ("memory", "disk"):
-        try:
-            size = parse_size(getattr(s, key)) or 0
-        except ValueError as e:
-            raise ConfigError(f"agent.sandbox.{key}: {e}") from None
+        size = _size(f"agent.sandbox.{key}", getattr(s, key)) or 0
         _require(size > 0, f"agent.sandbox.{key} must be a positive size")
     _require(c.launcher == "local", "agent.enabled runs with launcher local only (for now)")
     _require(
