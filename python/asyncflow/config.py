@@ -184,6 +184,11 @@ class TrainerConfig:
     #: (attention kept within each sample), short samples sharing a row, instead of padding each
     #: to the longest: less compute is spent on padding.
     packing: bool = True
+    #: Packed, train the samples that share a prompt (a group's) as one unit: the prompt once,
+    #: each response attending to it and to itself (the same gradient, the prompt's compute
+    #: done once per group). Used where it costs less: attention over the longer rows is dense,
+    #: so the model's sizes and the claim's lengths decide (``workers.batches.pair_cost``).
+    share_prompts: bool = True
     #: Train each micro-batch as soon as its samples are ready (true), or first wait until the
     #: whole step's samples are, as synchronous frameworks do (false: a baseline to compare with).
     #: Trainer ranks in processes of their own always wait (see ``dp_size``).

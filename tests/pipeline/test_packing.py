@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncflow import config as cfg
+from asyncflow.engines.base import TrainBatch
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.workers.batches import (
@@ -18,7 +19,7 @@ from asyncflow.workers.batches import (
     split_micro_batches,
     to_train_batch,
 )
-from asyncflow.workers.steps import StepLoss
+from asyncflow.workers.steps import StepLoss, sample_lengths
 
 TINY = [
     "model.hidden_size=32",
@@ -147,3 +148,113 @@ def test_packing_never_holds_more_padding_than_padding_each_row(spread: tuple[in
         return total
 
     assert sum(lengths) <= tensor_tokens(True) <= tensor_tokens(False)
+
+
+def groups(rng: np.random.Generator, count: int, n: int, longest: int = 7) -> dict[str, list]:
+    """``count`` groups of ``n`` samples, each group's samples with one prompt, in group order
+    as a whole-group claim reads them."""
+    prompts = [rng.integers(4, 90, int(rng.integers(3, 12))) for _ in range(count)]
+    responses = [rng.integers(4, 90, int(rng.integers(1, longest))) for _ in range(count * n)]
+    return {
+        "prompt_ids": [prompts[i // n] for i in range(count * n)],
+        "response_ids": responses,
+        "behaviour_logprobs": [rng.normal(-2, 0.3, len(r)).astype(np.float32) for r in responses],
+        "advantage": list(rng.normal(size=count * n)),
+    }
+
+
+def test_a_shared_prompt_is_laid_out_once_with_each_response_attending_to_it() -> None:
+    prompts = [np.array([5, 6, 7]), np.array([5, 6, 7]), np.array([8])]
+    responses = [np.array([9]), np.array([10, 11]), np.array([12])]
+    batch = to_train_batch(prompts, responses, 0, packed=True, shared=True)
+    # One unit of 3 + 1 + 2 tokens, then the third sample in a row of its own.
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9, 10, 11], [8, 12, 0, 0, 0, 0]]
+    assert batch.position_ids is not None and batch.logit_source is not None
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 3, 4], [0, 1, 0, 1, 2, 3]]
+    assert batch.sequence_ids is not None
+    assert batch.sequence_ids.tolist() == [[0, 0, 0, 0, 1, 1], [2, 2, 0, 0, 0, 0]]
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 0, 0, 0, 0]]
+    # Both responses' first tokens are predicted at the prompt's last (column 2).
+    assert batch.logit_source.tolist()[0] == [0, 0, 1, 2, 2, 4]
+    assert batch.shared_mask is not None
+    seen = batch.shared_mask[0, 0].int().tolist()
+    assert seen[4] == [1, 1, 1, 0, 1, 0]  # the second response: the prompt and itself
+    assert seen[5] == [1, 1, 1, 0, 1, 1]
+    assert seen[3] == [1, 1, 1, 1, 0, 0]
+    assert batch.shared_mask[1, 0].int().tolist()[3] == [0, 0, 1, 1, 0, 0]  # padding: its own
+    assert batch.sequences == 3 and batch.tokens == 8
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_a_micro_batch_of_shared_prompts_has_the_gradient_of_the_padded_one(
+    tmp_path: Path, aggregation: str
+) -> None:
+    config = cfg.load(None, [*TINY, f"algorithm.loss_aggregation={aggregation}"])
+    engine = HFTrainEngine(create_tiny_model(config.model, tmp_path, seed=0), config)
+    data = groups(np.random.default_rng(1), count=3, n=4)
+    padded = StepLoss(config, pad_id=0)
+    padded.packed = False
+    shared = StepLoss(config, pad_id=0, model_config=engine.model_config)
+    units = shared.units(data)
+    assert units == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    batch = shared.batch(data, shared=True)
+    assert batch.shared_mask is not None
+    assert batch.tokens < sum(sample_lengths(data))
+
+    def grads(batch: TrainBatch, loss: StepLoss) -> dict:
+        engine.model.zero_grad(set_to_none=True)
+        engine.forward_backward(batch, loss)
+        return {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+
+    want, got = grads(padded.batch(data), padded), grads(batch, shared)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+    # The response tokens' log-probs are the padded rows' too.
+    mine = engine.logprobs(batch)[batch.response_mask.bool()]
+    theirs = engine.logprobs(padded.batch(data))[padded.batch(data).response_mask.bool()]
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_prompts_are_shared_only_where_it_costs_less_and_units_stay_whole(
+    tmp_path: Path,
+) -> None:
+    config = cfg.load(None, [*TINY, "trainer.micro_batch_tokens=200"])
+    model_config = HFTrainEngine(
+        create_tiny_model(config.model, tmp_path, seed=0), config
+    ).model_config
+    data = groups(np.random.default_rng(2), count=12, n=4)
+    loss = StepLoss(config, pad_id=0, model_config=model_config)
+    units = loss.units(data)
+    assert units is not None and len(units) == 12
+    parts = loss.parts(data, min_count=2)
+    assert sorted(i for part in parts for i in part) == list(range(48))
+    for part, batch in zip(parts, loss.micro_batches(data, parts, False), strict=True):
+        assert batch.input_ids.numel() <= 200
+        assert any(part[k : k + 4] == u for u in units for k in range(len(part)))
+        assert batch.sequences == len(part)
+    # Without the model's sizes, with sharing turned off, or where attention over the longer
+    # rows would cost more than the prompts saved (long responses, a short prompt, a model
+    # whose attention costs much against its weights), samples are laid out one by one.
+    assert StepLoss(config, pad_id=0).units(data) is None
+    off = cfg.load(None, [*TINY, "trainer.share_prompts=false"])
+    assert StepLoss(off, pad_id=0, model_config=model_config).units(data) is None
+    # Two groups of 8 samples of a 2-token prompt and 50-token responses: a shared unit is a row
+    # of 402 tokens, whose attention costs more than the 14 prompts it saves.
+    wide = cfg.load(None, TINY)
+    long = {
+        "prompt_ids": [np.array([5, 6]) if i < 8 else np.array([7, 8]) for i in range(16)],
+        "response_ids": [np.full(50, 9) for _ in range(16)],
+        "behaviour_logprobs": [np.zeros(50, np.float32) for _ in range(16)],
+        "advantage": [0.0] * 16,
+    }
+    assert StepLoss(wide, pad_id=0, model_config=model_config).units(long) is None
+    # The same groups with 4-token responses: the prompt is a third of each sample; shared.
+    short = long | {
+        "response_ids": [np.full(4, 9) for _ in range(16)],
+        "behaviour_logprobs": [np.zeros(4, np.float32) for _ in range(16)],
+    }
+    assert StepLoss(wide, pad_id=0, model_config=model_config).units(short) == [
+        list(range(8)),
+        list(range(8, 16)),
+    ]

@@ -440,20 +440,21 @@ class RecordingTrainEngine(HFTrainEngine):
 
     def __init__(self, model_dir: Path, config: cfg.Config) -> None:
         super().__init__(model_dir, config)
-        self.seen: list[tuple[int, int]] = []  # (tensor tokens, sequence tokens)
+        self.seen: list[tuple[int, int, int]] = []  # (tensor tokens, samples, response tokens)
 
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        self.seen.append((batch.input_ids.numel(), batch.tokens))
+        responses = int(batch.response_mask.sum())
+        self.seen.append((batch.input_ids.numel(), batch.sequences, responses))
         return super().forward_backward(batch, loss_fn)
 
 
 def put_long_samples(store: af.Store, groups: int, n: int, rng: np.random.Generator) -> int:
-    """Samples of step 0 with prompts of 20 to 200 tokens; returns their total tokens."""
+    """Samples of step 0 with prompts of 20 to 200 tokens; returns their response tokens."""
     total = 0
     for g in range(groups):
         prompt = rng.integers(4, 90, int(rng.integers(20, 200)))
         responses = [rng.integers(4, 90, int(rng.integers(1, 9))) for _ in range(n)]
-        total += sum(len(prompt) + len(r) for r in responses)
+        total += sum(len(r) for r in responses)
         store.put(
             {
                 "prompt_ids": [prompt] * n,
@@ -468,9 +469,9 @@ def put_long_samples(store: af.Store, groups: int, n: int, rng: np.random.Genera
     return total
 
 
-@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize(("packing", "share"), [(True, True), (True, False), (False, False)])
 def test_the_trainer_keeps_every_micro_batch_within_the_token_budget_on_long_prompts(
-    tmp_path: Path, metrics: MetricsLog, packing: bool
+    tmp_path: Path, metrics: MetricsLog, packing: bool, share: bool
 ) -> None:
     budget, groups, n = 400, 6, 2
     ctx = context(
@@ -478,6 +479,7 @@ def test_the_trainer_keeps_every_micro_batch_within_the_token_budget_on_long_pro
         f"trainer.groups_per_step={groups}",
         f"rollout.n={n}",
         f"trainer.packing={str(packing).lower()}",
+        f"trainer.share_prompts={str(share).lower()}",
         "model.hidden_size=32",
         "model.heads=2",
         "model.kv_heads=1",
@@ -490,8 +492,11 @@ def test_the_trainer_keeps_every_micro_batch_within_the_token_budget_on_long_pro
     trainer = Trainer(ctx, engine, metrics, Ledger(tmp_path / "ledger"))
     outcome = trainer._accumulate(0)
     assert outcome is not None
-    assert engine.seen and max(tensor for tensor, _ in engine.seen) <= budget
-    assert sum(tokens for _, tokens in engine.seen) == total, "every sample trained once"
+    assert engine.seen and max(tensor for tensor, _, _ in engine.seen) <= budget
+    assert sum(samples for _, samples, _ in engine.seen) == groups * n, "every sample once"
+    assert sum(tokens for _, _, tokens in engine.seen) == total
+    # Shared, each group's prompt (most of its samples' tokens here) is laid out once.
+    assert any(batch.shared_mask is not None for batch in outcome[0]) == share
     padding = outcome[1].padding()
     if packing:  # short samples fill the rows beside long ones: less padding than padded
         assert padding["padding_fraction"] < padding["padding_fraction_unpacked"]

@@ -161,6 +161,11 @@ class TrainBatch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     position_ids: torch.Tensor | None = None
     sequence_ids: torch.Tensor | None = None
+    #: Packed with shared prompts (see ``workers.batches``): ``[rows, 1, width, width]``, True
+    #: where a token attends to another; and the position of each token's logits (``[rows,
+    #: width]``; a response's first token is predicted at its prompt's last).
+    shared_mask: torch.Tensor | None = None
+    logit_source: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -183,6 +188,8 @@ class TrainBatch:
         common = {"input_ids": self.input_ids, "use_cache": False}
         if self.position_ids is None:
             return {**common, "attention_mask": self.attention_mask}
+        if self.shared_mask is not None:
+            return {**common, "position_ids": self.position_ids, "attention_mask": self.shared_mask}
         # Without a cache and a mask, transformers reads sequence boundaries from the positions.
         return {**common, "position_ids": self.position_ids}
 
@@ -201,6 +208,8 @@ class TrainBatch:
             {k: v.to(device) for k, v in self.extras.items()},
             move(self.position_ids),
             move(self.sequence_ids),
+            move(self.shared_mask),
+            move(self.logit_source),
         )
 
 
@@ -215,6 +224,11 @@ class TrainEngine(ABC):
 
     def __init__(self) -> None:
         self.version = 0
+
+    @property
+    def model_config(self) -> Any:
+        """The transformers config of the model it trains (its sizes), or None."""
+        return None
 
     @abstractmethod
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -268,11 +282,15 @@ class StepTrainEngine(TrainEngine):
         its first evaluation)."""
 
 
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``log p(input_ids[t] | :t)`` from next-token ``logits`` (``[B, L, V]``), aligned to ``t``
-    (position 0 gets 0)."""
+def token_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    """``log p(input_ids[t] | what t follows)`` from next-token ``logits`` (``[B, L, V]``),
+    aligned to ``t``: the logits at ``t - 1`` (position 0 gets 0), or at the batch's
+    ``logit_source``."""
+    input_ids = batch.input_ids
+    if batch.logit_source is not None:
+        where = batch.logit_source.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        logp = torch.log_softmax(logits.gather(1, where).float() / temperature, dim=-1)
+        return logp.gather(-1, input_ids.unsqueeze(-1)).squeeze(-1)
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))

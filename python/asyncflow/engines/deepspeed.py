@@ -118,9 +118,13 @@ class DeepSpeedTrainEngine(TrainEngine):
         if self.zero_stage == 0 and config.model.dtype != "bfloat16":
             _keep_clipped_norm(self.engine)
 
+    @property
+    def model_config(self) -> Any:
+        return getattr(self.engine.module, "config", None)
+
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         out = self.engine(**batch.model_inputs())
-        return token_logprobs(out.logits, batch.input_ids, self.temperature)
+        return token_logprobs(out.logits, batch, self.temperature)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -117,11 +117,15 @@ class FSDPTrainEngine(TrainEngine):
                 f"{type(e).__name__}: {e}"
             ) from e
 
+    @property
+    def model_config(self) -> Any:
+        return getattr(self.model, "config", None)
+
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         logits = self.model(**batch.model_inputs()).logits
-        return token_logprobs(logits, batch.input_ids, self.temperature)
+        return token_logprobs(logits, batch, self.temperature)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

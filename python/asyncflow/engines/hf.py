@@ -253,9 +253,13 @@ class HFTrainEngine(TrainEngine):
         )
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.trainer))
 
+    @property
+    def model_config(self) -> Any:
+        return getattr(self.model, "config", None)
+
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         logits = self.model(**batch.model_inputs()).logits
-        return token_logprobs(logits, batch.input_ids, self.temperature)
+        return token_logprobs(logits, batch, self.temperature)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

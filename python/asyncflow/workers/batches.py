@@ -10,6 +10,14 @@ samples share rows (first fit, longest first: :func:`pack_rows`), and a micro-ba
 are as wide as its fullest row, so the padding left is the rows' unfilled ends. Either way,
 :func:`split_micro_batches` keeps every micro-batch within the token budget, counting what the
 tensors hold (rows times their width).
+
+Packed with shared prompts (``shared``), the samples that follow one another with the same
+prompt (a GRPO group's) form one unit: the prompt once, then each response, every response
+attending to the prompt and to itself only, its positions going on from the prompt's. The
+prompt's forward and backward pass is then computed once per unit instead of once per sample,
+and its gradient is the sum of what each sample's would be. Such a micro-batch carries the
+attention mask itself (``TrainBatch.shared_mask``) and where each token's logits are
+(``TrainBatch.logit_source``: a response's first token is predicted at the prompt's last).
 """
 
 from __future__ import annotations
@@ -33,17 +41,23 @@ def to_train_batch(
     packed: bool = False,
     width: int | None = None,
     loss_mask: Sequence[Any] | None = None,
+    shared: bool = False,
 ) -> TrainBatch:
     """``prompt + response`` sequences. ``per_token`` arrays (one value per response token, e.g.
     behaviour log-probs) are placed at the response positions of a ``[B, L]`` tensor; ``per_row``
     arrays become ``[B]`` tensors (packed: ``[rows, width]``, the sample's value on each of its
     tokens; see :func:`_packed`). ``loss_mask`` (per response token, 1 where the model wrote it)
     narrows the response mask to those tokens: environment tokens (tool output) are in the
-    response but not the policy's, so no loss, KL term or normalisation counts them."""
+    response but not the policy's, so no loss, KL term or normalisation counts them. ``shared``
+    (packed only): consecutive samples with the same prompt share it (see the module's
+    docstring)."""
+    if shared and not packed:
+        raise ValueError("shared prompts are a packed layout")
     if loss_mask is not None:
         per_token = {**(per_token or {}), "loss_mask": loss_mask}
     if packed:
-        tb = _packed(prompts, responses, per_token or {}, per_row or {}, pad_id, width)
+        units = prompt_runs(prompts) if shared else [[i] for i in range(len(prompts))]
+        tb = _packed(prompts, responses, units, per_token or {}, per_row or {}, pad_id, width)
     else:
         tb = _padded(prompts, responses, pad_id, per_token or {}, per_row or {})
     if loss_mask is not None:
@@ -85,18 +99,20 @@ def _padded(
 def _packed(
     prompts: Sequence[np.ndarray],
     responses: Sequence[np.ndarray],
+    units: Sequence[Sequence[int]],
     per_token: Mapping[str, Sequence[Any]],
     per_row: Mapping[str, np.ndarray],
     pad_id: int,
     width: int | None,
 ) -> TrainBatch:
-    """The samples in order, end to end, a new row begun whenever the next does not fit in
-    ``width`` (default: the longest sample): the rows :func:`pack_rows` made, when given its
-    rows' samples one row after another. The tensors are as wide as the fullest row; a row's
-    unfilled end is padding, positioned as a sequence of its own and outside every mask."""
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    """The units in order (each: its first sample's prompt, then its samples' responses), end
+    to end, a new row begun whenever the next does not fit in ``width`` (default: the longest
+    unit): the rows :func:`pack_rows` made, when given its rows' units one row after another.
+    The tensors are as wide as the fullest row; a row's unfilled end is padding, positioned as
+    a sequence of its own and outside every mask."""
+    lengths = unit_lengths(prompts, responses, units)
     width = pack_width(lengths) if width is None else width
-    starts: list[tuple[int, int]] = []  # (row, column) of each sample
+    starts: list[tuple[int, int]] = []  # (row, column) of each unit
     row, column = 0, 0
     for n in lengths:
         if n > width:
@@ -110,29 +126,47 @@ def _packed(
     ids = np.full((rows, width), pad_id, dtype=np.int64)
     attention = np.zeros((rows, width), dtype=np.int64)
     response = np.zeros((rows, width), dtype=np.float32)
-    # Padding counts on from 0 after the row's last sample: a sequence of its own.
+    # Padding counts on from 0 after the row's last unit: a sequence of its own.
     positions = np.zeros((rows, width), dtype=np.int64)
     sequence = np.zeros((rows, width), dtype=np.int64)
+    # Shared units only: which unit a token is in (padding: -1), and which of its samples'
+    # responses (-1: the prompt, which every response of the unit sees); where its logits are.
+    unit_of = np.full((rows, width), -1, dtype=np.int64)
+    branch = np.full((rows, width), -1, dtype=np.int64)
+    source = np.tile(np.maximum(np.arange(width) - 1, 0), (rows, 1))
     token_values = {name: np.zeros((rows, width), dtype=np.float32) for name in per_token}
     row_values = {name: np.zeros((rows, width), dtype=np.float32) for name in per_row}
     ends = np.zeros(rows, dtype=np.int64)
-    for i, ((r, c), p, resp) in enumerate(zip(starts, prompts, responses, strict=True)):
-        n, m = len(p), len(resp)
+    for k, ((r, c), unit) in enumerate(zip(starts, units, strict=True)):
+        p = prompts[unit[0]]
+        n = len(p)
         ids[r, c : c + n] = p
-        ids[r, c + n : c + n + m] = resp
-        attention[r, c : c + n + m] = 1
-        response[r, c + n : c + n + m] = 1
-        positions[r, c : c + n + m] = np.arange(n + m)
-        sequence[r, c : c + n + m] = i
-        for name, values in per_token.items():
-            token_values[name][r, c + n : c + n + m] = values[i]
+        positions[r, c : c + n] = np.arange(n)
+        sequence[r, c : c + n] = unit[0]
+        unit_of[r, c : c + n] = k
         for name, column_values in per_row.items():
-            row_values[name][r, c : c + n + m] = column_values[i]
-        ends[r] = c + n + m
+            row_values[name][r, c : c + n] = column_values[unit[0]]
+        at = c + n
+        for i in unit:
+            m = len(responses[i])
+            ids[r, at : at + m] = responses[i]
+            response[r, at : at + m] = 1
+            positions[r, at : at + m] = np.arange(n, n + m)
+            sequence[r, at : at + m] = i
+            unit_of[r, at : at + m] = k
+            branch[r, at : at + m] = i
+            source[r, at] = c + n - 1
+            for name, values in per_token.items():
+                token_values[name][r, at : at + m] = values[i]
+            for name, column_values in per_row.items():
+                row_values[name][r, at : at + m] = column_values[i]
+            at += m
+        attention[r, c:at] = 1
+        ends[r] = at
     for r, end in enumerate(ends):
         positions[r, end:] = np.arange(width - end)
     extras = {name: torch.from_numpy(v) for name, v in (token_values | row_values).items()}
-    return TrainBatch(
+    batch = TrainBatch(
         torch.from_numpy(ids),
         torch.from_numpy(attention),
         torch.from_numpy(response),
@@ -140,6 +174,59 @@ def _packed(
         position_ids=torch.from_numpy(positions),
         sequence_ids=torch.from_numpy(sequence),
     )
+    if any(len(u) > 1 for u in units):
+        causal = np.tril(np.ones((width, width), dtype=bool))
+        same_unit = unit_of[:, :, None] == unit_of[:, None, :]
+        seen = (branch[:, None, :] == -1) | (branch[:, :, None] == branch[:, None, :])
+        batch.shared_mask = torch.from_numpy((same_unit & seen & causal)[:, None])
+        batch.logit_source = torch.from_numpy(source)
+    return batch
+
+
+def unit_lengths(
+    prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray], units: Sequence[Sequence[int]]
+) -> list[int]:
+    """Each unit's tokens: its prompt once, and its samples' responses."""
+    return [len(prompts[u[0]]) + sum(len(responses[i]) for i in u) for u in units]
+
+
+def prompt_runs(prompts: Sequence[np.ndarray]) -> list[list[int]]:
+    """The samples (by index) in runs of consecutive ones with the same prompt."""
+    runs: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if runs and np.array_equal(prompts[runs[-1][0]], p):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def prompt_units(prompts: Sequence[np.ndarray]) -> list[list[int]]:
+    """The samples (by index) by prompt: those with the same prompt, in order of their first."""
+    units: dict[bytes, list[int]] = {}
+    for i, p in enumerate(prompts):
+        units.setdefault(np.asarray(p, np.int64).tobytes(), []).append(i)
+    return list(units.values())
+
+
+def pair_cost(hf_config: Any) -> float | None:
+    """What attending one (query, key) pair costs against one token's pass through the weights
+    (the linear layers and the output head), from a transformers model config: the measure
+    that tells whether sharing a prompt pays for its longer rows, whose attention is dense.
+    None when the config does not give the sizes."""
+    try:
+        hidden = int(hf_config.hidden_size)
+        layers = int(hf_config.num_hidden_layers)
+        heads = int(hf_config.num_attention_heads)
+        inner = int(hf_config.intermediate_size)
+        vocab = int(hf_config.vocab_size)
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    attention = 2 * hidden * (heads + kv_heads) * head_dim  # q and o; k and v
+    per_layer = attention + 3 * hidden * inner
+    return layers * 2 * heads * head_dim / (layers * per_layer + hidden * vocab)
 
 
 def pack_width(lengths: Sequence[int]) -> int:

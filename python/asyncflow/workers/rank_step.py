@@ -67,7 +67,7 @@ class RankStep:
         self.rank = rank
         self.world_size = world_size
         self.stop = stop
-        self.loss = StepLoss(config, pad_id)
+        self.loss = StepLoss(config, pad_id, engine.model_config)
         self.fields = sample_fields(config)
         self._parent = os.getppid()
 

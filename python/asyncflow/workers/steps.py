@@ -18,7 +18,15 @@ from asyncflow.algorithms.losses import ALIASES, LossSettings, policy_loss
 from asyncflow.batch import Batch
 from asyncflow.config import KL_IN_REWARD, Config
 from asyncflow.engines.base import TrainBatch, TrainEngine
-from asyncflow.workers.batches import pack_width, split_micro_batches, to_train_batch
+from asyncflow.workers.batches import (
+    pack_rows,
+    pack_width,
+    pair_cost,
+    prompt_units,
+    split_micro_batches,
+    to_train_batch,
+    unit_lengths,
+)
 
 #: Fields a training step reads from each sample row.
 SAMPLE_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage", "reward"]
@@ -69,7 +77,9 @@ def figure_sums(data: Mapping[str, Sequence[Any]]) -> dict[str, float]:
 class StepLoss:
     """Builds a step's micro-batches from sample rows and computes their share of its loss."""
 
-    def __init__(self, config: Config, pad_id: int) -> None:
+    def __init__(self, config: Config, pad_id: int, model_config: Any = None) -> None:
+        """``model_config``: the transformers config of the model trained (its sizes decide
+        where sharing prompts pays; without it, prompts are not shared)."""
         t, a = config.trainer, config.algorithm
         self.settings = LossSettings(
             clip_eps=t.clip_eps,
@@ -89,6 +99,9 @@ class StepLoss:
         self.max_tokens = config.rollout.max_tokens
         self.pad_id = pad_id
         self.packed = t.packing
+        share = t.packing and t.share_prompts and model_config is not None
+        #: Attention's cost per (query, key) pair against a token's; None: prompts not shared.
+        self.pair_cost = pair_cost(model_config) if share else None
 
     def __call__(
         self, logp: torch.Tensor, batch: TrainBatch
@@ -113,9 +126,11 @@ class StepLoss:
             share = batch.sequences / self.rows_per_step
         return loss * share, stats
 
-    def batch(self, data: Mapping[str, Sequence[Any]], width: int | None = None) -> TrainBatch:
+    def batch(
+        self, data: Mapping[str, Sequence[Any]], width: int | None = None, shared: bool = False
+    ) -> TrainBatch:
         """``data``'s samples as one micro-batch; packed, in rows of ``width`` (default: its
-        longest sample)."""
+        longest sample or unit), consecutive samples with one prompt sharing it if ``shared``."""
         per_token = {"behaviour_logp": data["behaviour_logprobs"]}
         if "ref_logprobs" in data:
             per_token["ref_logp"] = data["ref_logprobs"]
@@ -132,23 +147,52 @@ class StepLoss:
             packed=self.packed,
             width=width,
             loss_mask=data.get("loss_mask"),
+            shared=shared,
         )
+
+    def units(self, data: Mapping[str, Sequence[Any]]) -> list[list[int]] | None:
+        """The samples of ``data`` by prompt, where training each prompt's samples as one unit
+        costs less than training them one by one (counting the tensors' tokens, and their
+        rows' attention at ``pair_cost`` a pair) and every unit fits the budget; else None."""
+        if self.pair_cost is None:
+            return None
+        units = prompt_units(data["prompt_ids"])
+        if len(units) == len(data["prompt_ids"]):
+            return None
+        lengths = _lengths(data, units)
+        if max(lengths) > self.budget:
+            return None
+        if self._cost(lengths) >= self._cost(sample_lengths(data)):
+            return None
+        return units
+
+    def _cost(self, lengths: Sequence[int]) -> float:
+        """The cost of packed rows of these lengths, in tokens through the weights."""
+        assert self.pair_cost is not None
+        width = pack_width(lengths)
+        return len(pack_rows(lengths, width)) * width * (1 + width * self.pair_cost)
 
     def parts(self, data: Mapping[str, Sequence[Any]], min_count: int = 1) -> list[list[int]]:
         """The rows of ``data`` in micro-batches within the token budget, by their real token
-        counts; at least ``min_count`` (the extra ones empty)."""
-        return split_micro_batches(
-            sample_lengths(data), self.budget, self.packed, min_count=min_count
-        )
+        counts; at least ``min_count`` (the extra ones empty). A unit of shared prompt
+        (:meth:`units`) stays whole, its samples one after another."""
+        units = self.units(data)
+        if units is None:
+            return split_micro_batches(
+                sample_lengths(data), self.budget, self.packed, min_count=min_count
+            )
+        parts = split_micro_batches(_lengths(data, units), self.budget, True, min_count)
+        return [[i for u in part for i in units[u]] for part in parts]
 
     def micro_batches(
         self, data: Mapping[str, Sequence[Any]], parts: list[list[int]], with_reference: bool
     ) -> list[TrainBatch]:
         """One micro-batch per part (an empty part gives an :meth:`empty_batch`); packed, every
         one in rows as wide as :meth:`parts` counted them."""
-        width = pack_width(sample_lengths(data))
+        units = self.units(data)
+        width = pack_width(_lengths(data, units))
         return [
-            self.batch({k: [v[i] for i in part] for k, v in data.items()}, width)
+            self.batch({k: [v[i] for i in part] for k, v in data.items()}, width, units is not None)
             if part
             else self.empty_batch(with_reference)
             for part in parts
@@ -170,6 +214,13 @@ class StepLoss:
 
 def sample_lengths(data: Mapping[str, Sequence[Any]]) -> list[int]:
     return [len(p) + len(r) for p, r in zip(data["prompt_ids"], data["response_ids"], strict=True)]
+
+
+def _lengths(data: Mapping[str, Sequence[Any]], units: list[list[int]] | None) -> list[int]:
+    """The tokens of each sample, or of each unit of shared prompt."""
+    if units is None:
+        return sample_lengths(data)
+    return unit_lengths(data["prompt_ids"], data["response_ids"], units)
 
 
 def update(

@@ -88,7 +88,8 @@ class Trainer(Worker):
         #: After the record: a checkpoint taken before it, and a kill between the two, would
         #: resume past a step whose record was never written.
         self.after_logged = after_logged
-        self.loss = StepLoss(self.config, ctx.tokenizer.pad_id)
+        model_config = getattr(engine, "model_config", None)  # (tests run without an engine)
+        self.loss = StepLoss(self.config, ctx.tokenizer.pad_id, model_config)
         self.fields = sample_fields(self.config)
         self.rows_per_step = self.loss.rows_per_step
         self._last_step_end = ctx.tracer.now()
