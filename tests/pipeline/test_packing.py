@@ -3,6 +3,7 @@ padded rows do, and stay within the token budget."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -258,3 +259,30 @@ def test_prompts_are_shared_only_where_it_costs_less_and_units_stay_whole(
         list(range(8)),
         list(range(8, 16)),
     ]
+
+
+class MaskIgnoringEngine(HFTrainEngine):
+    """A model that ignores the attention mask it is given (attending causally within each
+    row, as some attention implementations would): shared responses then see each other."""
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return super().logprobs(dataclasses.replace(batch, shared_mask=None))
+
+
+def test_sharing_is_checked_on_the_model_and_turned_off_where_it_attends_otherwise(
+    tmp_path: Path,
+) -> None:
+    config = cfg.load(None, TINY)
+    model = create_tiny_model(config.model, tmp_path, seed=0)
+    data = groups(np.random.default_rng(4), count=2, n=4)
+    engine = HFTrainEngine(model, config)
+    loss = StepLoss(config, pad_id=0, model_config=engine.model_config)
+    gap = loss.check_sharing(engine)
+    assert gap is not None and gap < 1e-5
+    assert loss.pair_cost is not None and loss.units(data) is not None
+    wrong = MaskIgnoringEngine(model, config)
+    loss = StepLoss(config, pad_id=0, model_config=wrong.model_config)
+    gap = loss.check_sharing(wrong)
+    assert gap is not None and gap > 1e-2
+    assert loss.pair_cost is None and loss.units(data) is None
+    assert loss.check_sharing(wrong) is None  # off: nothing more to check

@@ -129,6 +129,10 @@ def start(spec: RankSpec) -> dict[str, Callable[[Any], Any]]:
         store, spec.config, engine, pad_id, spec.rank, spec.world_size, threading.Event(), publisher
     )
     step.publish()
+    # After the first publication: an FSDP2 model whose first use is a forward pass without
+    # gradients fails its first backward pass later ("Trying to resize storage that is not
+    # resizable", torch 2.13); the publication gathers its weights first.
+    step.loss.check_sharing(engine)
 
     def load(directory: Path) -> int:
         engine.load(directory)

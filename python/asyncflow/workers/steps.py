@@ -8,6 +8,7 @@ gradient is the plain sum over its micro-batches, however many there are and whe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,11 @@ SAMPLE_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantage"
 #: An agent trajectory's figures (one number each, put by the agent rollout), read with its
 #: sample to be reported as their means over each step's trained trajectories.
 AGENT_FIGURES = ["agent_turns", "tool_seconds", "agent_truncated", "agent_errors"]
+#: How far a shared-prompt layout's log-probs may be from the same samples' laid out apart, by
+#: the model's dtype (rounding only), before :meth:`StepLoss.check_sharing` turns sharing off.
+SHARING_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
+
+log = logging.getLogger(__name__)
 
 
 def sample_fields(config: Config) -> list[str]:
@@ -102,6 +108,7 @@ class StepLoss:
         share = t.packing and t.share_prompts and model_config is not None
         #: Attention's cost per (query, key) pair against a token's; None: prompts not shared.
         self.pair_cost = pair_cost(model_config) if share else None
+        self.tolerance = SHARING_TOLERANCE[config.model.dtype]
 
     def __call__(
         self, logp: torch.Tensor, batch: TrainBatch
@@ -165,6 +172,33 @@ class StepLoss:
         if self._cost(lengths) >= self._cost(sample_lengths(data)):
             return None
         return units
+
+    def check_sharing(self, engine: TrainEngine) -> float | None:
+        """Checks on one small group that ``engine``'s model attends as a shared-prompt unit
+        says (a model that ignored the layout's attention mask would let responses see each
+        other): the responses' log-probs laid out shared and apart must agree. Turns sharing
+        off if they do not. Returns the largest difference (None: sharing is off already)."""
+        if self.pair_cost is None:
+            return None
+        responses = [np.array([5, 6, 7]), np.array([8, 9]), np.array([10, 11, 12, 13])]
+        data: dict[str, Sequence[Any]] = {
+            "prompt_ids": [np.array([1, 2, 3, 4])] * 3,
+            "response_ids": responses,
+            "behaviour_logprobs": [np.zeros(len(r), np.float32) for r in responses],
+            "advantage": [0.0] * 3,
+        }
+        shared, apart = self.batch(data, shared=True), self.batch(data)
+        ours = engine.logprobs(shared)[shared.response_mask.bool()]
+        theirs = engine.logprobs(apart)[apart.response_mask.bool()]
+        gap = float((ours - theirs).abs().max())
+        if not gap <= self.tolerance:
+            log.warning(
+                "the model does not attend as shared prompts need (log-probs %.3g apart); "
+                "each sample is trained with its own copy of its prompt",
+                gap,
+            )
+            self.pair_cost = None
+        return gap
 
     def _cost(self, lengths: Sequence[int]) -> float:
         """The cost of packed rows of these lengths, in tokens through the weights."""

@@ -90,6 +90,7 @@ class Trainer(Worker):
         self.after_logged = after_logged
         model_config = getattr(engine, "model_config", None)  # (tests run without an engine)
         self.loss = StepLoss(self.config, ctx.tokenizer.pad_id, model_config)
+        self.loss.check_sharing(engine)
         self.fields = sample_fields(self.config)
         self.rows_per_step = self.loss.rows_per_step
         self._last_step_end = ctx.tracer.now()
