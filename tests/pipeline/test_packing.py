@@ -43,9 +43,9 @@ def samples(rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
     }
 
 
-def gradients(engine: HFTrainEngine, loss: StepLoss, data: dict[str, list[np.ndarray]]) -> dict:
+def gradients(engine: HFTrainEngine, loss: StepLoss, batch: TrainBatch) -> dict:
     engine.model.zero_grad(set_to_none=True)
-    engine.forward_backward(loss.batch(data), loss)
+    engine.forward_backward(batch, loss)
     return {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
 
 
@@ -62,7 +62,8 @@ def test_a_packed_micro_batch_has_the_gradient_of_the_padded_one(
     assert packed.packed, "packing is the default"
     # Some rows hold several samples (each must attend only within itself).
     assert packed.batch(data).input_ids.shape[0] < len(data["prompt_ids"])
-    want, got = gradients(engine, padded, data), gradients(engine, packed, data)
+    want = gradients(engine, padded, padded.batch(data))
+    got = gradients(engine, packed, packed.batch(data))
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
@@ -201,13 +202,7 @@ def test_a_micro_batch_of_shared_prompts_has_the_gradient_of_the_padded_one(
     batch = shared.batch(data, shared=True)
     assert batch.shared_mask is not None
     assert batch.tokens < sum(sample_lengths(data))
-
-    def grads(batch: TrainBatch, loss: StepLoss) -> dict:
-        engine.model.zero_grad(set_to_none=True)
-        engine.forward_backward(batch, loss)
-        return {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
-
-    want, got = grads(padded.batch(data), padded), grads(batch, shared)
+    want, got = gradients(engine, padded, padded.batch(data)), gradients(engine, shared, batch)
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
