@@ -281,3 +281,15 @@ def test_sharing_is_checked_on_the_model_and_turned_off_where_it_attends_otherwi
     assert gap is not None and gap > 1e-2
     assert loss.pair_cost is None and loss.units(data) is None
     assert loss.check_sharing(wrong) is None  # off: nothing more to check
+
+
+def test_an_empty_micro_batch_trains_nothing(tmp_path: Path) -> None:
+    # What a data-parallel rank with fewer micro-batches than its peers runs: a prompt with an
+    # empty response, which ends its row.
+    config = cfg.load(None, TINY)
+    engine = HFTrainEngine(create_tiny_model(config.model, tmp_path, seed=0), config)
+    loss = StepLoss(config, pad_id=0, model_config=engine.model_config)
+    batch = loss.empty_batch(with_reference=False)
+    assert batch.input_ids.shape == (1, 2) and int(batch.response_mask.sum()) == 0
+    grads = gradients(engine, loss, batch)
+    assert grads and all(float(g.abs().max()) == 0 for g in grads.values())

@@ -155,7 +155,8 @@ def _packed(
             sequence[r, at : at + m] = i
             unit_of[r, at : at + m] = k
             branch[r, at : at + m] = i
-            source[r, at] = c + n - 1
+            if m:
+                source[r, at] = c + n - 1
             for name, values in per_token.items():
                 token_values[name][r, at : at + m] = values[i]
             for name, column_values in per_row.items():
