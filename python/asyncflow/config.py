@@ -187,7 +187,8 @@ class TrainerConfig:
     #: Packed, train the samples that share a prompt (a group's) as one unit: the prompt once,
     #: each response attending to it and to itself (the same gradient, the prompt's compute
     #: done once per group). Used where it costs less: attention over the longer rows is dense,
-    #: so the model's sizes and the claim's lengths decide (``workers.batches.pair_cost``).
+    #: so the model's sizes and the claim's lengths decide (``workers.batches.pair_cost``); not
+    #: for models with sliding-window or chunked attention layers.
     share_prompts: bool = True
     #: Train each micro-batch as soon as its samples are ready (true), or first wait until the
     #: whole step's samples are, as synchronous frameworks do (false: a baseline to compare with).

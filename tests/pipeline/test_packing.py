@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from asyncflow import config as cfg
-from asyncflow.engines.base import TrainBatch
+from asyncflow.engines.base import StepResult, TrainBatch
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.models.tiny import create_tiny_model
 from asyncflow.workers.batches import (
     pack_rows,
     pack_width,
+    pair_cost,
     split_micro_batches,
     to_train_batch,
 )
@@ -293,3 +294,36 @@ def test_an_empty_micro_batch_trains_nothing(tmp_path: Path) -> None:
     assert batch.input_ids.shape == (1, 2) and int(batch.response_mask.sum()) == 0
     grads = gradients(engine, loss, batch)
     assert grads and all(float(g.abs().max()) == 0 for g in grads.values())
+
+
+def test_models_that_attend_within_a_window_do_not_share_prompts() -> None:
+    # The shared layout's mask is used as given by every layer: a sliding window would be lost.
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
+
+    sizes = {
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "vocab_size": 100,
+    }
+    assert pair_cost(Qwen2Config(**sizes)) is not None
+    assert pair_cost(MistralConfig(**sizes, sliding_window=None)) is not None
+    assert pair_cost(MistralConfig(**sizes, sliding_window=12)) is None
+    windowed = Qwen2Config(**sizes, use_sliding_window=True, sliding_window=12, max_window_layers=0)
+    assert pair_cost(windowed) is None
+    assert pair_cost(Gemma3TextConfig(**sizes, head_dim=16)) is None  # sliding and full layers
+
+
+def test_the_padding_figures_count_a_shared_prompt_as_saved_not_as_padding() -> None:
+    # 2 groups of 4 samples, each 10 prompt and 3 response tokens: no padding either way.
+    prompts = [np.arange(10) + 4 + (i // 4) for i in range(8)]
+    responses = [np.array([30, 31, 32]) for _ in range(8)]
+    batch = to_train_batch(prompts, responses, 0, packed=True, shared=True)
+    result = StepResult()
+    result.count_batch(batch, [13] * 8)
+    figures = result.padding()
+    assert figures["padding_fraction_unpacked"] == 0
+    assert figures["padding_fraction"] == 0  # two units of 22 tokens, a row each
+    assert figures["shared_token_fraction"] == pytest.approx(1 - 44 / 104)

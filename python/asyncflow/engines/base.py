@@ -315,9 +315,11 @@ class StepResult:
     sample_sums: Counter[str] = field(default_factory=Counter)
     loss_stats: list[dict[str, float]] = field(default_factory=list)
     optimizer: dict[str, float] = field(default_factory=dict)
-    #: Tokens of the trained samples; tokens the micro-batches' tensors held (padding too); and
-    #: what the same micro-batches would hold padded (rows times the longest).
+    #: Tokens the micro-batches computed (a shared prompt once); the trained samples' own tokens
+    #: (each with its prompt); tokens the micro-batches' tensors held (padding too); and what
+    #: the same micro-batches would hold padded (rows times the longest).
     tokens: int = 0
+    sample_tokens: int = 0
     tensor_tokens: int = 0
     padded_tokens: int = 0
     #: The most tokens one micro-batch's tensors held.
@@ -328,17 +330,20 @@ class StepResult:
 
     def count_batch(self, batch: TrainBatch, lengths: Sequence[int]) -> None:
         self.tokens += batch.tokens
+        self.sample_tokens += sum(lengths)
         self.tensor_tokens += int(batch.input_ids.numel())
         self.largest_micro_batch = max(self.largest_micro_batch, int(batch.input_ids.numel()))
         self.padded_tokens += padded_tokens(lengths)
 
     def padding(self) -> dict[str, float]:
-        """Padding's share of the tensors trained on, and its share had they been padded."""
+        """Padding's share of the tensors trained on, and its share had they been padded; and
+        the share of the samples' tokens not computed because their prompt was shared."""
         if not self.tensor_tokens:
             return {}
         return {
             "padding_fraction": 1 - self.tokens / self.tensor_tokens,
-            "padding_fraction_unpacked": 1 - self.tokens / max(self.padded_tokens, 1),
+            "padding_fraction_unpacked": 1 - self.sample_tokens / max(self.padded_tokens, 1),
+            "shared_token_fraction": 1 - self.tokens / max(self.sample_tokens, 1),
             "micro_batch_tokens_max": float(self.largest_micro_batch),
         }
 
@@ -378,6 +383,7 @@ class StepResult:
             merged.sample_sums.update(p.sample_sums)
             merged.loss_stats += p.loss_stats
             merged.tokens += p.tokens
+            merged.sample_tokens += p.sample_tokens
             merged.tensor_tokens += p.tensor_tokens
             merged.padded_tokens += p.padded_tokens
             merged.largest_micro_batch = max(merged.largest_micro_batch, p.largest_micro_batch)

@@ -214,7 +214,18 @@ def pair_cost(hf_config: Any) -> float | None:
     """What attending one (query, key) pair costs against one token's pass through the weights
     (the linear layers and the output head), from a transformers model config: the measure
     that tells whether sharing a prompt pays for its longer rows, whose attention is dense.
-    None when the config does not give the sizes."""
+    None when the config does not give the sizes, or when a layer attends within a window or a
+    chunk (the shared layout's mask, one for every layer, would replace theirs)."""
+    kinds = getattr(hf_config, "layer_types", None)
+    if kinds is not None:
+        if any(kind != "full_attention" for kind in kinds):
+            return None
+    elif getattr(hf_config, "sliding_window", None) and getattr(
+        hf_config, "use_sliding_window", True
+    ):
+        return None
+    if getattr(hf_config, "attention_chunk_size", None):
+        return None
     try:
         hidden = int(hf_config.hidden_size)
         layers = int(hf_config.num_hidden_layers)
