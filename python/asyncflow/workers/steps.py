@@ -169,7 +169,7 @@ class StepLoss:
         lengths = _lengths(data, units)
         if max(lengths) > self.budget:
             return None
-        if self._cost(lengths) >= self._cost(sample_lengths(data)):
+        if self._cost(lengths, dense=True) >= self._cost(sample_lengths(data), dense=False):
             return None
         return units
 
@@ -200,11 +200,15 @@ class StepLoss:
             self.pair_cost = None
         return gap
 
-    def _cost(self, lengths: Sequence[int]) -> float:
-        """The cost of packed rows of these lengths, in tokens through the weights."""
+    def _cost(self, lengths: Sequence[int], dense: bool) -> float:
+        """The cost of packed rows of these lengths, in tokens through the weights: each row's
+        tokens, and the pairs its attention computes (``dense``: all of them, as under a mask
+        of any shape; else half, as causal kernels can skip the rest: to err against
+        sharing)."""
         assert self.pair_cost is not None
         width = pack_width(lengths)
-        return len(pack_rows(lengths, width)) * width * (1 + width * self.pair_cost)
+        pairs = width * (1.0 if dense else 0.5) * self.pair_cost
+        return len(pack_rows(lengths, width)) * width * (1 + pairs)
 
     def parts(self, data: Mapping[str, Sequence[Any]], min_count: int = 1) -> list[list[int]]:
         """The rows of ``data`` in micro-batches within the token budget, by their real token
