@@ -258,9 +258,10 @@ def test_a_version_larger_than_the_daemons_largest_put_goes_in_pieces_and_comes_
         *((f"layer{k}", torch.full((200, 256), float(k))) for k in range(4)),  # 200 KiB each
     ]
     with DaemonProcess("--max-frame", "1MiB") as daemon:
-        with pytest.raises(af.BadRequestError, match="max-frame"):
-            daemon.connect(transport="shm").put({"x": torch.zeros(1, 3 << 18)}, partition="p")
         store = daemon.connect(transport=transport)
+        with pytest.raises(af.BadRequestError, match="max-frame"):
+            store.put({"x": torch.zeros(1, 3 << 18)}, partition="p")
+        # Refused with a reply, on the connection that goes on (over TCP too).
         store_weights.publish(store, 1, named)
         store_weights.publish(store, 2, [(n, t + 1) for n, t in named])
         got, back = store_weights.fetch(store, 1)

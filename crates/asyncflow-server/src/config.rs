@@ -79,7 +79,8 @@ pub struct Flags {
     /// For a controller: the storage daemons, HOST:PORT, comma-separated, in shard order.
     #[arg(long, value_delimiter = ',')]
     pub storage: Vec<String>,
-    /// Largest payload one frame may carry, e.g. 1GiB [default: 1GiB].
+    /// Largest payload one frame (one put) may carry; a larger put is refused with an error and
+    /// its connection goes on, e.g. 1GiB [default: 1GiB].
     #[arg(long, allow_hyphen_values = true)]
     #[serde(deserialize_with = "size_text")]
     pub max_frame: Option<String>,

@@ -33,7 +33,7 @@ use super::Daemon;
 use super::cells::Payload;
 use super::outgoing::{Outgoing, Part, ReplyBody};
 use super::ring::{self, RingIn, RingOut};
-use super::routing::dispatch;
+use super::routing::{dispatch, over_max_frame};
 use super::session::{Descriptor, Session, ShmSession};
 use super::transit::{Transit, TransitGuard};
 use crate::auth::token_matches;
@@ -364,9 +364,19 @@ async fn read_request<R: AsyncRead + Unpin>(
 ) -> Result<Received, ReadError> {
     let mut head = [0u8; HEADER_LEN];
     r.read_exact(&mut head).await?;
-    let header = FrameHeader::decode(&head, daemon.config.limits).map_err(ReadError::Proto)?;
+    // A payload over --max-frame is refused below, with a reply: the header is read without
+    // that limit (the frame's length field bounds the bytes to skip at 4 GiB).
+    let unbounded = Limits { max_payload: u32::MAX, ..daemon.config.limits };
+    let header = FrameHeader::decode(&head, unbounded).map_err(ReadError::Proto)?;
     let pool = &daemon.transit;
     let meta_len = u64::from(header.meta_len);
+    if header.payload_len > daemon.config.limits.max_payload {
+        // Refused as the metadata below is, so that the sender knows it did not run; the
+        // bytes are read and dropped, never held.
+        discard(r, meta_len + u64::from(header.payload_len)).await?;
+        let failure = over_max_frame(header.payload_len.into(), daemon.config.limits.max_payload);
+        return Ok(Received::Refused(header.request_id, failure));
+    }
     if meta_len > pool.limit() {
         // A well-formed request this daemon was set too small for: refused with a reply, not
         // by cutting the connection (its sender could not tell whether it ran).

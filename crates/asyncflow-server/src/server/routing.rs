@@ -64,11 +64,10 @@ pub(super) fn dispatch(
             if let (Some(shm), Some(id)) = (&session.shm, give_back) {
                 shm.give_back_spare(id);
             }
-            let e = StoreError::bad_request(format!(
-                "a put of {bytes} bytes exceeds the daemon's --max-frame of {}",
-                daemon.config.limits.max_payload
+            return Some(Outgoing::failure(
+                id,
+                &over_max_frame(bytes, daemon.config.limits.max_payload),
             ));
-            return Some(Outgoing::failure(id, &Failure::Store(e)));
         }
         _ => {}
     }
@@ -391,6 +390,15 @@ fn outgoing(
             Outgoing::failure(id, &Failure::Store(e))
         }
     }
+}
+
+/// The refusal of a put whose payload (`bytes`) is larger than the daemon's `--max-frame`,
+/// inline or staged alike.
+pub(super) fn over_max_frame(bytes: u64, max_frame: u32) -> Failure {
+    Failure::Store(StoreError::bad_request(format!(
+        "a put of {bytes} bytes exceeds the daemon's --max-frame of {max_frame}; put fewer rows \
+         at once"
+    )))
 }
 
 #[cfg(test)]
