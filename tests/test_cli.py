@@ -88,3 +88,15 @@ def test_overrides_after_an_option_are_overrides_too(
     with pytest.raises(SystemExit):
         cli.main(["bench", "sched", "extra=1"])
     assert "unrecognized arguments: extra=1" in capsys.readouterr().err
+
+
+def test_paths_given_with_a_leading_tilde_are_in_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shell leaves --run-dir=~/x (and a quoted ~) alone.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = cli.build_parser().parse_args(["train", "--run-dir=~/x", "--config", "~/c.yaml"])
+    assert args.run_dir == tmp_path / "x" and args.config == tmp_path / "c.yaml"
+    args = cli.build_parser().parse_args(["bench", "sched", "--json=~/out.json"])
+    assert args.json == tmp_path / "out.json"
+

@@ -22,17 +22,17 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="run RL post-training (no arguments: the embedded default)"
     )
-    train.add_argument("--config", metavar="FILE", help="YAML config (see examples/)")
-    train.add_argument("--run-dir", metavar="DIR", type=Path, help="write the run here")
+    train.add_argument("--config", metavar="FILE", type=_path, help="YAML config (see examples/)")
+    train.add_argument("--run-dir", metavar="DIR", type=_path, help="write the run here")
     train.add_argument("--launcher", choices=["local", "ray"], help="where workers run")
-    train.add_argument("--resume", metavar="DIR", type=Path, help="continue the run in DIR")
+    train.add_argument("--resume", metavar="DIR", type=_path, help="continue the run in DIR")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.max_steps=3")
 
     bench = sub.add_parser(
         "bench", help="run a benchmark suite; write its JSON records, table (.md) and figure (.png)"
     )
     bench.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
-    bench.add_argument("--json", metavar="PATH", help="write the records here as JSON")
+    bench.add_argument("--json", metavar="PATH", type=_path, help="write the records here as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
     bench.add_argument(
         "--costs", metavar="FILE", help="cost model YAML of the pipeline and sim suites"
@@ -58,10 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         "reliability",
         help="inject faults many times, soak, and write the report (docs/reliability.md)",
     )
-    rel.add_argument("--out", type=Path, default=Path("docs/reliability.md"), help="report path")
+    rel.add_argument("--out", type=_path, default=Path("docs/reliability.md"), help="report path")
     rel.add_argument("--trials", type=int, default=20, help="trials of each fault")
     rel.add_argument("--soak-seconds", type=float, default=60.0, help="length of each soak")
-    rel.add_argument("--fuzz-log", type=Path, help="output of the cargo fuzz run to report")
+    rel.add_argument("--fuzz-log", type=_path, help="output of the cargo fuzz run to report")
     rel.add_argument("--examples", type=int, default=500, help="hypothesis examples per test")
     rel.add_argument(
         "--render-only", action="store_true", help="rewrite the report from the kept results"
@@ -79,11 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make = data.add_parser("make", help="write a generated dataset as parquet")
     make.add_argument("dataset", choices=["gsm-synthetic"], help="which dataset")
-    make.add_argument("--out", type=Path, required=True, help="directory for the parquet files")
+    make.add_argument("--out", type=_path, required=True, help="directory for the parquet files")
     make.add_argument("--train", type=_count, default=4000, help="training problems")
     make.add_argument("--test", type=_count, default=200, help="held-out problems")
     make.add_argument("--seed", type=int, default=0, help="generator seed")
     return parser
+
+
+def _path(text: str) -> Path:
+    """A file or directory given on the command line; a leading ``~`` is the user's home even
+    where the shell left it (``--run-dir=~/x``, or quoted)."""
+    return Path(text).expanduser()
 
 
 def _count(text: str) -> int:

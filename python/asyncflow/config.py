@@ -539,6 +539,20 @@ class Config:
 # ---- loading ------------------------------------------------------------------------------
 
 
+#: Settings that name a file or directory: a leading ``~`` there is the user's home, as in a
+#: shell (a quoted or YAML value reaches the job unexpanded, and ``~/runs`` was made in place).
+PATH_SETTINGS = frozenset(
+    {
+        "model.path",
+        "data.train_file",
+        "data.eval_file",
+        "critic.path",
+        "reward.model.path",
+        "run.output_dir",
+    }
+)
+
+
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Reads ``path`` (YAML; None for the defaults), applies ``key=value`` overrides, and
     validates the result."""
@@ -639,7 +653,10 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
         if dataclasses.is_dataclass(hint):
             values[f.name] = _build(hint, raw[f.name], f"{prefix}{f.name}.")  # type: ignore[arg-type]
         else:
-            values[f.name] = _coerce(raw[f.name], hint, f"{prefix}{f.name}")
+            value = _coerce(raw[f.name], hint, f"{prefix}{f.name}")
+            if f"{prefix}{f.name}" in PATH_SETTINGS and isinstance(value, str):
+                value = str(Path(value).expanduser()) if value.startswith("~") else value
+            values[f.name] = value
     return cls(**values)
 
 

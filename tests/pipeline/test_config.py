@@ -26,6 +26,21 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
     assert (c.trainer.max_steps, c.trainer.lr, c.rollout.n, c.run.name) == (3, 1e-5, 4, "exp")
 
 
+def test_a_leading_tilde_in_a_path_setting_is_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Quoted, or in YAML, no shell expands it: ~/runs became a directory named "~" here.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  path: ~/model\n")
+    c = cfg.load(path, ["run.output_dir=~/runs", "run.name=~x"])
+    assert c.model.path == str(tmp_path / "model")
+    assert c.run.output_dir == str(tmp_path / "runs")
+    assert c.run.name == "~x"  # not a path: as written
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

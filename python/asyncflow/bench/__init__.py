@@ -33,7 +33,7 @@ class ArgumentError(ValueError):
 
 def check_arguments(
     name: str,
-    json_path: str | None,
+    json_path: str | Path | None,
     costs: str | None,
     cases: tuple[str, ...] | None,
     seeds: tuple[int, ...] | None,
@@ -56,7 +56,7 @@ def check_arguments(
 
 def run_suite(
     name: str,
-    json_path: str | None = None,
+    json_path: str | Path | None = None,
     quick: bool = False,
     costs: str | None = None,
     cases: tuple[str, ...] | None = None,
