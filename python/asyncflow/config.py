@@ -562,7 +562,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
+            loaded = _load_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p} is not valid YAML: {e}") from None
         except (OSError, UnicodeError) as e:
@@ -578,6 +578,37 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
     config: Config = _build(Config, raw, "")
     validate(config)
     return config
+
+
+def _load_yaml(text: str) -> Any:
+    """The document, with a text setting given as a plain number or boolean (``name: 0755``,
+    ``name: yes``) kept as written: YAML reads those as 493 and True."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+    if isinstance(data, dict) and isinstance(node, yaml.MappingNode):
+        _as_written(data, node, "")
+    return data
+
+
+def _as_written(data: dict[Any, Any], node: yaml.MappingNode, prefix: str) -> None:
+    for key_node, value_node in node.value:
+        key = key_node.value
+        if key not in data:
+            continue
+        value = data[key]
+        if isinstance(value_node, yaml.MappingNode) and isinstance(value, dict):
+            _as_written(value, value_node, f"{prefix}{key}.")
+        elif (
+            isinstance(value, (bool, int, float))
+            and isinstance(value_node, yaml.ScalarNode)
+            and value_node.style is None
+            and _is_text(_setting_hint(f"{prefix}{key}"))
+        ):
+            data[key] = value_node.value
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]
@@ -600,9 +631,10 @@ def _override_value(key: str, value: str) -> Any:
     """An override's value: read as YAML, except a text setting's unquoted value, which is
     taken as written (YAML would cut it at `` #`` or read ``Q: {prompt}`` as a mapping)."""
     text = value.strip()
+    hint = _setting_hint(key)
     if not text:
-        return None
-    if _is_text_setting(key) and text[0] not in "'\"" and text not in ("null", "~"):
+        return "" if hint is str else None  # (``key=`` unsets an optional setting)
+    if _is_text(hint) and text[0] not in "'\"" and text not in ("null", "~"):
         return text
     try:
         return yaml.safe_load(value)
@@ -610,17 +642,22 @@ def _override_value(key: str, value: str) -> Any:
         raise ConfigError(f"override {key}={value!r}: not a YAML value: {e}") from None
 
 
-def _is_text_setting(key: str) -> bool:
-    """Whether the dotted ``key`` names a setting of type ``str`` or ``str | None``."""
+def _setting_hint(key: str) -> Any:
+    """The type of the setting the dotted ``key`` names (None: no such setting)."""
     cls: Any = Config
     hint: Any = None
     for part in key.split("."):
         if not dataclasses.is_dataclass(cls):
-            return False
+            return None
         hint = typing.get_type_hints(cls).get(part)
         if hint is None:
-            return False
+            return None
         cls = _optional_section(hint, {})
+    return hint
+
+
+def _is_text(hint: Any) -> bool:
+    """Whether a setting of type ``hint`` is text (``str`` or ``str | None``)."""
     return hint is str or hint == (str | None)
 
 
@@ -792,6 +829,11 @@ def validate(c: Config) -> None:
         f"trainer.weight_decay must be a number >= 0, not {c.trainer.weight_decay}",
     )
     _require(c.run.stall_timeout > 0, "run.stall_timeout must be positive")
+    _require(
+        c.run.name.strip() not in ("", ".", "..") and "/" not in c.run.name,
+        f"run.name must name one directory inside run.output_dir (not empty, no '/'), not "
+        f"{c.run.name!r}",
+    )
     _size("store.memory_limit", c.store.memory_limit)
     _require(
         c.store.address == "embedded" or c.store.address.startswith("tcp://"),

@@ -26,6 +26,22 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
     assert (c.trainer.max_steps, c.trainer.lr, c.rollout.n, c.run.name) == (3, 1e-5, 4, "exp")
 
 
+def test_a_text_setting_given_as_a_plain_yaml_number_or_boolean_is_kept_as_written(
+    tmp_path: Path,
+) -> None:
+    # YAML reads 0755 as 493 and yes as true; numbers for numeric settings stay numbers.
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "run:\n  name: 0755\n  output_dir: 1e3\ndata:\n  system_prompt: yes\n"
+        "  eval_size: 0x10\ntrainer:\n  lr: 1e-3\n"
+    )
+    c = cfg.load(path)
+    assert (c.run.name, c.run.output_dir, c.data.system_prompt) == ("0755", "1e3", "yes")
+    assert (c.data.eval_size, c.trainer.lr) == (16, 1e-3)
+    # An empty override unsets an optional text setting.
+    assert cfg.load(None, ["data.system_prompt="]).data.system_prompt is None
+
+
 def test_a_leading_tilde_in_a_path_setting_is_the_home_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,6 +82,10 @@ def test_a_leading_tilde_in_a_path_setting_is_the_home_directory(
         (["data.task=parquet"], "needs data.train_file"),
         (["data.task=parquet", "data.train_file=/no/file.parquet"], "does not exist"),
         (["run.seed"], "not of the form"),
+        # The run went to run.output_dir's sibling (runs-2), or outside run.output_dir.
+        (["run.name="], "run.name must name one directory inside run.output_dir"),
+        (["run.name=.."], "run.name must name one directory"),
+        (["run.name=a/b"], "run.name must name one directory"),
         (["trainer.groups_per_step=5", "trainer.dp_size=2"], "multiple of trainer.dp_size"),
         (["rollout.kv_cache_memory=lots"], "rollout.kv_cache_memory"),
         (["rollout.kv_cache_memory=0"], "rollout.kv_cache_memory must be a positive size"),
