@@ -76,6 +76,19 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
+def end_with_parent(parent: int) -> bool:
+    """Asks the kernel to send this process SIGTERM when its parent (``parent``, a PID) ends,
+    however it ends (Linux; elsewhere nothing is asked). False if the parent had already ended.
+    The kernel's notice follows the thread that started this process, so that thread must
+    outlive it."""
+    if sys.platform != "linux":
+        return True
+    import ctypes  # noqa: PLC0415 - only for processes that end with their parent
+
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return os.getppid() == parent  # else it ended before the request was made
+
+
 def serve(args: Sequence[str] = (), program: str = "asyncflow store serve") -> int:
     """Runs the daemon (the ``asyncflow-store`` binary's code) with these command-line flags until
     SIGTERM or SIGINT; returns its exit code. Usage and errors name ``program``, the command
@@ -85,12 +98,8 @@ def serve(args: Sequence[str] = (), program: str = "asyncflow store serve") -> i
     (a clean stop) when that parent ends, however it ends: a job killed outright leaves no
     daemon behind."""
     parent = os.environ.pop(PARENT_ENV, None)
-    if parent is not None and sys.platform == "linux":
-        import ctypes  # noqa: PLC0415 - only for a daemon its parent asked to end with it
-
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != int(parent):  # ended before the request was made
-            return 1
+    if parent is not None and not end_with_parent(int(parent)):
+        return 1
     # The daemon stops in order on SIGINT itself; Python's own handler, also run, would then
     # raise KeyboardInterrupt as serve returns (exit -2 and a traceback instead of 0).
     previous = signal.signal(signal.SIGINT, lambda *_: None)

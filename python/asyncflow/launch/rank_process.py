@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.config import Config
-from asyncflow.daemon import connect
+from asyncflow.daemon import connect, end_with_parent
 from asyncflow.engines.base import TrainEngine
 from asyncflow.engines.process_group import Rendezvous
 from asyncflow.engines.registry import create_train_engine, resolve_engine_name
@@ -68,6 +68,9 @@ class RankSpec:
     #: Rank 0's socket listening on ``master_port`` since the port was chosen (see
     #: ``process_group.listening``); None: rank 0 binds the port when it joins.
     listener: socket.socket | None = None
+    #: The job's process, when it started the rank's: the rank ends with it (a job killed
+    #: outright left its ranks training until their step ended).
+    parent: int | None = None
 
 
 def describe(error: BaseException) -> str:
@@ -89,6 +92,8 @@ def _log_to(path: Path) -> None:
 
 def main(spec: RankSpec, conn: Connection) -> None:
     """Entry point of the rank's process."""
+    if spec.parent is not None and not end_with_parent(spec.parent):
+        return
     _log_to(spec.log_path)
     try:
         handlers = start(spec)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import socket
 import threading
 import time
@@ -207,6 +208,7 @@ class RankGroup(Ranks):
                     log,
                     weight_sync=weight_sync,
                     listener=rendezvous if rank == 0 else None,
+                    parent=os.getpid(),
                 )
                 proc = context.Process(
                     target=main, args=(spec, theirs), name=f"trainer-rank-{rank}", daemon=True
