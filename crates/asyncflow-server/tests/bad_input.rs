@@ -109,6 +109,20 @@ fn a_frame_over_max_frame_is_refused_and_skipped_and_the_connection_goes_on() {
 }
 
 #[test]
+fn a_request_other_than_a_put_over_max_frame_breaks_the_protocol() {
+    // Only a put carries a payload that large: the connection is closed, as before.
+    let (daemon, good) = daemon_and_good_client(&["--max-frame", "64KiB"], None);
+    let mut bad = raw(&daemon);
+    bad.write_all(&hello(None)).unwrap();
+    assert_eq!(answer(&mut bad), Some(Ok(())));
+    let _ = bad.write_all(&frame(Op::Ping, 2, &Request::Ping.encode(), &vec![0u8; 100 << 10]));
+    let reply = answer(&mut bad).unwrap().unwrap_err();
+    assert!(reply.contains("exceeds the limit"), "{reply}");
+    assert!(closed(&mut bad));
+    still_serves(&good, 1);
+}
+
+#[test]
 fn a_huge_length_prefix_then_hang_up_leaves_the_daemon_serving() {
     let (daemon, good) = daemon_and_good_client(&[], None);
     let mut bad = raw(&daemon);

@@ -124,6 +124,45 @@ fn a_staged_put_larger_than_a_frame_is_refused() {
     put_ints(&client, "y", &[1]);
 }
 
+#[test]
+fn a_put_over_max_frame_on_tcp_is_refused_and_its_bytes_counted() {
+    let metrics = free_address();
+    let daemon = Daemon::start(&["--max-frame", "64KiB", "--metrics", &metrics]);
+    let client = daemon.connect(Preference::Tcp);
+    let bytes = vec![7u8; 100 << 10];
+    let column = asyncflow_server::client::PutColumn {
+        name: "x".into(),
+        schema: asyncflow_core::FieldSchema::ragged(asyncflow_core::DType::U8, vec![]),
+        cells: vec![(&bytes, 100 << 10)],
+    };
+    let err = client.put(&[column], support::new_rows(), None, NOW).unwrap_err();
+    assert!(matches!(&err, Error::Store(StoreError::BadRequest(m)) if m.contains("max-frame")));
+    assert_eq!(metric(&metrics, "request_errors_total"), 1);
+    // Read and dropped, but received: the byte count says so.
+    assert!(metric(&metrics, "received_bytes_total") > 100 << 10);
+    put_ints(&client, "y", &[1]); // on the same connection
+}
+
+#[test]
+fn a_put_larger_than_any_frame_is_refused_over_tcp_before_it_is_sent() {
+    // Its length does not fit a frame's length field: the client refuses it with an error
+    // (it once panicked), and the connection goes on. The 1 GiB of zeros is never touched.
+    let daemon = Daemon::start(&[]);
+    let client = daemon.connect(Preference::Tcp);
+    let gib = vec![0u8; 1 << 30];
+    let column = asyncflow_server::client::PutColumn {
+        name: "x".into(),
+        schema: asyncflow_core::FieldSchema::ragged(asyncflow_core::DType::U8, vec![]),
+        cells: (0..5).map(|_| (gib.as_slice(), 1 << 30)).collect(),
+    };
+    let err = client.put(&[column], support::new_rows(), None, NOW).unwrap_err();
+    assert!(
+        matches!(&err, Error::Store(StoreError::BadRequest(m)) if m.contains("larger than any frame")),
+        "{err}"
+    );
+    put_ints(&client, "y", &[1]);
+}
+
 /// A gauge or counter from the metrics page of a daemon started with `--metrics address`.
 fn metric(address: &str, name: &str) -> u64 {
     use std::io::{Read as _, Write as _};

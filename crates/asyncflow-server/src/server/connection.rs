@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use asyncflow_core::{MemoryGuard, StoreError, Wait};
 use asyncflow_proto::{
-    Failure, FrameHeader, HEADER_LEN, Limits, ProtoError, Reply, Request, ServerHello,
+    Failure, FrameHeader, HEADER_LEN, Limits, Op, ProtoError, Reply, Request, ServerHello,
 };
 use asyncflow_shm::{DaemonEnds, send_with_fds};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest, ReadBuf};
@@ -336,11 +336,12 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, limits: Limits) -> Result<F
     Ok(Frame { header, meta, payload: Payload { bytes: payload, paid: None }, held: Vec::new() })
 }
 
-/// A request frame as read: whole, or a put refused before its payload was kept (no room for it
-/// under `--memory-limit`), whose payload was read and dropped.
+/// A request frame as read: whole, or refused before its bytes were kept (a put over
+/// `--max-frame` or with no room under `--memory-limit`, metadata over the transit pool), its
+/// bytes read and dropped.
 enum Received {
     Frame(Frame),
-    Refused(u64, Failure),
+    Refused(FrameHeader, Failure),
 }
 
 /// How a frame's payload is paid for before it is read.
@@ -364,25 +365,34 @@ async fn read_request<R: AsyncRead + Unpin>(
 ) -> Result<Received, ReadError> {
     let mut head = [0u8; HEADER_LEN];
     r.read_exact(&mut head).await?;
-    // A payload over --max-frame is refused below, with a reply: the header is read without
-    // that limit (the frame's length field bounds the bytes to skip at 4 GiB).
+    // A put over --max-frame is refused below, with a reply: the header is read without that
+    // limit (the frame's length field bounds the bytes to skip at 4 GiB).
     let unbounded = Limits { max_payload: u32::MAX, ..daemon.config.limits };
     let header = FrameHeader::decode(&head, unbounded).map_err(ReadError::Proto)?;
     let pool = &daemon.transit;
     let meta_len = u64::from(header.meta_len);
-    if header.payload_len > daemon.config.limits.max_payload {
+    let max_payload = daemon.config.limits.max_payload;
+    if header.payload_len > max_payload {
+        if header.op != Op::Put {
+            // Only a put carries a large payload: anything else breaks the protocol.
+            return Err(ReadError::Proto(ProtoError::TooLarge {
+                what: "payload",
+                len: header.payload_len.into(),
+                max: max_payload.into(),
+            }));
+        }
         // Refused as the metadata below is, so that the sender knows it did not run; the
         // bytes are read and dropped, never held.
         discard(r, meta_len + u64::from(header.payload_len)).await?;
-        let failure = over_max_frame(header.payload_len.into(), daemon.config.limits.max_payload);
-        return Ok(Received::Refused(header.request_id, failure));
+        let failure = over_max_frame(header.payload_len.into(), max_payload);
+        return Ok(Received::Refused(header, failure));
     }
     if meta_len > pool.limit() {
         // A well-formed request this daemon was set too small for: refused with a reply, not
         // by cutting the connection (its sender could not tell whether it ran).
         discard(r, meta_len + u64::from(header.payload_len)).await?;
         return Ok(Received::Refused(
-            header.request_id,
+            header,
             Failure::Store(StoreError::bad_request(format!(
                 "a request with {meta_len} bytes of metadata exceeds the daemon's \
                  --max-transit-bytes of {}; send it in parts",
@@ -403,7 +413,7 @@ async fn read_request<R: AsyncRead + Unpin>(
             Pay::Refused(failure) => {
                 drop(paid_transit);
                 discard(r, len).await?;
-                return Ok(Received::Refused(header.request_id, failure));
+                return Ok(Received::Refused(header, failure));
             }
         }
     }
@@ -912,6 +922,19 @@ async fn replies_read(tx: &Replies, daemon: &Daemon, stopping: &mut watch::Recei
     true
 }
 
+/// Answers a request refused as it was read (see [`Received`]); false if the connection broke.
+async fn refuse(daemon: &Daemon, w: &mut FrameWriter, header: &FrameHeader, why: &Failure) -> bool {
+    daemon.metrics.request_errors.fetch_add(1, Ordering::Relaxed);
+    // Its bytes were read (and dropped) all the same.
+    let bytes = (HEADER_LEN + header.body_len()) as u64;
+    daemon.metrics.bytes_in.fetch_add(bytes, Ordering::Relaxed);
+    if header.op.is_notice() {
+        return true; // a notice gets no reply, a refusal neither
+    }
+    let refusal = Outgoing::failure(header.request_id, why);
+    write_out(daemon, w, &refusal, true).await.is_ok()
+}
+
 async fn serve_here(
     daemon: Arc<Daemon>,
     counted: Counted,
@@ -970,12 +993,9 @@ async fn serve_here(
                 }
             };
             match frame {
-                Ok(Received::Refused(id, failure)) => {
+                Ok(Received::Refused(header, failure)) => {
                     activity.last.store(daemon.uptime(), Ordering::Release);
-                    daemon.metrics.request_errors.fetch_add(1, Ordering::Relaxed);
-                    let refusal = Outgoing::failure(id, &failure);
-                    if write_out(&daemon, &mut *writer.lock().await, &refusal, true).await.is_err()
-                    {
+                    if !refuse(&daemon, &mut *writer.lock().await, &header, &failure).await {
                         break;
                     }
                 }

@@ -435,6 +435,13 @@ impl Link {
 
     /// Sends a request whose payload section is `payload` (written in order).
     pub fn send(self: &Arc<Self>, req: &Request, payload: &[&[u8]]) -> Result<Pending> {
+        let bytes: usize = payload.iter().map(|p| p.len()).sum();
+        if u32::try_from(bytes).is_err() {
+            // A frame's length field holds less; refused here, with nothing sent.
+            return Err(Error::Store(StoreError::bad_request(format!(
+                "a put of {bytes} bytes is larger than any frame (4 GiB); put fewer rows at once"
+            ))));
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::sync_channel(1);
         // Waiting before the link is checked: a link that fails after the check answers it with
