@@ -97,6 +97,9 @@ def test_paths_given_with_a_leading_tilde_are_in_the_home_directory(
     monkeypatch.setenv("HOME", str(tmp_path))
     args = cli.build_parser().parse_args(["train", "--run-dir=~/x", "--config", "~/c.yaml"])
     assert args.run_dir == tmp_path / "x" and args.config == tmp_path / "c.yaml"
-    args = cli.build_parser().parse_args(["bench", "sched", "--json=~/out.json"])
-    assert args.json == tmp_path / "out.json"
-
+    args = cli.build_parser().parse_args(["bench", "sched", "--json=~/o.json", "--costs=~/c.yaml"])
+    assert args.json == tmp_path / "o.json" and args.costs == tmp_path / "c.yaml"
+    # A user with no home directory is a usage error, not a traceback.
+    with pytest.raises(SystemExit) as usage:
+        cli.build_parser().parse_args(["train", "--run-dir=~nosuchuser/x"])
+    assert usage.value.code == 2

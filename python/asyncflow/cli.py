@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", type=_path, help="write the records here as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
     bench.add_argument(
-        "--costs", metavar="FILE", help="cost model YAML of the pipeline and sim suites"
+        "--costs", metavar="FILE", type=_path, help="cost model YAML of the pipeline and sim suites"
     )
     bench.add_argument(
         "--cases",
@@ -89,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _path(text: str) -> Path:
     """A file or directory given on the command line; a leading ``~`` is the user's home even
     where the shell left it (``--run-dir=~/x``, or quoted)."""
-    return Path(text).expanduser()
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        user = text.partition("/")[0]
+        raise argparse.ArgumentTypeError(f"no home directory for {user}") from None
 
 
 def _count(text: str) -> int:
@@ -219,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.suite,
                 json_path=args.json,
                 quick=args.quick,
-                costs=args.costs,
+                costs=None if args.costs is None else str(args.costs),
                 cases=cases,
                 seeds=seeds,
             )

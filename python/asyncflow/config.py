@@ -553,6 +553,17 @@ PATH_SETTINGS = frozenset(
 )
 
 
+def home_path(text: str, what: str) -> str:
+    """``text`` with a leading ``~`` (or ``~user``) made the home directory it names."""
+    if not text.startswith("~"):
+        return text
+    try:
+        return str(Path(text).expanduser())
+    except RuntimeError:
+        user = text.partition("/")[0]
+        raise ConfigError(f"{what} {text!r}: no home directory for {user}") from None
+
+
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Reads ``path`` (YAML; None for the defaults), applies ``key=value`` overrides, and
     validates the result."""
@@ -631,10 +642,9 @@ def _override_value(key: str, value: str) -> Any:
     """An override's value: read as YAML, except a text setting's unquoted value, which is
     taken as written (YAML would cut it at `` #`` or read ``Q: {prompt}`` as a mapping)."""
     text = value.strip()
-    hint = _setting_hint(key)
     if not text:
-        return "" if hint is str else None  # (``key=`` unsets an optional setting)
-    if _is_text(hint) and text[0] not in "'\"" and text not in ("null", "~"):
+        return None
+    if _is_text(_setting_hint(key)) and text[0] not in "'\"" and text not in ("null", "~"):
         return text
     try:
         return yaml.safe_load(value)
@@ -692,7 +702,7 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
         else:
             value = _coerce(raw[f.name], hint, f"{prefix}{f.name}")
             if f"{prefix}{f.name}" in PATH_SETTINGS and isinstance(value, str):
-                value = str(Path(value).expanduser()) if value.startswith("~") else value
+                value = home_path(value, f"{prefix}{f.name}")
             values[f.name] = value
     return cls(**values)
 
@@ -829,11 +839,6 @@ def validate(c: Config) -> None:
         f"trainer.weight_decay must be a number >= 0, not {c.trainer.weight_decay}",
     )
     _require(c.run.stall_timeout > 0, "run.stall_timeout must be positive")
-    _require(
-        c.run.name.strip() not in ("", ".", "..") and "/" not in c.run.name,
-        f"run.name must name one directory inside run.output_dir (not empty, no '/'), not "
-        f"{c.run.name!r}",
-    )
     _size("store.memory_limit", c.store.memory_limit)
     _require(
         c.store.address == "embedded" or c.store.address.startswith("tcp://"),

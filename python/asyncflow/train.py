@@ -76,7 +76,14 @@ def resolve_run_dir(config: Config, run_dir: Path | None) -> Path:
     """``--run-dir``, or ``<output_dir>/<name>`` (with ``-2``, ``-3``... if that exists)."""
     if run_dir is not None:
         return run_dir
-    base = Path(config.run.output_dir) / config.run.name
+    name = Path(config.run.name)
+    if not config.run.name.strip() or name.is_absolute() or ".." in name.parts or not name.parts:
+        # Empty or '.', it put the run beside run.output_dir (runs-2); '..', outside it.
+        raise ConfigError(
+            f"run.name {config.run.name!r} must name a directory inside run.output_dir: a "
+            "relative path, not '.', without '..'"
+        )
+    base = Path(config.run.output_dir) / name
     candidate, k = base, 2
     while candidate.exists():
         candidate, k = base.with_name(f"{base.name}-{k}"), k + 1

@@ -35,7 +35,11 @@ def parse_size(size: int | str | None) -> int | None:
         if size < 0:
             raise BadRequestError(f"a size cannot be negative: {size}")
         return size
-    m = _SIZE.match(size)
+    # A number as YAML spells integers: 4_000_000_000, 0x4000000.
+    plain = re.sub(r"(?<=[0-9a-fA-F])_(?=[0-9a-fA-F])", "", size.strip())
+    if re.fullmatch(r"0[xX][0-9a-fA-F]+|0[oO][0-7]+|0[bB][01]+", plain):
+        return int(plain, 0)
+    m = _SIZE.match(plain)
     if not m or m.group(2).lower() not in _UNITS:
         raise BadRequestError(f"not a size: {size!r} (try e.g. '4GiB', '512MB', 1048576)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

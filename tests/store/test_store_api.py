@@ -388,15 +388,26 @@ def test_stats_report_fields_tasks_and_transport(store: af.Store, transport: str
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("4GiB", 4 << 30), ("512MB", 512_000_000), ("1.5KiB", 1536), (1024, 1024), (None, None)],
+    [
+        ("4GiB", 4 << 30),
+        ("512MB", 512_000_000),
+        ("1.5KiB", 1536),
+        (1024, 1024),
+        (None, None),
+        # As YAML spells integers (a config's text setting keeps them as written).
+        ("4_000_000_000", 4_000_000_000),
+        ("0x4000000", 1 << 26),
+        ("0o10", 8),
+    ],
 )
 def test_sizes_are_parsed(text: str | int | None, expected: int | None) -> None:
     assert af.parse_size(text) == expected
 
 
-def test_bad_sizes_are_rejected() -> None:
+@pytest.mark.parametrize("text", ["lots", "0x", "0o9", "_"])
+def test_bad_sizes_are_rejected(text: str) -> None:
     with pytest.raises(af.BadRequestError):
-        af.parse_size("lots")
+        af.parse_size(text)
 
 
 def test_a_scoped_task_claims_and_retains_only_its_partitions(store: af.Store) -> None:
