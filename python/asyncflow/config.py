@@ -553,7 +553,7 @@ PATH_SETTINGS = frozenset(
 )
 
 
-def home_path(text: str, what: str) -> str:
+def _home_path(text: str, what: str) -> str:
     """``text`` with a leading ``~`` (or ``~user``) made the home directory it names."""
     if not text.startswith("~"):
         return text
@@ -617,7 +617,7 @@ def _as_written(data: dict[Any, Any], node: yaml.MappingNode, prefix: str) -> No
             isinstance(value, (bool, int, float))
             and isinstance(value_node, yaml.ScalarNode)
             and value_node.style is None
-            and _is_text(_setting_hint(f"{prefix}{key}"))
+            and _is_text_setting(f"{prefix}{key}")
         ):
             data[key] = value_node.value
 
@@ -644,7 +644,7 @@ def _override_value(key: str, value: str) -> Any:
     text = value.strip()
     if not text:
         return None
-    if _is_text(_setting_hint(key)) and text[0] not in "'\"" and text not in ("null", "~"):
+    if _is_text_setting(key) and text[0] not in "'\"" and text not in ("null", "~"):
         return text
     try:
         return yaml.safe_load(value)
@@ -652,22 +652,17 @@ def _override_value(key: str, value: str) -> Any:
         raise ConfigError(f"override {key}={value!r}: not a YAML value: {e}") from None
 
 
-def _setting_hint(key: str) -> Any:
-    """The type of the setting the dotted ``key`` names (None: no such setting)."""
+def _is_text_setting(key: str) -> bool:
+    """Whether the dotted ``key`` names a setting of type ``str`` or ``str | None``."""
     cls: Any = Config
     hint: Any = None
     for part in key.split("."):
         if not dataclasses.is_dataclass(cls):
-            return None
+            return False
         hint = typing.get_type_hints(cls).get(part)
         if hint is None:
-            return None
+            return False
         cls = _optional_section(hint, {})
-    return hint
-
-
-def _is_text(hint: Any) -> bool:
-    """Whether a setting of type ``hint`` is text (``str`` or ``str | None``)."""
     return hint is str or hint == (str | None)
 
 
@@ -702,7 +697,7 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
         else:
             value = _coerce(raw[f.name], hint, f"{prefix}{f.name}")
             if f"{prefix}{f.name}" in PATH_SETTINGS and isinstance(value, str):
-                value = home_path(value, f"{prefix}{f.name}")
+                value = _home_path(value, f"{prefix}{f.name}")
             values[f.name] = value
     return cls(**values)
 

@@ -69,7 +69,7 @@ class RankSpec:
     #: ``process_group.listening``); None: rank 0 binds the port when it joins.
     listener: socket.socket | None = None
     #: The job's process, when it started the rank's: the rank ends with it (a job killed
-    #: outright left its ranks training until their step ended).
+    #: outright left its ranks running for another half minute, until their waits ran out).
     parent: int | None = None
 
 
