@@ -123,6 +123,23 @@ fn a_request_other_than_a_put_over_max_frame_breaks_the_protocol() {
 }
 
 #[test]
+fn a_notice_refused_as_it_is_read_gets_no_reply() {
+    // A notice's sender waits for no answer: a refusal sent to it would be read as the answer
+    // to whatever it asks next.
+    let (daemon, good) = daemon_and_good_client(&["--max-transit-bytes", "64KiB"], None);
+    let mut bad = raw(&daemon);
+    bad.write_all(&hello(None)).unwrap();
+    assert_eq!(answer(&mut bad), Some(Ok(())));
+    let pins: Vec<u64> = (0..10_000).collect(); // metadata over the transit pool
+    bad.write_all(&frame(Op::Unpin, 0, &Request::Unpin { pins }.encode(), &[])).unwrap();
+    bad.write_all(&frame(Op::Ping, 7, &Request::Ping.encode(), &[])).unwrap();
+    let mut head = [0u8; HEADER_LEN];
+    bad.read_exact(&mut head).unwrap();
+    assert_eq!(FrameHeader::decode(&head, Limits::DEFAULT).unwrap().request_id, 7);
+    still_serves(&good, 1);
+}
+
+#[test]
 fn a_huge_length_prefix_then_hang_up_leaves_the_daemon_serving() {
     let (daemon, good) = daemon_and_good_client(&[], None);
     let mut bad = raw(&daemon);
