@@ -411,3 +411,12 @@ def test_a_suites_report_names_the_commit_it_measured() -> None:
     ).stdout.strip()
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], check=False).returncode != 0
     assert records_mod.commit() == head + ("-dirty" if dirty else "")
+
+
+def test_rl_seconds_leave_out_the_evaluations_the_trainer_waited_for(tmp_path: Path) -> None:
+    """Every suite that reads a job's RL seconds (e2e peers and partial modes, the algorithms
+    script) subtracts the evaluations run inside RL, and only those."""
+    (tmp_path / "summary.json").write_text(json.dumps({"phase_seconds": {"rl": 10.0}}))
+    records = [{"step": 1}, {"step": 2, "eval_seconds": 1.5}, {"step": 4, "eval_seconds": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert e2e_suite.rl_seconds(tmp_path) == pytest.approx(8.25)

@@ -184,6 +184,14 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return summary, history
 
 
+def rl_seconds(run_dir: Path) -> float:
+    """A run's RL phase less the evaluations the trainer waited for inside it (every
+    ``run.eval_every``-th step and the last, unless ``run.eval_deferred``)."""
+    summary, history = read_run(run_dir)
+    evaluating = sum(r.get("eval_seconds", 0.0) for r in history)
+    return float(summary["phase_seconds"]["rl"]) - evaluating
+
+
 def result(run_dir: Path, seed: int, staleness: int, target: float) -> RunResult:
     summary = json.loads((run_dir / "summary.json").read_text())
     rl = float(summary["phase_seconds"]["rl"])  # no evaluation in it: they are deferred
@@ -313,8 +321,7 @@ def _partial_runs(
 
 def _partial_result(run_dir: Path, seed: int, mode: str) -> PartialResult:
     summary, history = read_run(run_dir)
-    evaluating = sum(r.get("eval_seconds", 0.0) for r in history)
-    rl = float(summary["phase_seconds"]["rl"]) - evaluating
+    rl = rl_seconds(run_dir)
     # A step's trained samples, by age.
     trained = sum(sum(r["staleness"].values()) for r in history if "staleness" in r)
     busy = summary["busy_fraction"]
@@ -357,9 +364,7 @@ def _peer_result(run_dir: Path, seed: int, case: str) -> PeerResult:
     if case == "trl":
         rl, start, before = float(phases["rl"]), float(phases["start"]), float("nan")
     else:
-        history = (run_dir / "metrics.jsonl").read_text().splitlines()
-        evaluating = sum(json.loads(line).get("eval_seconds", 0.0) for line in history)
-        rl = float(phases["rl"]) - evaluating
+        rl = rl_seconds(run_dir)
         # With trainer ranks in processes of their own, what is left of their start too.
         start = (
             float(phases["engine_start"])
