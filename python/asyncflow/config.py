@@ -208,11 +208,16 @@ class TrainerConfig:
     #: Samples older than allowed: ``wait`` (rollout waits for fresh weights, nothing is
     #: discarded) or ``drop`` (rollout never waits; too-stale samples are discarded).
     staleness_policy: Literal["wait", "drop"] = "wait"
-    #: Data-parallel ranks. More than one (or one, with ``weights.transport`` broadcast or ipc)
-    #: runs each rank in its own process; they share the store through a daemon
-    #: (``store.address``, or one started for the run), and train a step once all of its
-    #: samples are ready (they split it by tokens), whatever ``streaming`` says.
+    #: Data-parallel ranks. More than one (or one, with ``weights.transport`` broadcast or ipc,
+    #: or with ``own_process``) runs each rank in its own process; they share the store through
+    #: a daemon (``store.address``, or one started for the run), and train a step once all of
+    #: its samples are ready (they split it by tokens), whatever ``streaming`` says.
     dp_size: int = 1
+    #: The one rank of ``dp_size`` 1 (weights through the store) in a process of its own rather
+    #: than a thread of the job's process, where the rollout engine's Python and the trainer's
+    #: take turns holding one interpreter lock (benches/RESULTS.md, "e2e"). The local launcher
+    #: only: under Ray every rank is an actor of its own.
+    own_process: bool = False
     #: DeepSpeed ZeRO stage (0: plain data parallelism; 3: parameters sharded too).
     zero_stage: int = 1
     #: ``constant`` after the warm-up, or ``cosine`` decay to ``min_lr_ratio`` at ``max_steps``.
@@ -1056,10 +1061,10 @@ def no_sleep_mode_here(why: str) -> str:
 
 def trainer_in_job_process(c: Config) -> bool:
     """Whether the local job's trainer runs in the job's own process: one rank whose versions go
-    through the store. Several ranks, or a transport that sends each version from a trainer
-    process to the job's (``broadcast``, ``ipc``), put the trainer's ranks in processes of their
-    own."""
-    return c.trainer.dp_size == 1 and c.weights.transport == "store"
+    through the store. Several ranks, a transport that sends each version from a trainer
+    process to the job's (``broadcast``, ``ipc``), or ``trainer.own_process`` put the trainer's
+    ranks in processes of their own."""
+    return c.trainer.dp_size == 1 and c.weights.transport == "store" and not c.trainer.own_process
 
 
 def _validate_weights(c: Config) -> None:
@@ -1188,7 +1193,8 @@ def _validate_reward_and_algorithm(c: Config) -> None:
             and trainer_in_job_process(c)
             and c.trainer.staleness_policy == "drop",
             "algorithm.max_extra_groups > 0 (replacing left-out groups) needs launcher local, "
-            "trainer.dp_size 1, weights.transport store and trainer.staleness_policy drop",
+            "trainer.dp_size 1, weights.transport store, trainer.own_process false and "
+            "trainer.staleness_policy drop",
         )
     _require(a.overlong_buffer >= 1, "algorithm.overlong_buffer must be at least 1")
     _require(a.overlong_penalty >= 0, "algorithm.overlong_penalty cannot be negative")

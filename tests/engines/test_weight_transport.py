@@ -141,6 +141,11 @@ def test_broadcast_puts_the_trainer_in_processes_of_its_own_whatever_its_ranks(
     assert cfg.trainer_in_job_process(cfg.load(None, ranks[:1]))
 
 
+def test_a_single_store_rank_runs_in_the_jobs_process_unless_given_one_of_its_own() -> None:
+    assert cfg.trainer_in_job_process(cfg.load(None, []))
+    assert not cfg.trainer_in_job_process(cfg.load(None, ["trainer.own_process=true"]))
+
+
 def test_the_store_transport_is_the_default() -> None:
     assert cfg.load(None, []).weights.transport == "store"
 

@@ -406,3 +406,28 @@ class Idle(RolloutEngine):
 
     def load_weights(self, version: int, weights: Any) -> None:
         raise AssertionError("no weights to load")
+
+
+@pytest.mark.slow
+def test_a_store_job_whose_one_trainer_rank_has_a_process_of_its_own_ends_with_its_weights(
+    tmp_path: Path, rollouts: list[RolloutEngine]
+) -> None:
+    """``trainer.own_process``: the one rank of ``dp_size`` 1 runs in a process beside the daemon
+    started for the run, and its versions reach the job's rollout engine through the store."""
+    overrides = [
+        "trainer.engine=hf",
+        "trainer.dp_size=1",
+        "trainer.own_process=true",
+        "weights.transport=store",
+        f"trainer.max_steps={STEPS}",
+    ]
+    config = cfg.load(None, [*JOB, *overrides])
+    assert config.store.address == "embedded"  # so the run starts a daemon for its rank
+    summary = train(config, tmp_path, reporter=Reporter(False))
+    # Only a rank in a process of its own has a start the job waits for.
+    assert "trainer_start" in summary["phase_seconds"], summary["phase_seconds"]
+    # On-policy: each version reached the engine before it generated again.
+    assert summary["staleness_histogram"] == {"0": STEPS * 4 * 4}
+    (engine,) = rollouts
+    assert engine.version == STEPS
+    engine_matches_saved_model(engine, tmp_path)
