@@ -25,18 +25,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from asyncflow import config as cfg
+from asyncflow.engines.base import Sampling, TrainBatch
+from asyncflow.engines.deepspeed import DeepSpeedTrainEngine
+from asyncflow.engines.vllm import VLLMRolloutEngine
+from asyncflow.models.tiny import create_tiny_model
+
 SECONDS = float(sys.argv[1]) if len(sys.argv) > 1 else 20.0
 SEED = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 
 
 def trainer(model_dir: Path) -> Callable[[], None]:
     """One forward/backward pass and optimiser step of the job's trainer engine, as a call."""
-    import torch
-
-    from asyncflow import config as cfg
-    from asyncflow.engines.base import TrainBatch
-    from asyncflow.engines.deepspeed import DeepSpeedTrainEngine
-
     engine = DeepSpeedTrainEngine(model_dir, cfg.load(None, []))
     generator = torch.Generator().manual_seed(SEED)
     ids = torch.randint(3, 40, (128, 12), generator=generator)
@@ -57,10 +59,6 @@ def trainer(model_dir: Path) -> Callable[[], None]:
 
 def generator(model_dir: Path) -> Callable[[], None]:
     """One generation call of the job's rollout engine."""
-    from asyncflow import config as cfg
-    from asyncflow.engines.base import Sampling
-    from asyncflow.engines.vllm import VLLMRolloutEngine
-
     engine = VLLMRolloutEngine(model_dir, cfg.load(None, []))
     prompts = [[1 + (i + j) % 30 for j in range(7)] for i in range(16)]
     sampling = Sampling(n=16, temperature=1.0, max_tokens=8)
@@ -90,9 +88,6 @@ def trainer_process(model_dir: Path, start: Any, out: Any) -> None:
 
 
 def main() -> None:
-    from asyncflow import config as cfg
-    from asyncflow.models.tiny import create_tiny_model
-
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         create_tiny_model(cfg.load(None, []).model, model_dir, SEED)

@@ -191,7 +191,7 @@ def rl_seconds(run_dir: Path) -> float:
     """A run's RL phase less the evaluations the trainer waited for inside it (every
     ``run.eval_every``-th step and the last, unless ``run.eval_deferred``)."""
     summary, history = read_run(run_dir)
-    evaluating = sum(r.get("eval_seconds", 0.0) for r in history)
+    evaluating = float(sum(r.get("eval_seconds", 0.0) for r in history))
     return float(summary["phase_seconds"]["rl"]) - evaluating
 
 
