@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncflow.bench.e2e_suite import SHARED, copy_warm_start, rl_seconds
+from asyncflow.bench.e2e_suite import SHARED, copy_warm_start, read_run, rl_seconds
 
 SEEDS = (0, 1, 2)
 DASH = "\u2013"
@@ -113,13 +113,13 @@ def run(
                 flush=True,
             )
             return None
-    summary = json.loads(summary_file.read_text())
+    summary, history = read_run(run_dir)
     return {
         "seed": seed,
         "before": summary["accuracy_before"],
         "after": summary["accuracy_after"],
         # Less the evaluation at the last step, which the trainer waits for inside RL.
-        "rl_seconds": rl_seconds(run_dir),
+        "rl_seconds": rl_seconds(summary, history),
     }
 
 

@@ -422,4 +422,4 @@ def test_rl_seconds_leave_out_the_evaluations_the_trainer_waited_for(tmp_path: P
     (tmp_path / "summary.json").write_text(json.dumps({"phase_seconds": {"rl": 10.0}}))
     records = [{"step": 1}, {"step": 2, "eval_seconds": 1.5}, {"step": 4, "eval_seconds": 0.25}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert e2e_suite.rl_seconds(tmp_path) == pytest.approx(8.25)
+    assert e2e_suite.rl_seconds(*e2e_suite.read_run(tmp_path)) == pytest.approx(8.25)

@@ -183,14 +183,18 @@ def train(run_dir: Path, overrides: list[str], quick: bool) -> None:
 def read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A run's ``summary.json`` and its ``metrics.jsonl`` records."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, history
+    return summary, read_history(run_dir)
 
 
-def rl_seconds(run_dir: Path) -> float:
+def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's ``metrics.jsonl`` records."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rl_seconds(summary: dict[str, Any], history: list[dict[str, Any]]) -> float:
     """A run's RL phase less the evaluations the trainer waited for inside it (every
-    ``run.eval_every``-th step and the last, unless ``run.eval_deferred``)."""
-    summary, history = read_run(run_dir)
+    ``run.eval_every``-th step and the last, unless ``run.eval_deferred``), from its
+    ``summary.json`` and ``metrics.jsonl`` records."""
     evaluating = float(sum(r.get("eval_seconds", 0.0) for r in history))
     return float(summary["phase_seconds"]["rl"]) - evaluating
 
@@ -324,7 +328,7 @@ def _partial_runs(
 
 def _partial_result(run_dir: Path, seed: int, mode: str) -> PartialResult:
     summary, history = read_run(run_dir)
-    rl = rl_seconds(run_dir)
+    rl = rl_seconds(summary, history)
     # A step's trained samples, by age.
     trained = sum(sum(r["staleness"].values()) for r in history if "staleness" in r)
     busy = summary["busy_fraction"]
@@ -367,7 +371,7 @@ def _peer_result(run_dir: Path, seed: int, case: str) -> PeerResult:
     if case == "trl":
         rl, start, before = float(phases["rl"]), float(phases["start"]), float("nan")
     else:
-        rl = rl_seconds(run_dir)
+        rl = rl_seconds(summary, read_history(run_dir))
         # With trainer ranks in processes of their own, what is left of their start too.
         start = (
             float(phases["engine_start"])
