@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import re
 import types
@@ -215,9 +216,11 @@ class TrainerConfig:
     dp_size: int = 1
     #: The one rank of ``dp_size`` 1 (weights through the store) in a process of its own rather
     #: than a thread of the job's process, where the rollout engine's Python and the trainer's
-    #: take turns holding one interpreter lock (benches/RESULTS.md, "e2e"). The local launcher
-    #: only: under Ray every rank is an actor of its own.
-    own_process: bool = False
+    #: take turns holding one interpreter lock (benches/RESULTS.md, "e2e"). ``auto``: in a
+    #: process of its own when the rollout engine is vLLM (whose scheduler is Python) and no
+    #: left-out groups are replaced (``algorithm.max_extra_groups``, which needs the trainer in
+    #: the job's process). The local launcher only: under Ray every rank is an actor of its own.
+    own_process: bool | Literal["auto"] = "auto"
     #: DeepSpeed ZeRO stage (0: plain data parallelism; 3: parameters sharded too).
     zero_stage: int = 1
     #: ``constant`` after the warm-up, or ``cosine`` decay to ``min_lr_ratio`` at ``max_steps``.
@@ -416,7 +419,11 @@ class RunConfig:
     #: Seconds any worker may wait for its input before the run fails with a clear error.
     stall_timeout: float = 300.0
     #: Seconds a worker waits in one claim for a full batch before it takes what is ready; with
-    #: nothing ready, the same claim waits on for the first rows (up to a second, or this).
+    #: nothing ready, the same claim waits on for the first rows (up to a second, or the poll
+    #: interval). Short, so that a stage does not hold back rows the next one could start on.
+    claim_wait: float = 0.02
+    #: Seconds between a waiting worker's looks (new weights are looked for ten times as
+    #: often), between a dispatcher's heartbeats, and a trainer's wait for a whole step.
     poll_interval: float = 0.25
     progress: bool = True
     #: Experiment trackers mirroring metrics.jsonl, the config and the summary figure:
@@ -879,6 +886,7 @@ def validate(c: Config) -> None:
     if c.rollout.max_model_len is not None:
         _require(c.rollout.max_model_len >= 1, "rollout.max_model_len must be at least 1")
     _require(c.run.poll_interval > 0, "run.poll_interval must be positive")
+    _require(c.run.claim_wait >= 0, "run.claim_wait cannot be negative")
     for key, amount in [
         ("ray.rollout_cpus", c.ray.rollout_cpus),
         ("ray.rollout_gpus", c.ray.rollout_gpus),
@@ -1059,12 +1067,36 @@ def no_sleep_mode_here(why: str) -> str:
     )
 
 
+#: What an engine of ``auto`` is, when its package is installed; else ``hf``.
+_PREFERRED_ENGINES = {"rollout": ("vllm", "vllm"), "train": ("deepspeed", "deepspeed")}
+
+
+def resolve_engine_name(kind: str, name: str) -> str:
+    """``auto`` -> the preferred engine of ``kind`` when installed, else ``hf``."""
+    if name != "auto":
+        return name
+    preferred, module = _PREFERRED_ENGINES[kind]
+    return preferred if importlib.util.find_spec(module) is not None else "hf"
+
+
 def trainer_in_job_process(c: Config) -> bool:
     """Whether the local job's trainer runs in the job's own process: one rank whose versions go
-    through the store. Several ranks, a transport that sends each version from a trainer
-    process to the job's (``broadcast``, ``ipc``), or ``trainer.own_process`` put the trainer's
-    ranks in processes of their own."""
-    return c.trainer.dp_size == 1 and c.weights.transport == "store" and not c.trainer.own_process
+    through the store, not put in a process of its own by ``trainer.own_process``. Several
+    ranks, or a transport that sends each version from a trainer process to the job's
+    (``broadcast``, ``ipc``), put the trainer's ranks in processes of their own."""
+    if c.trainer.dp_size != 1 or c.weights.transport != "store":
+        return False
+    own = c.trainer.own_process
+    if own == "auto":
+        own = not _replaces_groups(c.algorithm) and (
+            resolve_engine_name("rollout", c.rollout.engine) == "vllm"
+        )
+    return not own
+
+
+def _replaces_groups(a: AlgorithmConfig) -> bool:
+    """Whether groups that ``filter_groups`` leaves out are generated again in their place."""
+    return a.filter_groups and a.max_extra_groups > 0
 
 
 def _validate_weights(c: Config) -> None:
@@ -1187,13 +1219,13 @@ def _validate_reward_and_algorithm(c: Config) -> None:
         "algorithm.max_extra_groups > 0 replaces groups that algorithm.filter_groups leaves "
         "out: it needs filter_groups: true",
     )
-    if a.filter_groups and a.max_extra_groups > 0:
+    if _replaces_groups(a):
         _require(
             c.launcher == "local"
             and trainer_in_job_process(c)
             and c.trainer.staleness_policy == "drop",
             "algorithm.max_extra_groups > 0 (replacing left-out groups) needs launcher local, "
-            "trainer.dp_size 1, weights.transport store, trainer.own_process false and "
+            "trainer.dp_size 1, weights.transport store, trainer.own_process false or auto, and "
             "trainer.staleness_policy drop",
         )
     _require(a.overlong_buffer >= 1, "algorithm.overlong_buffer must be at least 1")

@@ -26,10 +26,10 @@ from asyncflow import checkpoint, weights
 from asyncflow.agents.evaluation import agent_totals, agent_view
 from asyncflow.agents.loop import check_names
 from asyncflow.agents.tools import prompt_tools
-from asyncflow.config import Config
+from asyncflow.config import Config, resolve_engine_name
 from asyncflow.config import load as load_config
 from asyncflow.engines.base import RolloutEngine, Sampling, StepTrainEngine, TrainEngine
-from asyncflow.engines.registry import check_engine_names, resolve_engine_name
+from asyncflow.engines.registry import check_engine_names
 from asyncflow.errors import ConfigError
 from asyncflow.evaluation import accuracy, host_copy, pass_at_k, verifier
 from asyncflow.launch.base import Resources, launcher

@@ -156,17 +156,18 @@ def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
     rows = records(tmp_path, "e2e", cases=("peers",))
     assert {r["case"] for r in rows} == set(e2e_suite.PEERS)
     steps = e2e_suite.QUICK.steps
-    job, sync, hf, own, trl = (runs[case] for case in e2e_suite.PEERS)
+    job, sync, hf, thread, trl = (runs[case] for case in e2e_suite.PEERS)
     assert hf["engines"] == {"rollout": "hf", "trainer": "hf"}
     assert job["max_staleness"] == 1 and sync["max_staleness"] == 0
-    assert own["engines"] == job["engines"] and own["max_staleness"] == 1
-    # Only a trainer rank in a process of its own has a start of its own.
-    assert "trainer_start" in own["phase_seconds"] and "trainer_start" not in job["phase_seconds"]
-    assert job["steps"] == sync["steps"] == hf["steps"] == own["steps"] == trl["steps"] == steps
+    assert thread["engines"] == job["engines"] and thread["max_staleness"] == 1
+    # Beside vLLM the trainer's rank has a process, and so a start, of its own by default.
+    assert job["engines"]["rollout"] == "vllm" and "trainer_start" in job["phase_seconds"]
+    assert "trainer_start" not in thread["phase_seconds"]
+    assert job["steps"] == sync["steps"] == hf["steps"] == thread["steps"] == trl["steps"] == steps
     # TRL took one optimizer step per job step, each on a step's worth of completions.
     assert len(trl["train_loss"]) == len(trl["reward"]) == steps
     assert trl["tokens_generated"] >= steps * 4 * 16  # quick: 4 groups of 16, >= 1 token each
-    for case, summary in zip(e2e_suite.PEERS, (job, sync, hf, own, trl), strict=True):
+    for case, summary in zip(e2e_suite.PEERS, (job, sync, hf, thread, trl), strict=True):
         assert metric(rows, case, "final_accuracy", "trl")["value"] == summary["accuracy_after"]
         assert (
             metric(rows, case, "final_accuracy", "trl")["baseline_value"] == (trl["accuracy_after"])

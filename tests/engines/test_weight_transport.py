@@ -138,12 +138,22 @@ def test_broadcast_puts_the_trainer_in_processes_of_its_own_whatever_its_ranks(
     config = cfg.load(None, ["weights.transport=broadcast", *ranks])
     assert config.weights.transport == "broadcast"
     assert not cfg.trainer_in_job_process(config)
-    assert cfg.trainer_in_job_process(cfg.load(None, ranks[:1]))
+    assert cfg.trainer_in_job_process(cfg.load(None, [*ranks[:1], "trainer.own_process=false"]))
 
 
-def test_a_single_store_rank_runs_in_the_jobs_process_unless_given_one_of_its_own() -> None:
-    assert cfg.trainer_in_job_process(cfg.load(None, []))
-    assert not cfg.trainer_in_job_process(cfg.load(None, ["trainer.own_process=true"]))
+def test_a_single_store_rank_has_a_process_of_its_own_beside_vllm_by_default() -> None:
+    def in_job(*overrides: str) -> bool:
+        return cfg.trainer_in_job_process(cfg.load(None, list(overrides)))
+
+    assert in_job("rollout.engine=hf")
+    assert not in_job("rollout.engine=vllm")
+    assert not in_job("rollout.engine=hf", "trainer.own_process=true")
+    assert in_job("rollout.engine=vllm", "trainer.own_process=false")
+    # Replacing left-out groups needs the trainer in the job's process: auto keeps it there.
+    replacing = ["algorithm.filter_groups=true", "algorithm.max_extra_groups=2"]
+    assert in_job("rollout.engine=vllm", *replacing, "trainer.staleness_policy=drop")
+    with pytest.raises(cfg.ConfigError, match="own_process false or auto"):
+        in_job("trainer.own_process=true", *replacing, "trainer.staleness_policy=drop")
 
 
 def test_the_store_transport_is_the_default() -> None:

@@ -195,9 +195,9 @@ def test_a_wait_for_weights_ends_when_the_run_stops() -> None:
     assert time.monotonic() - started < 30
 
 
-def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_poll_interval() -> None:
+def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_claim_wait() -> None:
     store = Counting()
-    ctx = context(store, "run.poll_interval=0.2", "run.stall_timeout=300")
+    ctx = context(store, "run.claim_wait=0.2", "run.stall_timeout=300")
 
     class Claimer(Worker):
         def step(self) -> bool:
@@ -214,8 +214,8 @@ def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_poll_in
     assert len(full) == 2 and store.claim_timeouts == [0.0]
     partial = worker.claim("rollout", ["prompt_ids"], 2)
     assert len(partial) == 1
-    # Full now? No: then one request that settles for part of the batch after the poll
-    # interval, and with nothing there would wait on for the first rows.
+    # Full now? No: then one request that settles for part of the batch after the claim wait,
+    # and with nothing there would wait on for the first rows.
     assert store.claim_timeouts == [0.0, 0.0, IDLE_WAIT]
     assert store.partial_after == [None, None, 0.2]
     # An idle worker: one request, until rows come or the idle wait has passed. After a short
@@ -239,9 +239,9 @@ def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_poll_in
     assert store.claim_timeouts[4:] == [IDLE_WAIT, 0.0]
 
 
-def test_a_single_group_claim_waits_longer_than_the_poll_interval_for_its_group() -> None:
+def test_a_single_group_claim_waits_longer_than_the_claim_wait_for_its_group() -> None:
     store = Counting()
-    ctx = context(store, "run.poll_interval=0.05", "rollout.groups_per_call=1")
+    ctx = context(store, "run.claim_wait=0.05", "rollout.groups_per_call=1")
     worker = Rollout(ctx, Shared())
     assert worker._claim() is None
     # It asked for a full batch at once, then waited: one group is a full batch as soon as

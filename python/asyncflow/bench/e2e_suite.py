@@ -21,8 +21,8 @@ Ratios are against staleness 0 measured in the same run.
 The ``peers`` cases start, per seed, from the same warm-started model too: the job with its
 default engines (``asyncflow``, staleness 1), the same synchronous (``asyncflow-sync``,
 staleness 0: on-policy, as TRL is), the job with the hf engines (``asyncflow-hf``), the job
-with its default engines, its trainer in a process of its own and claims that wait less for full
-batches (``asyncflow-own``: ``trainer.own_process``, ``run.poll_interval`` 0.02 s), and TRL
+with its default engines and its trainer in a thread of the job's process rather than a process
+of its own (``asyncflow-thread``: ``trainer.own_process: false``), and TRL
 (``trl``, see :mod:`asyncflow.bench.trl_peer`), each for the same steps of the same prompts, in
 an order that rotates from seed to seed. Only the final model is evaluated (no evaluation
 during RL, so none overlaps it). Per case: ``rl_seconds`` (the job: its RL phase less that final
@@ -85,7 +85,7 @@ PEERS: dict[str, list[str]] = {
     "asyncflow": [],
     "asyncflow-sync": ["trainer.max_staleness=0"],
     "asyncflow-hf": ["rollout.engine=hf", "trainer.engine=hf"],
-    "asyncflow-own": ["trainer.own_process=true", "run.poll_interval=0.02"],
+    "asyncflow-thread": ["trainer.own_process=false"],
     "trl": [],
 }
 JOBS = [case for case in PEERS if case != "trl"]

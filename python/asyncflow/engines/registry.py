@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncflow.config import Config
+from asyncflow.config import Config, resolve_engine_name
 from asyncflow.engines.base import RolloutEngine, TrainEngine
 from asyncflow.errors import ConfigError
 
@@ -34,8 +33,6 @@ _TRAIN: dict[str, TrainFactory | str] = {
     "fsdp": "asyncflow.engines.fsdp:FSDPTrainEngine",
 }
 _GROUPS = {"rollout": "asyncflow.rollout_engines", "train": "asyncflow.train_engines"}
-#: What ``auto`` prefers, when its package is installed, before falling back to ``hf``.
-_PREFERRED = {"rollout": ("vllm", "vllm"), "train": ("deepspeed", "deepspeed")}
 
 
 def register_rollout_engine(name: str, factory: RolloutFactory) -> None:
@@ -44,18 +41,6 @@ def register_rollout_engine(name: str, factory: RolloutFactory) -> None:
 
 def register_train_engine(name: str, factory: TrainFactory) -> None:
     _TRAIN[name] = factory
-
-
-def _available(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def resolve_engine_name(kind: str, name: str) -> str:
-    """``auto`` -> the preferred engine when installed, else ``hf``."""
-    if name != "auto":
-        return name
-    preferred, module = _PREFERRED[kind]
-    return preferred if _available(module) else "hf"
 
 
 def _lookup(kind: str, table: dict[str, Any], name: str) -> Callable[[Path, Config], Any]:

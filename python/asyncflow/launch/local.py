@@ -18,7 +18,7 @@ from pathlib import Path
 
 from asyncflow import weights
 from asyncflow.agents.rollout import AgentRollout
-from asyncflow.config import Config, trainer_in_job_process
+from asyncflow.config import Config, resolve_engine_name, trainer_in_job_process
 from asyncflow.daemon import DaemonProcess, connect, new_token
 from asyncflow.engines.base import RolloutEngine, TrainEngine
 from asyncflow.engines.critic import HFCriticEngine
@@ -26,7 +26,6 @@ from asyncflow.engines.hf import HFRolloutEngine, HFTrainEngine
 from asyncflow.engines.registry import (
     create_rollout_engine,
     create_train_engine,
-    resolve_engine_name,
 )
 from asyncflow.errors import StoreError
 from asyncflow.launch.base import Resources, rollout_labels

@@ -20,11 +20,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from asyncflow.config import Config
+from asyncflow.config import Config, resolve_engine_name
 from asyncflow.daemon import connect, end_with_parent
 from asyncflow.engines.base import TrainEngine
 from asyncflow.engines.process_group import Rendezvous
-from asyncflow.engines.registry import create_train_engine, resolve_engine_name
+from asyncflow.engines.registry import create_train_engine
 from asyncflow.errors import ConfigError
 from asyncflow.models.tokenizer import load_tokenizer
 from asyncflow.store import Store

@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
-from asyncflow.config import Config
+from asyncflow.config import Config, resolve_engine_name
 from asyncflow.engines.base import LossFn, StepResult, StepTrainEngine, TrainBatch
 from asyncflow.engines.errors import EngineDiedError, EngineError, EngineTimeoutError
 from asyncflow.engines.process_group import gpu_count, listening
-from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.errors import ConfigError
 from asyncflow.launch.rank_process import RankSpec, main
 from asyncflow.store import Store

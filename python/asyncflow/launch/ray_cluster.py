@@ -24,10 +24,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from asyncflow.config import Config
+from asyncflow.config import Config, resolve_engine_name
 from asyncflow.daemon import connect
 from asyncflow.engines.hf import HFRolloutEngine
-from asyncflow.engines.registry import resolve_engine_name
 from asyncflow.launch import ray_workers
 from asyncflow.launch.base import Resources, rollout_labels
 from asyncflow.launch.ray_join import join

@@ -23,11 +23,11 @@ import ray
 from ray._private import state as ray_state
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from asyncflow.config import Config
+from asyncflow.config import Config, resolve_engine_name
 from asyncflow.daemon import connect
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.hf import HFTrainEngine
-from asyncflow.engines.registry import create_rollout_engine, resolve_engine_name
+from asyncflow.engines.registry import create_rollout_engine
 from asyncflow.launch.local import WorkerError
 from asyncflow.launch.ray_wait import Say, wait
 from asyncflow.models.tokenizer import load_tokenizer

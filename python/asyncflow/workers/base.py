@@ -297,7 +297,7 @@ class Worker(ABC):
         **options: Any,
     ) -> Batch:
         """Claims up to ``batch_size`` ready rows, waiting at most ``timeout`` (default
-        ``run.poll_interval``) for a full batch and then taking what is ready; with nothing
+        ``run.claim_wait``) for a full batch and then taking what is ready; with nothing
         ready it waits on, in the same request, until the first rows come or the idle wait
         (:data:`IDLE_WAIT`, at least the poll interval) has passed. Raises
         :class:`StallError` when nothing has come for ``run.stall_timeout`` seconds.
@@ -307,7 +307,7 @@ class Worker(ABC):
         than this worker takes them, and that question would almost always be answered no: it
         goes straight to the waiting claim, whose first look finds a full batch all the same."""
         names = list(fields)
-        partial_after = self.config.run.poll_interval if timeout is None else timeout
+        partial_after = self.config.run.claim_wait if timeout is None else timeout
         with self.waiting(f"claim {'+'.join(fields)}"):
             batch = None
             if task not in self._short:

@@ -121,8 +121,8 @@ def job_config(mode: Mode, costs: CostModel, store_url: str, run_dir: Path) -> c
     config.run.output_dir = str(run_dir)
     config.run.stall_timeout = 900.0
     # Real-time constants shrink with modelled time: a claim waits for a full batch at most two
-    # modelled seconds.
-    config.run.poll_interval = 2.0 / e.compression
+    # modelled seconds, and a waiting worker looks again as often.
+    config.run.claim_wait = config.run.poll_interval = 2.0 / e.compression
     config.run.progress = False
     cfg.validate(config)
     return config
