@@ -431,3 +431,12 @@ def test_a_store_job_whose_one_trainer_rank_has_a_process_of_its_own_ends_with_i
     (engine,) = rollouts
     assert engine.version == STEPS
     engine_matches_saved_model(engine, tmp_path)
+    # The trainer's timeline: each step a wait for its samples (the rank's), then busy from
+    # where that wait ended, not busy throughout.
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    (tid,) = [e["tid"] for e in events if e["ph"] == "M" and e["args"]["name"] == "trainer"]
+    spans = {e["name"]: e for e in events if e["ph"] == "X" and e["tid"] == tid}
+    for s in range(STEPS):
+        wait, busy = spans[f"step {s} samples"], spans[f"ranks train step {s}"]
+        assert (wait["cat"], busy["cat"]) == ("wait", "busy")
+        assert busy["ts"] == pytest.approx(wait["ts"] + wait["dur"], abs=1.0)

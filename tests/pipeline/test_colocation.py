@@ -261,6 +261,49 @@ def test_ranks_step_only_once_the_step_is_generated_with_the_engines_asleep(
     assert len(store.claim("train", ["advantage"], 4, timeout=1, partition="step-0")) == 4
 
 
+class Clock(Tracer):
+    """A tracer on the test's clock: its time moves only when a test moves it."""
+
+    clock = 10.0
+
+    def now(self) -> float:
+        return self.clock
+
+
+class WaitingRanks(NotingRanks):
+    """Ranks that waited 1.5 s of a 4 s step for its samples, on the tracer's clock."""
+
+    def __init__(self, events: Events, tracer: Clock) -> None:
+        super().__init__(events)
+        self.tracer = tracer
+
+    def train_step(self, step: int, stop: threading.Event) -> StepResult | None:
+        self.tracer.clock += 4.0
+        return StepResult(wait_seconds=1.5)
+
+
+def test_ranks_waiting_for_a_steps_samples_leave_the_trainer_waiting_not_busy(
+    tmp_path: Path,
+) -> None:
+    config = cfg.load(None, ["rollout.n=2", "trainer.groups_per_step=2"])
+    tracer = Clock()
+    ctx = Context(af.Store(), config, chatml_tokenizer(), tracer, RunState())
+    metrics = MetricsLog(tmp_path)
+    trainer = Trainer(ctx, WaitingRanks(Events(), tracer), metrics, Ledger(tmp_path / "ledger"))
+    try:
+        assert trainer.step()
+    finally:
+        metrics.close()
+        metrics.finish()
+    spans = [(s.kind, s.name, s.start, s.end) for s in tracer.spans() if s.role == "trainer"]
+    assert spans == [
+        ("wait", "step 0 samples", 10.0, 11.5),
+        ("busy", "ranks train step 0", 11.5, 14.0),
+    ]
+    (record,) = metrics.history
+    assert record["busy"]["trainer"] == 0.625  # 2.5 s of the step's 4
+
+
 class SleepingHF(HFRolloutEngine):
     """The hf engine standing in for the vllm one: notes its sleeps and wake-ups, and fails the
     run if it is asked to generate or load weights while asleep."""

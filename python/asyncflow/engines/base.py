@@ -327,6 +327,9 @@ class StepResult:
     #: Seconds the trainer (rank 0) took to publish the step's new version: exporting it, and
     #: handing it over (into the store, or until the receivers of a weight-sync group have it).
     publish_seconds: float | None = None
+    #: Seconds ranks in processes of their own (rank 0) waited for the step's samples before
+    #: training on them.
+    wait_seconds: float = 0.0
 
     def count_batch(self, batch: TrainBatch, lengths: Sequence[int]) -> None:
         self.tokens += batch.tokens
@@ -374,6 +377,7 @@ class StepResult:
         merged = StepResult(
             optimizer=dict(parts[0].optimizer) if parts else {},
             publish_seconds=parts[0].publish_seconds if parts else None,
+            wait_seconds=parts[0].wait_seconds if parts else 0.0,
         )
         for p in parts:
             merged.trained_groups += p.trained_groups

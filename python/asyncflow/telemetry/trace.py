@@ -42,9 +42,12 @@ class Tracer:
         try:
             yield
         finally:
-            end = self.now()
-            with self._lock:
-                self._spans.append(Span(role, kind, name, start, end))
+            self.record(role, kind, name, start, self.now())
+
+    def record(self, role: str, kind: Kind, name: str, start: float, end: float) -> None:
+        """A span whose times are known (seconds on this tracer's timeline)."""
+        with self._lock:
+            self._spans.append(Span(role, kind, name, start, end))
 
     def add(self, spans: list[Span], wall_origin: float) -> None:
         """Takes in another tracer's spans (``wall_origin`` is that tracer's), on this timeline."""

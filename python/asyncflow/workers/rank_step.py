@@ -100,10 +100,11 @@ class RankStep:
         return None
 
     def run(self, s: int) -> StepResult | None:
+        started = time.perf_counter()
         batch = self._claim(s)
         if batch is None:
             return None
-        result = StepResult()
+        result = StepResult(wait_seconds=time.perf_counter() - started)
         age, stale, _, data = kept_rows(batch, s, self.config.trainer.max_staleness)
         result.note(batch.groups, age, stale, data["reward"], figure_sums(data))
         with LEASES.kept([batch], self.config.store.lease_timeout):

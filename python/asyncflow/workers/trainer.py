@@ -119,8 +119,7 @@ class Trainer(Worker):
             return True  # the engines generate on; asked again unless the run stops
         with contextlib.nullcontext() if sleep is None else sleep.training(self.busy):
             if isinstance(self.engine, StepTrainEngine):
-                with self.busy(f"ranks train step {s}"):
-                    result = self.engine.train_step(s, self.ctx.stop)
+                result = self._ranks_train(self.engine, s)
             else:
                 result = self._train_here(s)
         if result is None:
@@ -128,6 +127,18 @@ class Trainer(Worker):
         self.engine.version = s + 1
         self._record(s, result)
         return True
+
+    def _ranks_train(self, engine: StepTrainEngine, s: int) -> StepResult | None:
+        """Step ``s`` as the ranks train it. On this worker's timeline the ranks' wait for the
+        step's samples is a wait, and only the rest of the step (training, publishing) busy."""
+        tracer = self.ctx.tracer
+        start = tracer.now()
+        result = engine.train_step(s, self.ctx.stop)
+        end = tracer.now()
+        ready = end if result is None else min(end, start + result.wait_seconds)
+        tracer.record(self.role, "wait", f"step {s} samples", start, ready)
+        tracer.record(self.role, "busy", f"ranks train step {s}", ready, end)
+        return result
 
     def _train_here(self, s: int) -> StepResult | None:
         outcome = self._accumulate(s)
