@@ -250,6 +250,18 @@ async def _cancels_itself(**_: object) -> str:
     return await waiting  # its own task's cancellation, not the caller's
 
 
+async def _exits(**_: object) -> str:
+    raise SystemExit(2)
+
+
+def _exits_in_thread(**_: object) -> str:
+    raise SystemExit(2)  # as argparse does on bad arguments
+
+
+def _interrupted(**_: object) -> str:
+    raise KeyboardInterrupt
+
+
 def _env(timeout: float = 0.5, **extra: Tool) -> ToolEnvironment:
     config = AgentConfig()
     config.sandbox.cpu_seconds = 1
@@ -283,10 +295,22 @@ def _call(name: str, **arguments: object) -> str:
         (_call("cancels"), "tool_raised", "raised CancelledError"),
         (_call("refuses"), "tool_error", "no such file"),
         (_call("hangs"), "tool_timeout", "did not answer within"),
+        # Raised in a task, either would end the event loop and every trajectory in it.
+        (_call("exits"), "tool_raised", "RuntimeError: SystemExit: 2"),
+        (_call("exits_in_thread"), "tool_raised", "RuntimeError: SystemExit: 2"),
+        (_call("interrupted"), "tool_raised", "RuntimeError: KeyboardInterrupt"),
     ],
 )
 def test_a_bad_call_becomes_an_error_observation(action: str, kind: str, says: str) -> None:
-    env = _env(raises=_raises, hangs=_hangs, refuses=_refuses, cancels=_cancels_itself)  # type: ignore[arg-type]
+    env = _env(
+        raises=_raises,  # type: ignore[arg-type]
+        hangs=_hangs,  # type: ignore[arg-type]
+        refuses=_refuses,  # type: ignore[arg-type]
+        cancels=_cancels_itself,  # type: ignore[arg-type]
+        exits=_exits,  # type: ignore[arg-type]
+        exits_in_thread=_exits_in_thread,  # type: ignore[arg-type]
+        interrupted=_interrupted,  # type: ignore[arg-type]
+    )
     step = run(env.step(action))
     assert not step.done
     assert step.errors == {kind: 1}
@@ -351,6 +375,46 @@ def test_the_wait_for_a_sandbox_slot_is_not_the_tools_time(
         return await sandbox.run_python("second")  # in the same task: no timeout of its own
 
     assert run(after_a_call()).output == "second"
+
+
+def test_a_tool_may_take_an_argument_named_fn() -> None:
+    schema = {"type": "object", "properties": {"fn": {"type": "string"}}, "required": ["fn"]}
+    env = _env()
+    env.tools["named"] = Tool("named", "", schema, lambda fn: f"got {fn}")
+    step = run(env.step(_call("named", fn="x")))
+    assert step.errors == {} and step.observation == "<tool_response>\ngot x\n</tool_response>"
+
+
+class _QueuedSandboxEnv:
+    """An environment whose turn runs sandboxed code while the only slot is taken for longer
+    than the environment's whole timeout (the agent loop's, twice ``agent.tool_timeout``)."""
+
+    def reset(self, problem: Problem) -> str:
+        return ""
+
+    async def step(self, action: str) -> Step:
+        loop = asyncio.get_running_loop()
+        slots = sandbox._slots.setdefault(loop, asyncio.Semaphore(1))
+        await slots.acquire()  # as by another trajectory's process
+        loop.call_later(0.6, slots.release)
+        result = await sandbox.run_python("ran")
+        return Step(result.output, 1.0, True)
+
+
+def test_the_wait_for_a_sandbox_slot_is_not_the_environments_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def instant(code: str, limits: SandboxLimits) -> SandboxResult:
+        return SandboxResult(code, 0, False, 0, 0.0, True, True, True, True)
+
+    monkeypatch.setattr(sandbox, "_run", instant)
+    register_environment("queued-sandbox", lambda config, tools: _QueuedSandboxEnv())
+    config = AgentConfig(enabled=True, environment="queued-sandbox", tool_timeout=0.1)
+    engine = ScriptedEngine(lambda context, turn: "hello")
+    ((t,),) = AgentLoop(config, TOKENIZER).run(
+        engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=1, max_tokens=50)
+    )
+    assert t.errors == {} and t.finish_reason == "stop" and t.env_reward == 1.0
 
 
 def test_a_turn_without_calls_ends_the_trajectory() -> None:
@@ -794,8 +858,22 @@ class _ScriptedStepEnv:
         ("x", 1.0),
         Step("x", 1.0, False, "slow"),  # type: ignore[arg-type]
         ("x", 10**400, False),
+        Step("x", 1.0, False, math.nan),
+        Step("x", 1.0, False, 0.0, -1),
+        Step("x", 1.0, False, 0.0, 1, {"x": "a"}),  # type: ignore[arg-type]
+        Step("x", 1.0, False, 0.0, 1, 5),  # type: ignore[arg-type]
     ],
-    ids=["no-reward", "nan-reward", "two-items", "bad-seconds", "reward-beyond-a-float"],
+    ids=[
+        "no-reward",
+        "nan-reward",
+        "two-items",
+        "bad-seconds",
+        "reward-beyond-a-float",
+        "nan-seconds",
+        "negative-calls",
+        "bad-error-count",
+        "errors-not-a-mapping",
+    ],
 )
 def test_an_environment_step_that_is_not_a_step_ends_only_its_trajectory(answer: Any) -> None:
     _ScriptedStepEnv.answer = answer

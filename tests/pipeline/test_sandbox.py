@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -98,6 +99,30 @@ def test_system_v_shared_memory_the_code_makes_goes_with_the_sandbox() -> None:
     result = sandboxed(code)
     assert result.ok and result.output == "True\n", result.output
     assert segments() == before
+
+
+SHARED_MEMORY_AND_FILES = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+segments = 0  # System V shared memory, 64 MiB a segment: no address space counts it
+while segments < 64 and libc.shmget(0, 64 << 20, 0o1600) >= 0:
+    segments += 1
+files = []  # memfds, each up to the largest file
+try:
+    while len(files) < 1000:
+        files.append(os.memfd_create("m"))
+except OSError:
+    pass
+print(segments, len(files))
+"""
+
+
+def test_memory_that_no_address_space_counts_is_capped_too() -> None:
+    result = sandboxed(SHARED_MEMORY_AND_FILES)  # 256 MiB of memory
+    segments, files = map(int, result.output.split())
+    assert 0 < files < 256  # the descriptors the code may hold open
+    if result.processes_isolated:  # in namespaces of its own (IPC among them)
+        assert segments == 4  # 256 MiB of shared memory in all
 
 
 def test_forking_without_bound_hits_the_process_cap() -> None:
@@ -372,3 +397,40 @@ def test_a_run_cancelled_while_its_process_starts_leaves_no_directory(
     monkeypatch.setattr(sandbox, "_start", slow_start)
     asyncio.run(cancel_while_starting())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_working_directory_its_code_locked_is_still_removed() -> None:
+    """Without root the code runs as the caller's user and may leave directories nobody can
+    list or enter; as root, the check runs in a child that gives root up first (root passes
+    every permission)."""
+    base = tempfile.mkdtemp()
+    os.chmod(base, 0o777)  # noqa: PTH101
+    workdir = os.path.join(base, "work")  # noqa: PTH118
+
+    def lock_and_remove() -> bool:
+        os.makedirs(os.path.join(workdir, "a", "b", "c"))  # noqa: PTH103, PTH118
+        Path(workdir, "a", "b", "c", "file").write_text("x")
+        os.symlink(base, os.path.join(workdir, "a", "to-base"))  # noqa: PTH118, PTH211
+        for locked in ("a/b/c", "a/b", "a"):
+            os.chmod(os.path.join(workdir, locked), 0)  # noqa: PTH101, PTH118
+        sandbox._remove(workdir)
+        # Gone, and what the link pointed to was left as it was.
+        return not os.path.lexists(workdir) and stat.S_IMODE(Path(base).stat().st_mode) == 0o777
+
+    try:
+        if os.geteuid() != 0:
+            assert lock_and_remove()
+            return
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            ok = False
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                ok = lock_and_remove()
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -36,6 +36,8 @@ AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
 #: Files and directories the code may make in its working directory (as root, where it is a
 #: tmpfs of its own).
 DISK_INODES = 8192
+#: Descriptors the code may hold open at once.
+OPEN_FILES = 256
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 #: As root, the code runs as ``UID_BASE`` plus the launcher's PID: a user id of its own among the
@@ -71,16 +73,34 @@ def unshare(flags: int) -> bool:
         return False
 
 
-def isolate() -> tuple[bool, bool]:
+def isolate() -> tuple[bool, bool, bool]:
     """Leaves the caller's network, PID, mount and System V IPC namespaces where it can;
-    ``(network, pid)``. A fresh network namespace holds only a loopback device that is down: no
-    connection leaves it; a fresh IPC namespace's shared memory goes with its last process. Without
-    root, a user namespace grants the right to make the others (where allowed)."""
+    ``(network, pid, ipc)``. A fresh network namespace holds only a loopback device that is
+    down: no connection leaves it; a fresh IPC namespace's shared memory goes with its last
+    process. Without root, a user namespace grants the right to make the others (where
+    allowed)."""
     user = 0 if os.geteuid() == 0 else CLONE_NEWUSER
-    ipc = (CLONE_NEWIPC, 0)  # where it can be made
-    if any(unshare(user | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | i) for i in ipc):
-        return True, True
-    return any(unshare(user | CLONE_NEWNET | i) for i in ipc), False
+    for others, pid in ((CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS, True), (CLONE_NEWNET, False)):
+        for ipc in (CLONE_NEWIPC, 0):  # where it can be made
+            if unshare(user | others | ipc):
+                return True, pid, bool(ipc)
+    return False, False, False
+
+
+def ipc_limits(memory: int) -> dict[str, int]:
+    """System V IPC limits of the sandbox's own namespace (``/proc/sys/kernel``): its defaults
+    let shared memory segments and message queues, which no process's address space counts,
+    hold far more than the memory limit. Shared memory is held to ``memory`` bytes in all."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return {"shmmax": memory, "shmall": max(1, memory // page), "shmmni": 16, "msgmni": 16}
+
+
+def limit_ipc(memory: int) -> None:
+    """Caps System V IPC in the IPC namespace made for the sandbox (never the host's: called
+    only when one was made), before its ``/proc`` turns read-only."""
+    for name, value in ipc_limits(memory).items():
+        with contextlib.suppress(OSError), open(f"/proc/sys/kernel/{name}", "w") as f:  # noqa: PTH123
+            f.write(str(value))
 
 
 class MountAttr(ctypes.Structure):
@@ -196,6 +216,9 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
         limit(resource.RLIMIT_AS, int(settings["memory"]))
         limit(resource.RLIMIT_FSIZE, int(settings["file"]))
         limit(resource.RLIMIT_CORE, 0)
+        # Memory no address space counts: files held open (a memfd each, at most the largest
+        # file) and pipes.
+        limit(resource.RLIMIT_NOFILE, OPEN_FILES)
         if os.geteuid() == 0:
             for name in PRELOAD:
                 with contextlib.suppress(ImportError):
@@ -240,6 +263,8 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
 def init(code: str, settings: dict[str, int], isolated: str, report: int) -> None:
     """PID 1 of the sandbox (or a plain child where no PID namespace could be made)."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the launcher killed: so is the sandbox
+    if settings["ipc"]:
+        limit_ipc(int(settings["memory"]))
     files, disk = mount_namespace(int(settings["disk"])) if os.getpid() == 1 else (False, False)
     child = os.fork()
     if child == 0:
@@ -257,7 +282,7 @@ def main() -> None:
     settings = json.loads(sys.argv[1])
     code = sys.stdin.read()
     settings["launcher"] = os.getpid()
-    network, pid = isolate()
+    network, pid, settings["ipc"] = isolate()
     isolated = f"net={int(network)},pid={int(pid)}"
     read, write = os.pipe()
     child = os.fork()

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncflow.agents import calls
 from asyncflow.agents.parser import CallError, ToolCall, create_parser
-from asyncflow.agents.sandbox import tool_deadline
+from asyncflow.agents.sandbox import held_in_queue
 from asyncflow.agents.tools import Tool, ToolError, check_arguments
 from asyncflow.errors import ConfigError
 from asyncflow.tasks.base import Problem
@@ -140,13 +140,10 @@ class ToolEnvironment:
         delay = self.latency.draw()
         try:
             async with asyncio.timeout(self.timeout) as deadline:
-                token = tool_deadline.set(deadline)
-                try:
+                with held_in_queue(deadline):
                     if delay:
                         await asyncio.sleep(delay)
                     return str(await calls.call(tool.fn, **call.arguments)), None
-                finally:
-                    tool_deadline.reset(token)
         except TimeoutError:
             return f"error: {call.name} did not answer within {self.timeout:g} s", "tool_timeout"
         except ToolError as e:

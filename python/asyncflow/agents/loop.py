@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from asyncflow.agents.calls import call, in_thread
 from asyncflow.agents.env import Environment, Step, cancelled_by_caller, environment_factory
 from asyncflow.agents.parser import create_parser
+from asyncflow.agents.sandbox import held_in_queue
 from asyncflow.agents.tools import Tool, create_tool
 from asyncflow.agents.trajectory import Trajectory
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
@@ -130,21 +131,21 @@ async def _until_set(event: threading.Event) -> None:
 
 def _as_step(result: Any) -> Step:
     """An environment's step checked: a :class:`Step` or ``(observation, reward, done)``, with
-    a finite reward; raises ``TypeError`` or ``ValueError`` otherwise."""
+    a finite reward, and tool seconds, tool calls and error counts that are finite and not
+    negative; raises ``TypeError`` or ``ValueError`` otherwise."""
     if not isinstance(result, Step):
         observation, reward, done = result
         result = Step(observation, reward, done)
     reward = float(result.reward)
     if not math.isfinite(reward):
         raise ValueError(f"reward {reward} is not finite")
-    return Step(
-        str(result.observation),
-        reward,
-        bool(result.done),
-        float(result.tool_seconds),
-        int(result.tool_calls),
-        Counter(result.errors),
-    )
+    seconds, calls = float(result.tool_seconds), int(result.tool_calls)
+    if not 0.0 <= seconds < math.inf or calls < 0:
+        raise ValueError(f"tool_seconds {seconds} and tool_calls {calls}: not counts")
+    errors = Counter({str(kind): int(n) for kind, n in dict(result.errors).items()})
+    if any(n < 0 for n in errors.values()):
+        raise ValueError(f"errors {dict(errors)}: not counts")
+    return Step(str(result.observation), reward, bool(result.done), seconds, calls, errors)
 
 
 def check_names(config: AgentConfig) -> None:
@@ -329,9 +330,12 @@ class AgentLoop:
     async def _env_call(
         self, t: Trajectory, fn: Callable[..., Any], *args: Any
     ) -> tuple[bool, Any]:
-        """``fn(*args)`` of the environment, bounded in time; a failure is counted in ``t``."""
+        """``fn(*args)`` of the environment, bounded in time (its tools' waits for a sandbox
+        slot not counted); a failure is counted in ``t``."""
         try:
-            return True, await asyncio.wait_for(call(fn, *args), self.config.tool_timeout * 2)
+            async with asyncio.timeout(self.config.tool_timeout * 2) as deadline:
+                with held_in_queue(deadline):
+                    return True, await call(fn, *args)
         except TimeoutError:
             t.errors["env_timeout"] += 1
         except asyncio.CancelledError as e:
@@ -367,6 +371,9 @@ class AgentLoop:
             except TimeoutError:
                 t.errors["reward_timeout"] += 1
                 return math.nan
+            except Exception as e:  # no thread to run it in (the machine's limit reached)
+                log.warning("agent verifier failed: %s: %s", type(e).__name__, e)
+                verified = math.nan
             if math.isnan(verified):
                 t.errors["reward_failed"] += 1
             score += verified

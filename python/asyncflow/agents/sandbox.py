@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,12 +107,24 @@ _slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] 
 )
 
 
-#: The timeout of the tool call under way (the ``tools`` environment sets it): the wait for a
-#: slot is not the tool's time, so that timeout is held while it lasts and then moved on by as
-#: long. Else a burst of calls would read as tools that did not answer, the model paying for it.
-tool_deadline: contextvars.ContextVar[asyncio.Timeout | None] = contextvars.ContextVar(
-    "tool_deadline", default=None
+#: The timeouts over the call under way: the agent loop's over the environment's turn and the
+#: ``tools`` environment's over the one call (see :func:`held_in_queue`). The wait for a slot is
+#: not the tool's time, so each is held while it lasts and then moved on by as long. Else a burst
+#: of calls would read as tools that did not answer (or as an environment that did not), the
+#: model paying for it.
+_deadlines: contextvars.ContextVar[tuple[asyncio.Timeout, ...]] = contextvars.ContextVar(
+    "deadlines", default=()
 )
+
+
+@contextlib.contextmanager
+def held_in_queue(timeout: asyncio.Timeout) -> Iterator[None]:
+    """Within the block, ``timeout`` stops running while a sandboxed call waits for a slot."""
+    token = _deadlines.set((*_deadlines.get(), timeout))
+    try:
+        yield
+    finally:
+        _deadlines.reset(token)
 
 
 async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
@@ -120,7 +132,7 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
     limit counts from the start of the process, not from the wait for a slot."""
     loop = asyncio.get_running_loop()
     slots = _slots.setdefault(loop, asyncio.Semaphore(MAX_CONCURRENT))
-    async with _held(tool_deadline.get(), loop):
+    async with _held(_deadlines.get(), loop):
         await slots.acquire()
     try:
         return await _run(code, limits)
@@ -130,20 +142,37 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
 
 @contextlib.asynccontextmanager
 async def _held(
-    timeout: asyncio.Timeout | None, loop: asyncio.AbstractEventLoop
+    timeouts: tuple[asyncio.Timeout, ...], loop: asyncio.AbstractEventLoop
 ) -> AsyncIterator[None]:
-    """``timeout`` (if it has a deadline) does not run inside the block."""
-    when = None if timeout is None or timeout.expired() else timeout.when()
-    if when is None:
-        yield
-        return
-    assert timeout is not None
+    """``timeouts`` (those with a deadline still ahead) do not run inside the block."""
+    held = [(t, when) for t in timeouts if not t.expired() and (when := t.when()) is not None]
     began = loop.time()
-    timeout.reschedule(None)
+    for timeout, _ in held:
+        timeout.reschedule(None)
     try:
         yield
     finally:
-        timeout.reschedule(when + loop.time() - began)
+        waited = loop.time() - began
+        for timeout, when in held:
+            timeout.reschedule(when + waited)
+
+
+def _remove(workdir: str) -> None:
+    """Deletes a sandbox's working directory. Without root the code ran as the caller's own
+    user and may have left directories that cannot be listed or entered (mode 000), which stop
+    ``rmtree``: then every directory in it (real ones, never what a link points to) is opened to
+    its owner and the deletion tried again."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    if not os.path.lexists(workdir):
+        return
+    stack = [workdir]
+    while stack:
+        directory = stack.pop()
+        with contextlib.suppress(OSError):
+            os.chmod(directory, 0o700)  # noqa: PTH101 (paths from scandir, as strings)
+            with os.scandir(directory) as entries:
+                stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 async def _start(workdir: str, settings: dict[str, int]) -> asyncio.subprocess.Process:
@@ -177,7 +206,7 @@ async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
     try:
         proc = await _start(workdir, settings)
     except BaseException:  # cancelled (a timeout, the run's stop) while it started
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove(workdir)
         raise
     assert proc.stdin is not None and proc.stdout is not None
     timed_out = False
@@ -205,7 +234,7 @@ async def _run(code: str, limits: SandboxLimits) -> SandboxResult:
     finally:
         if proc.returncode is None:  # cancelled, or the pipe broke
             _kill_group(proc.pid)
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove(workdir)
     # The launcher's first line says which namespaces it made.
     header, _, body = raw.partition(b"\n")
     made = HEADER.fullmatch(header)
