@@ -288,11 +288,16 @@ def test_a_version_the_store_failed_to_deliver_is_loaded_at_the_next_try(
         return load(engine, version)
 
     monkeypatch.setattr(ctx.weights, "load", late_once)
+    waits: list[float | None] = []
+    monkeypatch.setattr(ctx.stop, "wait", waits.append)
     engine = Loads()
     worker = Rollout(ctx, engine)
     assert not worker.sync_weights()
     assert engine.version == 0 and not failures and ctx.state.weight_failures == []
+    # A poll interval before the next try: not at once, again and again, from a store in trouble.
+    assert waits == [ctx.config.run.poll_interval]
     assert worker.sync_weights() and engine.version == 1
+    assert len(waits) == 1
 
 
 def test_under_wait_a_needed_version_that_failed_to_load_is_waited_past() -> None:

@@ -80,7 +80,9 @@ class Rollout(Worker):
         """Loads the newest weights of the run's weight source if they are newer than the
         engine's; returns whether it did. A version that fails to load (see
         :func:`load_version`) is reported and skipped; the engine goes on with the version it
-        had. One the store failed to deliver is tried again at the next call."""
+        had. One the store failed to deliver is tried again at the next call, a poll interval
+        later: a worker waiting for that version would otherwise fetch it again at once, again
+        and again, from a store already in trouble."""
         newest = self.ctx.weights.latest()
         if newest is None or newest <= self.engine.version or newest in self._unloadable:
             return False
@@ -90,8 +92,12 @@ class Rollout(Worker):
             with self.busy(f"load weights v{newest}"):
                 try:
                     failure = load_version(self.ctx.weights, self.engine, newest)
+                    delivered = True
                 except TRANSIENT:
-                    return False  # the store's trouble, not the version's: tried again later
+                    delivered = False  # the store's trouble, not the version's
+        if not delivered:
+            self.ctx.stop.wait(self.config.run.poll_interval)
+            return False
         if failure is not None:
             self._unloadable.add(newest)
             self.ctx.state.note_weight_failure(failure)
