@@ -150,6 +150,16 @@ def test_an_engine_that_cannot_start_says_which_and_why(tmp_path: Path) -> None:
         VLLMRolloutEngine(tmp_path, CONFIG)
 
 
+def test_an_engine_core_in_a_process_of_its_own_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's engine core in another process would decode on between this engine's steps:
+    tokens read after a weight load would be tagged with the new version."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(EngineStartError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1 is set"):
+        VLLMRolloutEngine(tmp_path, CONFIG)
+
+
 def test_sampling_with_a_seed_is_reproducible(engine: VLLMRolloutEngine) -> None:
     sampling = Sampling(n=3, max_tokens=6, seed=11)
     first = engine.generate(ids(PROMPTS), sampling)

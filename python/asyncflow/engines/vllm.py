@@ -36,8 +36,17 @@ from asyncflow.units import parse_size
 
 def prepare_environment() -> None:
     """vLLM reads these when it is imported, so this runs before that."""
-    # In-process engine core: weights reload from tensors, no pickling, one process to watch.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # In-process engine core: weights reload from tensors, no pickling, one process to watch,
+    # and each engine step is the one the caller asked for. An engine core of its own would
+    # decode on between the caller's steps, so a token sampled before a weight load but read
+    # after it would be tagged with the new version: refused rather than mistagged.
+    multiprocessing = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if multiprocessing.strip() != "0":
+        raise EngineStartError(
+            f"VLLM_ENABLE_V1_MULTIPROCESSING={multiprocessing} is set: the vllm rollout engine "
+            "drives vLLM's engine core in its own process (in-place weight loads, each "
+            "token's policy version); unset it or set it to 0"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
