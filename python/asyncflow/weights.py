@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from asyncflow.engines.errors import WeightLoadError
 from asyncflow.errors import ConfigError, StoreError, UnknownIndexError
 from asyncflow.store import Store
-from asyncflow.weight_sync.source import WeightSource
+from asyncflow.weight_sync.source import WeightSource, load_into
 from asyncflow.weight_sync.versions import put_version
 
 if TYPE_CHECKING:
@@ -278,16 +279,20 @@ class Watcher(WeightSource):
     def load(self, engine: RolloutEngine, version: int) -> int:
         """Loads ``version`` into ``engine``, or the newest if newer ones have replaced it in the
         store meanwhile (it keeps the last few); returns the version loaded."""
+        asked = version
         while True:
             try:
                 got, tensors = fetch(self.store, version)
                 break
-            except LookupError:  # (a row deleted under the read, too)
+            except LookupError as e:  # (a row deleted under the read, too)
                 newest = latest_version(self.store)
-                if newest is None or newest <= version:
+                if newest is not None and newest > version:
+                    version = newest  # replaced again while read: read the newest again
+                elif version == asked:
                     raise
-                version = newest  # replaced again while read: read the newest again
-        engine.load_weights(got, tensors)
+                else:  # the failure is the newer version's, not the one asked for
+                    raise WeightLoadError(f"weights v{version}: {e}", version) from e
+        load_into(engine, got, tensors)
         return got
 
     def fetch(self, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:

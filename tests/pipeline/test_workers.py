@@ -31,6 +31,7 @@ from asyncflow.tasks.dataset import DatasetTask
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
+from asyncflow.weight_sync.source import load_into
 from asyncflow.weight_sync.versions import put_version
 from asyncflow.workers.base import (
     LEASES,
@@ -406,6 +407,23 @@ def test_a_version_replaced_before_it_was_read_loads_the_newest_instead() -> Non
     engine = Loads()
     assert load_version(ctx.weights, engine, 1) is None
     assert engine.version == 3
+
+
+def test_a_newer_version_that_failed_in_place_of_the_one_asked_for_is_the_one_named() -> None:
+    """Version 1 was replaced before it was read, so the source went on to the newest, version
+    3, which the engine refused: the failure names version 3, not 1."""
+    ctx = context()
+    for v in (1, 2, 3):
+        weights.publish(ctx.store, v, [("w", torch.zeros(2))])
+    engine = Loads(refuse=True)
+    failure = load_version(ctx.weights, engine, 1)
+    assert failure is not None and engine.version == 0
+    failed, why = failure
+    assert failed == 3 and "weights v3 failed to load" in why, why
+    # And a refusal raised without a version gets the one the source tried to load.
+    with pytest.raises(WeightLoadError) as refused:
+        load_into(engine, 7, [])
+    assert refused.value.version == 7
 
 
 def test_a_version_is_published_only_once_its_manifest_is_ready() -> None:

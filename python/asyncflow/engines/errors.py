@@ -24,4 +24,10 @@ class EngineDiedError(EngineError):
 
 class WeightLoadError(EngineError, ValueError):
     """A version of the weights could not be loaded (a missing tensor, a wrong shape, a
-    truncated publication); the engine still holds, whole, the version it had."""
+    truncated publication); the engine still holds, whole, the version it had. ``version``: the
+    version refused, where the raiser knows it (a weight source may load a newer version than
+    the one it was asked for, and the failure must name the one that failed)."""
+
+    def __init__(self, message: str, version: int | None = None) -> None:
+        super().__init__(message)
+        self.version = version

@@ -28,6 +28,7 @@ from asyncflow.store import Store
 from asyncflow.weight_sync import Publisher, Receiver, WeightSyncError
 from asyncflow.weight_sync.group import Group
 from asyncflow.weight_sync.layout import Layout, as_bytes, pack
+from asyncflow.weight_sync.source import load_into
 from asyncflow.weight_sync.versions import put_version
 
 #: The store partition and field of the announced versions' layouts.
@@ -339,7 +340,7 @@ class BroadcastReceiver(Receiver):
 
     def load(self, engine: RolloutEngine, version: int | None = None) -> int:
         with self._held(version) as (layout, buffer):
-            engine.load_weights(layout.version, layout.views(buffer))
+            load_into(engine, layout.version, layout.views(buffer))
             return layout.version
 
     def fetch(self, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:

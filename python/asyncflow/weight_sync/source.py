@@ -8,11 +8,13 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from asyncflow.engines.base import RolloutEngine
+from asyncflow.engines.errors import WeightLoadError
 
 if TYPE_CHECKING:
     from asyncflow.weight_sync.broadcast import BroadcastReceiver
@@ -39,6 +41,18 @@ class WeightSource(ABC):
     def fetch(self, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """``(version, [(name, tensor)])`` of ``version`` (default: the newest), to read only.
         Raises LookupError if it is not here."""
+
+
+def load_into(
+    engine: RolloutEngine, version: int, weights: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """``engine.load_weights``, a refusal naming ``version`` (see ``WeightLoadError.version``)."""
+    try:
+        engine.load_weights(version, weights)
+    except WeightLoadError as e:
+        if e.version is None:
+            e.version = version
+        raise
 
 
 class ReceivedWeights(WeightSource):

@@ -99,8 +99,9 @@ class Rollout(Worker):
             self.ctx.stop.wait(self.config.run.poll_interval)
             return False
         if failure is not None:
-            self._unloadable.add(newest)
-            self.ctx.state.note_weight_failure(failure)
+            failed, why = failure
+            self._unloadable.add(failed)
+            self.ctx.state.note_weight_failure(why)
             return False
         return True
 
@@ -414,19 +415,24 @@ def token_versions(
 TRANSIENT = (errors.ConnectionError, errors.StoreTimeoutError)
 
 
-def load_version(source: WeightSource, engine: RolloutEngine, version: int) -> str | None:
-    """Loads weights ``version`` from ``source`` into ``engine``; returns None, or why they could
-    not be loaded (naming the version) while the engine kept the version it had. A publication
-    that cannot be read whole (a missing tensor, a truncated one) never reaches the engine. A
-    broken weight-sync group is no such failure: its error propagates and ends the run; nor is
-    a store that cannot be reached or answers too late (:data:`TRANSIENT`, raised)."""
+def load_version(
+    source: WeightSource, engine: RolloutEngine, version: int
+) -> tuple[int, str] | None:
+    """Loads weights ``version`` from ``source`` into ``engine``; returns None, or the version
+    that could not be loaded and why, naming it, while the engine kept the version it had (the
+    source may have gone on to a newer version than ``version``, and that one failed). A
+    publication that cannot be read whole (a missing tensor, a truncated one) never reaches the
+    engine. A broken weight-sync group is no such failure: its error propagates and ends the
+    run; nor is a store that cannot be reached or answers too late (:data:`TRANSIENT`,
+    raised)."""
     try:
         source.load(engine, version)
     except TRANSIENT:
         raise  # the store's, not the publication's: the version may load at the next try
     except (StoreError, LookupError, WeightLoadError) as e:
-        return (
-            f"{engine.label}: weights v{version} failed to load ({type(e).__name__}: {e}); "
+        failed = e.version if isinstance(e, WeightLoadError) and e.version is not None else version
+        return failed, (
+            f"{engine.label}: weights v{failed} failed to load ({type(e).__name__}: {e}); "
             f"still generating with v{engine.version}"
         )
     return None
