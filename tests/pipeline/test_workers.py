@@ -315,6 +315,39 @@ def test_under_wait_a_needed_version_that_failed_to_load_is_waited_past() -> Non
     assert len(ctx.store.claim("rollout", "prompt_ids", 1, timeout=1)) == 1, "handed back"
 
 
+class RefusesSome(Loads):
+    """An engine that refuses the versions in ``refused`` and loads the others."""
+
+    def __init__(self, refused: set[int]) -> None:
+        super().__init__()
+        self.refused = refused
+
+    def load_weights(self, version: int, weights: object) -> None:
+        if version in self.refused:
+            raise WeightLoadError(f"v{version} refused")
+        self.version = version
+
+
+def test_while_the_newest_version_fails_to_load_the_one_before_it_is_loaded() -> None:
+    """Versions 1 and 2 came out before the engine's next weight check, and it refuses 2. Step
+    2's prompt needs version 1 or newer (staleness 1); the store still keeps version 1: the
+    worker loads it and generates, rather than waiting for version 3, which needs step 2's
+    samples (it stalled until ``run.stall_timeout``)."""
+    ctx = context("trainer.max_staleness=1", "run.stall_timeout=10")
+    for v in (1, 2):
+        weights.publish(ctx.store, v, [("w", torch.zeros(2))])
+    put_prompt(ctx.store, target=2)
+    engine = RefusesSome({2})
+    worker = Rollout(ctx, engine)
+    for _ in range(3):  # the first step finds version 2 refused and hands the prompt back
+        worker.step()
+        if len(ctx.store.rows(partition=step_partition(2))):
+            break
+    assert engine.version == 1
+    assert len(ctx.store.rows(partition=step_partition(2))) == ctx.config.rollout.n
+    assert len(ctx.state.weight_failures) == 1 and "v2" in ctx.state.weight_failures[0]
+
+
 def test_waiting_workers_see_new_weights_once_they_are_published() -> None:
     store = af.Store()
     watcher = weights.Watcher(store, interval=0.01)

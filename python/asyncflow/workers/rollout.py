@@ -82,16 +82,17 @@ class Rollout(Worker):
         :func:`load_version`) is reported and skipped; the engine goes on with the version it
         had. One the store failed to deliver is tried again at the next call, a poll interval
         later: a worker waiting for that version would otherwise fetch it again at once, again
-        and again, from a store already in trouble."""
-        newest = self.ctx.weights.latest()
-        if newest is None or newest <= self.engine.version or newest in self._unloadable:
+        and again, from a store already in trouble. While the newest version is one that failed,
+        the one before it (:meth:`_loadable`) is loaded if it is newer than the engine's."""
+        version = self._loadable()
+        if version is None:
             return False
         with self.engine.load_lock:
-            if newest <= self.engine.version:
+            if version <= self.engine.version:
                 return False  # another worker sharing the engine loaded it meanwhile
-            with self.busy(f"load weights v{newest}"):
+            with self.busy(f"load weights v{version}"):
                 try:
-                    failure = load_version(self.ctx.weights, self.engine, newest)
+                    failure = load_version(self.ctx.weights, self.engine, version)
                     delivered = True
                 except TRANSIENT:
                     delivered = False  # the store's trouble, not the version's
@@ -100,10 +101,27 @@ class Rollout(Worker):
             return False
         if failure is not None:
             failed, why = failure
-            self._unloadable.add(failed)
-            self.ctx.state.note_weight_failure(why)
+            if failed not in self._unloadable:
+                self.ctx.state.note_weight_failure(why)
+            # ``version`` too: the source went on to ``failed`` because it was gone.
+            self._unloadable.update((failed, version))
             return False
         return True
+
+    def _loadable(self) -> int | None:
+        """The version to load next: the newest if it is newer than the engine's and has not
+        failed to load, else the one before it under the same conditions (the store keeps it,
+        ``weights.KEEP_VERSIONS``), else None. A prompt that needs no newer version than that one
+        is not held up by the newest having failed."""
+        newest = self.ctx.weights.latest()
+        if newest is None:
+            return None
+        for version in (newest, newest - 1):
+            if version <= self.engine.version:
+                return None
+            if version not in self._unloadable:
+                return version
+        return None
 
     def _claim(self, groups: int | None = None) -> PromptGroups | None:
         groups = groups or self.config.rollout.groups_per_call
@@ -147,6 +165,9 @@ class Rollout(Worker):
         """Waits until ``version`` is published or the run stops. Claiming prompts again before
         then would only hand them back: with many workers per engine, that churn costs the store
         and this process more than the generation itself."""
+        loadable = self._loadable()
+        if loadable is not None and loadable >= version:
+            return  # loaded at the next weight check
         newest = self.ctx.weights.latest()
         if newest is not None and newest >= version and newest in self._unloadable:
             # Published, but this engine failed to load it: only a newer version can do.
