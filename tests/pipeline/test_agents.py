@@ -386,8 +386,8 @@ def test_a_tool_may_take_an_argument_named_fn() -> None:
 
 
 class _QueuedSandboxEnv:
-    """An environment whose turn runs sandboxed code while the only slot is taken for longer
-    than the environment's whole timeout (the agent loop's, twice ``agent.tool_timeout``)."""
+    """An environment whose turn runs three pieces of sandboxed code at once while the only
+    slot is taken by another trajectory's process, so that they queue one behind another."""
 
     def reset(self, problem: Problem) -> str:
         return ""
@@ -396,20 +396,25 @@ class _QueuedSandboxEnv:
         loop = asyncio.get_running_loop()
         slots = sandbox._slots.setdefault(loop, asyncio.Semaphore(1))
         await slots.acquire()  # as by another trajectory's process
-        loop.call_later(0.6, slots.release)
-        result = await sandbox.run_python("ran")
-        return Step(result.output, 1.0, True)
+        loop.call_later(0.5, slots.release)
+        results = await asyncio.gather(*(sandbox.run_python(code) for code in "abc"))
+        return Step("".join(r.output for r in results), 1.0, True)
 
 
 def test_the_wait_for_a_sandbox_slot_is_not_the_environments_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def instant(code: str, limits: SandboxLimits) -> SandboxResult:
-        return SandboxResult(code, 0, False, 0, 0.0, True, True, True, True)
+    """The turn's timeout (the agent loop's, twice ``agent.tool_timeout``: 1 s) runs only while
+    none of its calls waits for a slot: the last call's own run (0.4 s), not the 0.5 s the slot
+    was taken nor the other two runs (1.2 s of runs in all)."""
 
-    monkeypatch.setattr(sandbox, "_run", instant)
+    async def slow(code: str, limits: SandboxLimits) -> SandboxResult:
+        await asyncio.sleep(0.4)
+        return SandboxResult(code, 0, False, 0, 0.4, True, True, True, True)
+
+    monkeypatch.setattr(sandbox, "_run", slow)
     register_environment("queued-sandbox", lambda config, tools: _QueuedSandboxEnv())
-    config = AgentConfig(enabled=True, environment="queued-sandbox", tool_timeout=0.1)
+    config = AgentConfig(enabled=True, environment="queued-sandbox", tool_timeout=0.5)
     engine = ScriptedEngine(lambda context, turn: "hello")
     ((t,),) = AgentLoop(config, TOKENIZER).run(
         engine, [TOKENIZER.encode("q")], [Problem("q", "")], Sampling(n=1, max_tokens=50)

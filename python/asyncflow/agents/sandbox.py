@@ -140,21 +140,38 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
         slots.release()
 
 
+#: Each timeout held by calls waiting for a slot: how many wait, its deadline when the first
+#: began to, and when that was (loop time).
+_holding: dict[asyncio.Timeout, tuple[int, float, float]] = {}
+
+
 @contextlib.asynccontextmanager
 async def _held(
     timeouts: tuple[asyncio.Timeout, ...], loop: asyncio.AbstractEventLoop
 ) -> AsyncIterator[None]:
-    """``timeouts`` (those with a deadline still ahead) do not run inside the block."""
-    held = [(t, when) for t in timeouts if not t.expired() and (when := t.when()) is not None]
-    began = loop.time()
-    for timeout, _ in held:
-        timeout.reschedule(None)
+    """``timeouts`` (those with a deadline still ahead) do not run inside the block, nor while
+    any other call under the same timeout waits in such a block: an environment turn whose
+    calls queue one behind another is held until the last of them has a slot."""
+    mine = []
+    for timeout in timeouts:
+        held = _holding.get(timeout)
+        if held is not None:
+            _holding[timeout] = (held[0] + 1, held[1], held[2])
+        elif timeout.expired() or (deadline := timeout.when()) is None:
+            continue
+        else:
+            _holding[timeout] = (1, deadline, loop.time())
+            timeout.reschedule(None)
+        mine.append(timeout)
     try:
         yield
     finally:
-        waited = loop.time() - began
-        for timeout, when in held:
-            timeout.reschedule(when + waited)
+        for timeout in mine:
+            waiting, when, began = _holding.pop(timeout)
+            if waiting > 1:
+                _holding[timeout] = (waiting - 1, when, began)
+            else:
+                timeout.reschedule(when + loop.time() - began)
 
 
 def _remove(workdir: str) -> None:
