@@ -122,6 +122,8 @@ class Watcher(WeightSource):
     or :meth:`latest`), :meth:`latest` answers from what it read; otherwise it reads the store,
     at most every ``interval`` seconds."""
 
+    keeps_previous = KEEP_VERSIONS > 1
+
     def __init__(
         self,
         store: Store,

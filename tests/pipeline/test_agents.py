@@ -422,6 +422,34 @@ def test_the_wait_for_a_sandbox_slot_is_not_the_environments_time(
     assert t.errors == {} and t.finish_reason == "stop" and t.env_reward == 1.0
 
 
+def test_calls_that_outlive_their_turns_timeout_still_run_and_free_their_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call left running by a turn whose timeout block has ended (one started in the block
+    but first run after it, and one already waiting for a slot when it ended) runs, and gives
+    its slot back: a finished timeout has nothing to hold."""
+
+    async def instant(code: str, limits: SandboxLimits) -> SandboxResult:
+        return SandboxResult(code, 0, False, 0, 0.0, True, True, True, True)
+
+    monkeypatch.setattr(sandbox, "_run", instant)
+
+    async def scenario() -> tuple[list[str], bool]:
+        slots = sandbox._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(1))
+        await slots.acquire()  # taken by another trajectory's process
+        async with asyncio.timeout(60) as deadline:
+            with sandbox.held_in_queue(deadline):
+                waiting = asyncio.ensure_future(sandbox.run_python("waiting"))
+                await asyncio.sleep(0)  # it waits for the slot, holding the timeout
+                unstarted = asyncio.ensure_future(sandbox.run_python("unstarted"))
+        slots.release()
+        results = await asyncio.gather(waiting, unstarted)
+        return [r.output for r in results], slots.locked()
+
+    outputs, still_taken = run(scenario())
+    assert outputs == ["waiting", "unstarted"] and not still_taken
+
+
 def test_a_turn_without_calls_ends_the_trajectory() -> None:
     step = run(_env().step("42"))
     assert step.done and step.observation == ""

@@ -121,7 +121,7 @@ def test_memory_that_no_address_space_counts_is_capped_too() -> None:
     result = sandboxed(SHARED_MEMORY_AND_FILES)  # 256 MiB of memory
     segments, files = map(int, result.output.split())
     assert 0 < files < 256  # the descriptors the code may hold open
-    if result.processes_isolated:  # in namespaces of its own (IPC among them)
+    if result.processes_isolated and os.geteuid() == 0:  # in an IPC namespace of its own
         assert segments == 4  # 256 MiB of shared memory in all
 
 

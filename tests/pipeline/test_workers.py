@@ -295,7 +295,10 @@ def test_a_version_the_store_failed_to_deliver_is_loaded_at_the_next_try(
     worker = Rollout(ctx, engine)
     assert not worker.sync_weights()
     assert engine.version == 0 and not failures and ctx.state.weight_failures == []
-    # A poll interval before the next try: not at once, again and again, from a store in trouble.
+    assert waits == []  # (a partial rollout's decode loop calls it between two steps)
+    # A worker that waits for it waits a poll interval before the next try: not at once, again
+    # and again, from a store in trouble.
+    worker._wait_for_weights(1)
     assert waits == [ctx.config.run.poll_interval]
     assert worker.sync_weights() and engine.version == 1
     assert len(waits) == 1
@@ -346,6 +349,17 @@ def test_while_the_newest_version_fails_to_load_the_one_before_it_is_loaded() ->
     assert engine.version == 1
     assert len(ctx.store.rows(partition=step_partition(2))) == ctx.config.rollout.n
     assert len(ctx.state.weight_failures) == 1 and "v2" in ctx.state.weight_failures[0]
+
+
+def test_the_version_before_a_refused_one_is_tried_only_where_the_source_keeps_it() -> None:
+    ctx = context()
+    for v in (1, 2):
+        weights.publish(ctx.store, v, [("w", torch.zeros(2))])
+    worker = Rollout(ctx, RefusesSome({2}))
+    assert not worker.sync_weights()  # version 2 refused
+    assert worker._loadable() == 1
+    ctx.weights.keeps_previous = False  # as a broadcast receiver, which holds only the newest
+    assert worker._loadable() is None
 
 
 def test_waiting_workers_see_new_weights_once_they_are_published() -> None:

@@ -159,9 +159,10 @@ async def _held(
             _holding[timeout] = (held[0] + 1, held[1], held[2])
         elif timeout.expired() or (deadline := timeout.when()) is None:
             continue
-        else:
+        elif _rescheduled(timeout, None):
             _holding[timeout] = (1, deadline, loop.time())
-            timeout.reschedule(None)
+        else:
+            continue
         mine.append(timeout)
     try:
         yield
@@ -171,7 +172,17 @@ async def _held(
             if waiting > 1:
                 _holding[timeout] = (waiting - 1, when, began)
             else:
-                timeout.reschedule(when + loop.time() - began)
+                _rescheduled(timeout, when + loop.time() - began)
+
+
+def _rescheduled(timeout: asyncio.Timeout, when: float | None) -> bool:
+    """``timeout.reschedule(when)``; False if its block has ended meanwhile (a task that the
+    block started outlived it), which leaves it nothing to hold."""
+    try:
+        timeout.reschedule(when)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _remove(workdir: str) -> None:

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 class WeightSource(ABC):
     """The policy versions this process can read."""
 
+    #: Whether the version before the newest can still be loaded (the store keeps it).
+    keeps_previous = False
+
     @abstractmethod
     def latest(self) -> int | None:
         """The newest version (None before the first)."""

@@ -73,6 +73,8 @@ class Rollout(Worker):
         self.sampling = Sampling(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens)
         #: Versions whose weights failed to load; newer ones are still tried.
         self._unloadable: set[int] = set()
+        #: Whether the last load failed for the store's trouble, not the version's.
+        self._undelivered = False
         with _CLAIM_LOCKS_LOCK:
             self._claim_lock = _CLAIM_LOCKS.setdefault(engine, threading.Lock())
 
@@ -80,10 +82,11 @@ class Rollout(Worker):
         """Loads the newest weights of the run's weight source if they are newer than the
         engine's; returns whether it did. A version that fails to load (see
         :func:`load_version`) is reported and skipped; the engine goes on with the version it
-        had. One the store failed to deliver is tried again at the next call, a poll interval
-        later: a worker waiting for that version would otherwise fetch it again at once, again
-        and again, from a store already in trouble. While the newest version is one that failed,
-        the one before it (:meth:`_loadable`) is loaded if it is newer than the engine's."""
+        had. One the store failed to deliver is tried again at the next call (a worker waiting
+        for it waits a poll interval first: :meth:`_wait_for_weights`). While the newest version
+        is one that failed, the one before it (:meth:`_loadable`) is loaded if it is newer than
+        the engine's."""
+        self._undelivered = False
         version = self._loadable()
         if version is None:
             return False
@@ -96,8 +99,8 @@ class Rollout(Worker):
                     delivered = True
                 except TRANSIENT:
                     delivered = False  # the store's trouble, not the version's
+        self._undelivered = not delivered
         if not delivered:
-            self.ctx.stop.wait(self.config.run.poll_interval)
             return False
         if failure is not None:
             failed, why = failure
@@ -110,13 +113,14 @@ class Rollout(Worker):
 
     def _loadable(self) -> int | None:
         """The version to load next: the newest if it is newer than the engine's and has not
-        failed to load, else the one before it under the same conditions (the store keeps it,
-        ``weights.KEEP_VERSIONS``), else None. A prompt that needs no newer version than that one
-        is not held up by the newest having failed."""
+        failed to load, else the one before it under the same conditions where the weight source
+        keeps it (the store does, ``weights.KEEP_VERSIONS``), else None. A prompt that needs no
+        newer version than that one is not held up by the newest having failed."""
         newest = self.ctx.weights.latest()
         if newest is None:
             return None
-        for version in (newest, newest - 1):
+        kept = (newest, newest - 1) if self.ctx.weights.keeps_previous else (newest,)
+        for version in kept:
             if version <= self.engine.version:
                 return None
             if version not in self._unloadable:
@@ -167,6 +171,10 @@ class Rollout(Worker):
         and this process more than the generation itself."""
         loadable = self._loadable()
         if loadable is not None and loadable >= version:
+            if self._undelivered:
+                # The store failed to deliver it: tried again a poll interval from now, not at
+                # once, again and again, from a store already in trouble.
+                self.ctx.stop.wait(self.config.run.poll_interval)
             return  # loaded at the next weight check
         newest = self.ctx.weights.latest()
         if newest is not None and newest >= version and newest in self._unloadable:
