@@ -257,6 +257,8 @@ def test_a_worker_waits_for_weights_in_one_stretch_up_to_its_stall_timeout() -> 
     waits: list[float] = []
 
     class Recording:
+        keeps_previous = False
+
         def latest(self) -> int | None:
             return 0
 
