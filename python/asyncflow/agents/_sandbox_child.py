@@ -87,18 +87,15 @@ def isolate() -> tuple[bool, bool, bool]:
     return False, False, False
 
 
-def ipc_limits(memory: int) -> dict[str, int]:
-    """System V IPC limits of the sandbox's own namespace (``/proc/sys/kernel``): its defaults
-    let shared memory segments and message queues, which no process's address space counts,
-    hold far more than the memory limit. Shared memory is held to ``memory`` bytes in all."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    return {"shmmax": memory, "shmall": max(1, memory // page), "shmmni": 16, "msgmni": 16}
-
-
 def limit_ipc(memory: int) -> None:
     """Caps System V IPC in the IPC namespace made for the sandbox (never the host's: called
-    only when one was made), before its ``/proc`` turns read-only."""
-    for name, value in ipc_limits(memory).items():
+    only when one was made), before its ``/proc`` turns read-only: the namespace's defaults let
+    shared memory segments and message queues, which no process's address space counts, hold
+    far more than the memory limit. Shared memory is held to ``memory`` bytes in all. Without
+    root the writes are refused (the user namespace maps no user), and nothing is capped."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    limits = {"shmmax": memory, "shmall": max(1, memory // page), "shmmni": 16, "msgmni": 16}
+    for name, value in limits.items():
         with contextlib.suppress(OSError), open(f"/proc/sys/kernel/{name}", "w") as f:  # noqa: PTH123
             f.write(str(value))
 

@@ -157,12 +157,14 @@ async def _held(
         held = _holding.get(timeout)
         if held is not None:
             _holding[timeout] = (held[0] + 1, held[1], held[2])
-        elif timeout.expired() or (deadline := timeout.when()) is None:
+        elif (
+            timeout.expired()
+            or (deadline := timeout.when()) is None
+            or not _rescheduled(timeout, None)
+        ):
             continue
-        elif _rescheduled(timeout, None):
-            _holding[timeout] = (1, deadline, loop.time())
         else:
-            continue
+            _holding[timeout] = (1, deadline, loop.time())
         mine.append(timeout)
     try:
         yield
