@@ -179,8 +179,10 @@ def test_the_e2e_suite_runs_trl_on_the_jobs_work_beside_the_job(
     assert metric(rows, "asyncflow", "rl_seconds", "trl")["value"] == pytest.approx(
         phases["rl"] - evaluations[0]["eval_seconds"]
     )
+    # Start: the engines, the first evaluation, and what is left of the trainer rank's own
+    # process starting once they are done.
     assert metric(rows, "asyncflow", "start_seconds", "trl")["value"] == pytest.approx(
-        phases["engine_start"] + phases["eval_before"]
+        phases["engine_start"] + phases["eval_before"] + phases["trainer_start"]
     )
     assert metric(rows, "trl", "rl_seconds", "trl")["value"] == trl["phase_seconds"]["rl"]
     # Both start from one warm-started model.
