@@ -22,7 +22,7 @@ import torch
 from asyncflow.engines.errors import WeightLoadError
 from asyncflow.errors import ConfigError, StoreError, UnknownIndexError
 from asyncflow.store import Store
-from asyncflow.weight_sync.source import WeightSource, load_into
+from asyncflow.weight_sync.source import WeightsNotHereError, WeightSource, load_into
 from asyncflow.weight_sync.versions import put_version
 
 if TYPE_CHECKING:
@@ -290,6 +290,9 @@ class Watcher(WeightSource):
                 newest = latest_version(self.store)
                 if newest is not None and newest > version:
                     version = newest  # replaced again while read: read the newest again
+                elif isinstance(e, (WeightsNotHereError, UnknownIndexError)):
+                    # Gone with nothing newer, or not yet here: nothing against the version.
+                    raise WeightsNotHereError(f"weights v{version} is not in the store: {e}") from e
                 elif version == asked:
                     raise
                 else:  # the failure is the newer version's, not the one asked for
@@ -308,10 +311,12 @@ def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str
     to. Fields are read a few at a time, at most ``PIECE_BYTES`` a read."""
     versions = published(store)
     if not versions:
-        raise LookupError("no policy weights have been published yet")
+        raise WeightsNotHereError("no policy weights have been published yet")
     wanted = max(versions) if version is None else version
     if wanted not in versions:
-        raise LookupError(f"weights version {wanted} is not in the store (have {sorted(versions)})")
+        raise WeightsNotHereError(
+            f"weights version {wanted} is not in the store (have {sorted(versions)})"
+        )
     index = versions[wanted]
     manifest = store.read([index], MANIFEST)[MANIFEST][0]
     listed = json.loads(manifest)

@@ -31,7 +31,7 @@ from asyncflow.tasks.dataset import DatasetTask
 from asyncflow.telemetry.metrics import MetricsLog
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
-from asyncflow.weight_sync.source import load_into
+from asyncflow.weight_sync.source import WeightsNotHereError, load_into
 from asyncflow.weight_sync.versions import put_version
 from asyncflow.workers.base import (
     LEASES,
@@ -304,6 +304,26 @@ def test_a_version_the_store_failed_to_deliver_is_loaded_at_the_next_try(
     assert len(waits) == 1
 
 
+def test_a_version_gone_from_the_store_with_none_newer_is_tried_again_not_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Version 1's row is deleted after the worker saw it listed (a resumed run republishes it
+    on the same daemon): nothing says it is broken, so it is neither reported nor skipped for
+    good, and it loads once it is back."""
+    ctx = context()
+    weights.publish(ctx.store, 1, [("w", torch.zeros(2))])
+    monkeypatch.setattr(ctx.weights, "latest", lambda: 1)  # as listed before the delete
+    ctx.store.delete(ctx.store.rows(partition=weights.PARTITION).indexes)
+    monkeypatch.setattr(ctx.stop, "wait", lambda timeout: None)
+    engine = Loads()
+    worker = Rollout(ctx, engine)
+    assert not worker.sync_weights()
+    assert engine.version == 0 and ctx.state.weight_failures == []
+    assert worker._loadable() == 1
+    weights.publish(ctx.store, 1, [("w", torch.zeros(2))])
+    assert worker.sync_weights() and engine.version == 1
+
+
 def test_under_wait_a_needed_version_that_failed_to_load_is_waited_past() -> None:
     """Step 1's prompt needs version 1 (staleness 0), which the engine refused: the worker waits
     for a newer version (and names it when the run stalls), rather than claiming and handing
@@ -482,7 +502,7 @@ def test_a_version_is_published_only_once_its_manifest_is_ready() -> None:
     assert weights.latest_version(store) == 3
     version, tensors = weights.fetch(store)
     assert version == 3 and torch.equal(tensors[0][1], torch.ones(2))
-    with pytest.raises(LookupError, match="version 4 is not in the store"):
+    with pytest.raises(WeightsNotHereError, match="version 4 is not in the store"):
         weights.fetch(store, 4)
 
 

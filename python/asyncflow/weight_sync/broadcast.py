@@ -28,7 +28,7 @@ from asyncflow.store import Store
 from asyncflow.weight_sync import Publisher, Receiver, WeightSyncError
 from asyncflow.weight_sync.group import Group
 from asyncflow.weight_sync.layout import Layout, as_bytes, pack
-from asyncflow.weight_sync.source import load_into
+from asyncflow.weight_sync.source import WeightsNotHereError, load_into
 from asyncflow.weight_sync.versions import put_version
 
 #: The store partition and field of the announced versions' layouts.
@@ -325,10 +325,12 @@ class BroadcastReceiver(Receiver):
         is not received into while held."""
         with self._lock:
             if self._ready is None:
-                raise LookupError("no policy weights have been received yet")
+                raise WeightsNotHereError("no policy weights have been received yet")
             layout, buffer = self._ready
             if version is not None and version != layout.version:
-                raise LookupError(f"weights v{version} is not here (have v{layout.version})")
+                raise WeightsNotHereError(
+                    f"weights v{version} is not here (have v{layout.version})"
+                )
             self._loading[id(buffer)] += 1
         try:
             yield layout, buffer

@@ -20,6 +20,13 @@ if TYPE_CHECKING:
     from asyncflow.weight_sync.broadcast import BroadcastReceiver
 
 
+class WeightsNotHereError(LookupError):
+    """The version asked for is not (or no longer) in the weight source, and no newer one is.
+    That says nothing against the version's publication: it may arrive, or arrive again (a
+    resumed run republishes on the same daemon), so a load that raises this is tried again
+    later rather than the version given up."""
+
+
 class WeightSource(ABC):
     """The policy versions this process can read."""
 
@@ -38,7 +45,8 @@ class WeightSource(ABC):
     @abstractmethod
     def load(self, engine: RolloutEngine, version: int) -> int:
         """Loads ``version`` (or, where the transport keeps only the newest, a newer one) into
-        ``engine`` in place; returns the version loaded. Raises LookupError if it is not here."""
+        ``engine`` in place; returns the version loaded. Raises :class:`WeightsNotHereError` if
+        neither it nor a newer one is here, LookupError if a part of it is missing."""
 
     @abstractmethod
     def fetch(self, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
@@ -91,7 +99,7 @@ class ReceivedWeights(WeightSource):
     def load(self, engine: RolloutEngine, version: int) -> int:
         newest = self.latest()
         if newest is None or newest < version:
-            raise LookupError(f"weights v{version} has not been received (have v{newest})")
+            raise WeightsNotHereError(f"weights v{version} has not been received (have v{newest})")
         return self.receiver.load(engine)  # the newest, no older than ``version``
 
     def fetch(self, version: int | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:

@@ -25,7 +25,7 @@ from asyncflow.columns import Ragged
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.engines.errors import WeightLoadError
 from asyncflow.errors import StoreError
-from asyncflow.weight_sync.source import WeightSource
+from asyncflow.weight_sync.source import WeightsNotHereError, WeightSource
 from asyncflow.workers.base import Context, Worker, step_partition
 from asyncflow.workers.routing import Assignment, Dispatcher, Inbox
 
@@ -440,8 +440,10 @@ def token_versions(
     return versions, oldest.astype(np.uint64), newest - oldest
 
 
-#: Store errors that say nothing of a publication: a version they stop is tried again.
-TRANSIENT = (errors.ConnectionError, errors.StoreTimeoutError)
+#: Errors that say nothing against a publication: a version they stop is tried again. The store
+#: could not be reached or answered too late, or the version is not (or no longer) there and no
+#: newer one is (a resumed run republishes it).
+TRANSIENT = (errors.ConnectionError, errors.StoreTimeoutError, WeightsNotHereError)
 
 
 def load_version(
@@ -452,12 +454,12 @@ def load_version(
     source may have gone on to a newer version than ``version``, and that one failed). A
     publication that cannot be read whole (a missing tensor, a truncated one) never reaches the
     engine. A broken weight-sync group is no such failure: its error propagates and ends the
-    run; nor is a store that cannot be reached or answers too late (:data:`TRANSIENT`,
-    raised)."""
+    run; nor is a store that cannot be reached or answers too late, or a version that is not
+    there (:data:`TRANSIENT`, raised)."""
     try:
         source.load(engine, version)
     except TRANSIENT:
-        raise  # the store's, not the publication's: the version may load at the next try
+        raise  # not the publication's fault: the version may load at the next try
     except (StoreError, LookupError, WeightLoadError) as e:
         failed = e.version if isinstance(e, WeightLoadError) and e.version is not None else version
         return failed, (
