@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from asyncflow import config as cfg
 from asyncflow.engines import vllm as vllm_engine
-from asyncflow.engines.base import Sampling
+from asyncflow.engines.base import Request, Sampling
 from asyncflow.engines.errors import EngineError
 from asyncflow.engines.vllm import VLLMRolloutEngine
 from asyncflow.errors import ConfigError
@@ -221,3 +221,25 @@ def test_a_wake_up_that_leaves_memory_released_is_an_error(
     with pytest.raises(EngineError, match="woke up only partly"):
         engine.wake_up()
     assert engine.asleep
+
+
+@pytest.mark.parametrize("reason", ["stop", "length", "abort", "error", "repetition"])
+def test_only_the_policys_own_ending_is_a_stop_every_cut_by_vllm_is_a_cut(
+    model: Path, platform: dict[str, bool], reason: str
+) -> None:
+    """vLLM also ends requests on its own (``abort``, ``error``, ``repetition``): such a response
+    is a cut one, as one out of tokens is, never one the policy chose to end."""
+    engine, llm = start(model)
+    expected = "stop" if reason == "stop" else "length"
+    piece = SimpleNamespace(
+        token_ids=[3, 4], logprobs=SimpleNamespace(logprobs=[-0.5, -0.25]), finish_reason=reason
+    )
+    # A whole call's output.
+    assert engine._completion(piece, Sampling(n=1, max_tokens=8)).finish_reason == expected
+    # The request-level loop's step.
+    request = Request(key=0, prompt=[1, 2], sampling=Sampling(n=1, max_tokens=8))
+    engine._requests["partial-0"] = request
+    out = SimpleNamespace(request_id="partial-0", outputs=[piece], finished=True)
+    llm.llm_engine.step = lambda: [out]
+    assert engine.step() == [request]
+    assert request.finish_reason == expected and request.token_ids == [3, 4]

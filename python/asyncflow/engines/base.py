@@ -42,7 +42,8 @@ class Completion:
     #: Log-prob of each generated token under the sampling distribution.
     logprobs: list[float]
     text: str
-    #: ``"stop"`` (end of sequence or a stop string) or ``"length"``.
+    #: ``"stop"`` (end of sequence or a stop string) or ``"length"`` (cut: out of tokens, or cut
+    #: by the engine for another reason).
     finish_reason: str = "stop"
     #: The policy version that sampled each token (None: all by the version the call began
     #: with, as engines that load weights only between calls do).

@@ -159,6 +159,14 @@ def is_tied(model_dir: Path) -> bool:
     return bool(config.get("tie_word_embeddings", False))
 
 
+def _finish_reason(vllm_reason: str | None) -> str:
+    """``"stop"`` only where the policy ended the sequence (its end token or a stop string);
+    every other vLLM reason (``length``, and ``abort``, ``error`` or ``repetition`` where vLLM cut
+    it on its own) is a cut response, ``"length"``: training it as one the policy chose to end
+    would reward an ending the policy never sampled."""
+    return "stop" if vllm_reason == "stop" else "length"
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Generation with vLLM; weights swap in place, the engine is never restarted. Whole calls
     (:meth:`generate`), or request by request, one engine step at a time (:meth:`add_request`,
@@ -304,7 +312,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     request.logprobs += [float(x) for x in piece.logprobs.logprobs]
                 request.versions += [self.version] * len(piece.token_ids)
                 if out.finished:
-                    request.finish_reason = "length" if piece.finish_reason == "length" else "stop"
+                    request.finish_reason = _finish_reason(piece.finish_reason)
             if out.finished:
                 request.finish_reason = request.finish_reason or "stop"
                 del self._requests[out.request_id]
@@ -358,8 +366,7 @@ class VLLMRolloutEngine(RolloutEngine):
         for s in sampling.stop:
             if s in text:
                 text = text[: text.index(s)]
-        reason = "length" if output.finish_reason == "length" else "stop"
-        return Completion(ids, logprobs, text, reason)
+        return Completion(ids, logprobs, text, _finish_reason(output.finish_reason))
 
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads the full set of weights in place. A partial set is refused: vLLM would leave
