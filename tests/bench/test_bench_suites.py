@@ -401,7 +401,7 @@ def test_sigterm_stops_a_bench_suite_through_its_cleanup() -> None:
         "def suite(*args, **kwargs):\n"
         "    try:\n"
         "        print('ready', flush=True)\n"
-        "        time.sleep(600)\n"
+        "        while True: time.sleep(0.1)\n"
         "    finally:\n"
         "        print('cleaned up', flush=True)\n"
         "bench.run_suite = suite\n"

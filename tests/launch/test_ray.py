@@ -399,7 +399,7 @@ def test_sigterm_stops_a_ray_run_through_its_cleanup() -> None:
         "join(None, num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
         "try:\n"
         "    print('ready', flush=True)\n"
-        "    time.sleep(600)\n"
+        "    while True: time.sleep(0.1)\n"
         "finally:\n"
         "    ray.shutdown()\n"
         "    print('cleaned up', flush=True)\n"

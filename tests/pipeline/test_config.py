@@ -389,7 +389,7 @@ def test_sigterm_stops_the_train_command_through_its_cleanup() -> None:
         "cli._stop_on_sigterm()\n"
         "try:\n"
         "    print('ready', flush=True)\n"
-        "    time.sleep(600)\n"
+        "    while True: time.sleep(0.1)\n"
         "finally:\n"
         "    print('cleaned up', flush=True)\n"
     )
