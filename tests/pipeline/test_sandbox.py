@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -125,19 +126,22 @@ def test_memory_that_no_address_space_counts_is_capped_too() -> None:
         assert segments == 4  # 256 MiB of shared memory in all
 
 
+#: Forks until a fork fails, then prints how many it made (its children sleep).
+FORK_WITHOUT_BOUND = (
+    "import os, time\n"
+    "n = 0\n"
+    "try:\n"
+    "    while True:\n"
+    "        if os.fork() == 0:\n"
+    "            time.sleep(30)\n"
+    "        n += 1\n"
+    "except OSError:\n"
+    "    print('forks', n)\n"
+)
+
+
 def test_forking_without_bound_hits_the_process_cap() -> None:
-    code = (
-        "import os, time\n"
-        "n = 0\n"
-        "try:\n"
-        "    while True:\n"
-        "        if os.fork() == 0:\n"
-        "            time.sleep(30)\n"
-        "        n += 1\n"
-        "except OSError:\n"
-        "    print('forks', n)\n"
-    )
-    result = sandboxed(code)
+    result = sandboxed(FORK_WITHOUT_BOUND)
     assert result.ok, result.output
     assert int(result.output.split()[1]) < LIMITS.processes
 
@@ -341,12 +345,6 @@ def test_without_root_the_code_gets_no_capability_and_cannot_see_its_caller() ->
 
 
 def check_unprivileged(tmp_path: Path) -> None:
-    package = tmp_path / "asyncflow" / "agents"
-    package.mkdir(parents=True)
-    (tmp_path / "asyncflow" / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    for module in (sandbox.__file__, sandbox.CHILD):
-        shutil.copy(module, package)
     owned = tmp_path / "owned"  # the caller's own files: writable to the caller, not the code
     owned.mkdir()
     os.chown(owned, UNPRIVILEGED, UNPRIVILEGED)
@@ -357,10 +355,29 @@ def check_unprivileged(tmp_path: Path) -> None:
         f"try:\n    os.kill({os.getpid()}, 0)\nexcept ProcessLookupError:\n    print('gone')\n"
         "print(os.getuid() == 0, len([p for p in os.listdir('/proc') if p.isdigit()]))\n"
     ) + write_probe(owned / "planted")
+    output, exit_code = run_unprivileged(tmp_path, code)
+    assert exit_code == 0, output
+    assert output == f"-1\ngone\nFalse 2\n{errno.EROFS}\n"
+    assert not (owned / "planted").exists()
+
+
+def run_unprivileged(
+    tmp_path: Path, code: str, limits: SandboxLimits | None = None
+) -> tuple[str, int]:
+    """The sandbox run by an unprivileged user (``UNPRIVILEGED``) from a copy of its two modules
+    in ``tmp_path``: the code's output and exit status. Skips where no user namespace can be
+    made (a documented limitation)."""
+    package = tmp_path / "asyncflow" / "agents"
+    package.mkdir(parents=True)
+    (tmp_path / "asyncflow" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    for module in (sandbox.__file__, sandbox.CHILD):
+        shutil.copy(module, package)
+    settings = dataclasses.asdict(limits or SandboxLimits())
     driver = (
         "import asyncio, json\n"
-        "from asyncflow.agents.sandbox import run_python\n"
-        f"r = asyncio.run(run_python({code!r}))\n"
+        "from asyncflow.agents.sandbox import SandboxLimits, run_python\n"
+        f"r = asyncio.run(run_python({code!r}, SandboxLimits(**{settings!r})))\n"
         "print(json.dumps([r.output, r.exit_code, r.processes_isolated]))\n"
     )
     done = subprocess.run(
@@ -371,9 +388,36 @@ def check_unprivileged(tmp_path: Path) -> None:
     output, exit_code, isolated = json.loads(done.stdout)
     if not isolated:
         pytest.skip("no user namespace can be made here (documented limitation)")
+    return output, exit_code
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not SYSTEM_PYTHON.exists(),
+    reason="runs the sandbox as another user: needs root, setpriv and a system Python",
+)
+@pytest.mark.skipif(
+    tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 14),
+    reason="without root the cap needs Linux 5.14 (user namespaces count apart)",
+)
+def test_without_root_forking_without_bound_hits_the_process_cap() -> None:
+    """The cap counts the sandbox's own processes only: the same user has as many as the cap
+    running outside it meanwhile."""
+    user = [f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups"]
+    sleeper = ["setpriv", *user, "sh", "-c", "echo ready; exec sleep 60"]
+    outside = [subprocess.Popen(sleeper, stdout=subprocess.PIPE) for _ in range(LIMITS.processes)]
+    try:
+        for p in outside:  # each runs as that user once it says so
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        with tempfile.TemporaryDirectory(prefix="asyncflow-sandbox-test-") as where:
+            Path(where).chmod(0o755)
+            output, exit_code = run_unprivileged(Path(where), FORK_WITHOUT_BOUND, LIMITS)
+    finally:
+        for p in outside:
+            p.kill()
+            p.wait()
+            p.stdout.close()  # type: ignore[union-attr]
     assert exit_code == 0, output
-    assert output == f"-1\ngone\nFalse 2\n{errno.EROFS}\n"
-    assert not (owned / "planted").exists()
+    assert output == f"forks {LIMITS.processes - 1}\n"
 
 
 def test_a_run_cancelled_while_its_process_starts_leaves_no_directory(

@@ -202,6 +202,16 @@ def refuse_unix_sockets() -> bool:
     return bool(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0)
 
 
+def counts_per_namespace() -> bool:
+    """Whether ``RLIMIT_NPROC`` counts a user's processes in each user namespace apart (Linux
+    5.14 and later); before, it counted all of the user's processes, outside the sandbox too."""
+    release = os.uname().release.split(".")
+    try:
+        return (int(release[0]), int(release[1].split("-")[0])) >= (5, 14)
+    except (IndexError, ValueError):
+        return False
+
+
 def limit(kind: int, value: int, slack: int = 0) -> None:
     resource.setrlimit(kind, (value, value + slack))
 
@@ -229,6 +239,10 @@ def run_code(code: str, settings: dict[str, int], header: str) -> int:
             os.setgid(uid)
             os.setuid(uid)  # from root: every capability goes too
             limit(resource.RLIMIT_NPROC, int(settings["processes"]))
+        elif settings["userns"] and counts_per_namespace():
+            # In the user namespace made for the sandbox the cap counts the processes of this
+            # namespace alone, the launcher's two (outside and init) among them.
+            limit(resource.RLIMIT_NPROC, int(settings["processes"]) + 2)
         # Without root, the user namespace made for the sandbox gave this process every
         # capability over the sandbox's namespaces (it could unmount its /proc): dropped.
         drop_capabilities()
@@ -279,7 +293,9 @@ def main() -> None:
     settings = json.loads(sys.argv[1])
     code = sys.stdin.read()
     settings["launcher"] = os.getpid()
+    root = os.geteuid() == 0
     network, pid, settings["ipc"] = isolate()
+    settings["userns"] = network and not root  # (every namespace comes with a user one)
     isolated = f"net={int(network)},pid={int(pid)}"
     read, write = os.pipe()
     child = os.fork()

@@ -2,15 +2,16 @@
 (``setrlimit``), a wall-clock timeout after which the child's whole process group is killed,
 output truncated to a byte budget, no network (a fresh, empty network namespace), PID and mount
 namespaces of its own (it sees and can signal only its own processes, and none outlives the run;
-every file outside its working directory is read-only to it), and, when we run as root, a user id
-of its own with a cap on its processes.
+every file outside its working directory is read-only to it), a cap on its processes, and, when
+we run as root, a user id of its own.
 
 The limits are applied by a small launcher (:mod:`asyncflow.agents._sandbox_child`) that the child
 runs before the code, not by a ``preexec_fn``: forking a threaded process and running Python
 between ``fork`` and ``exec`` can deadlock. Limitations, stated plainly: without root the process
-cap counts all of the user's processes (so it is not set) and the code keeps the caller's user
-(it can read the caller's files; it can write them only where no mount namespace could be made),
-and nothing hides files from reading beyond (as root) the unprivileged user's permissions.
+cap needs a user namespace and Linux 5.14 (before, it would count all of the user's processes,
+so it is not set) and the code keeps the caller's user (it can read the caller's files; it can
+write them only where no mount namespace could be made), and nothing hides files from reading
+beyond (as root) the unprivileged user's permissions.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class SandboxLimits:
     wall_seconds: float = 10.0
     #: Bytes of output (stdout and stderr together) kept; the rest is counted and dropped.
     output_bytes: int = 16 * 1024
-    #: Processes the child may have at once (applied when running as root, under its own user id).
+    #: Processes the child may have at once, itself included (without root: where a user
+    #: namespace was made, from Linux 5.14).
     processes: int = 8
     #: Largest file the child may write.
     file_bytes: int = 1024 * 1024
