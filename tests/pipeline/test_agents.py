@@ -580,6 +580,31 @@ def test_an_observation_before_the_first_turn_has_the_policy_version_in_force() 
     assert t.loss_mask[0] == 0 and set(t.versions) == {7}
 
 
+def test_a_reset_observation_is_read_in_the_users_turn_before_the_assistants_opens() -> None:
+    """A chat prompt ends by opening the assistant's turn: the first observation goes inside the
+    user's turn, before that opening, not into an assistant turn already open; the row's prompt
+    is the one the whole group shares, and the observation is never trained."""
+    register_environment("greeting", lambda config, tools: _GreetingEnv())
+    loop = AgentLoop(AgentConfig(enabled=True, environment="greeting", max_turns=1), TOKENIZER)
+    engine = ScriptedEngine(lambda context, turn: "hi")
+    prompt = PromptEncoder(TOKENIZER).encode("q")
+    opening = "<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt[-len(TOKENIZER.encode(opening)) :] == TOKENIZER.encode(opening)
+    runs = loop.run(engine, [prompt], [Problem("q", "")], Sampling(n=2))
+    (first_context,) = {tuple(c) for c in engine.calls[0]}
+    expected = PromptEncoder(TOKENIZER).encode("q\n\nhello")
+    assert list(first_context) == expected
+    for t in runs[0]:
+        assert t.prompt_ids == prompt[: len(prompt) - len(TOKENIZER.encode(opening))]
+        assert t.prompt_ids + t.response_ids[: len(expected) - len(t.prompt_ids)] == expected
+        assert set(t.loss_mask[: len(expected) - len(t.prompt_ids)]) == {0}
+    # After a prompt that opens no turn, the observation is wrapped as any other.
+    plain = TOKENIZER.encode("q")
+    ((t,),) = loop.run(engine, [plain], [Problem("q", "")], Sampling(n=1))
+    assert t.prompt_ids == plain
+    assert t.response_ids[: len(loop.observation_ids("hello"))] == loop.observation_ids("hello")
+
+
 def test_turns_of_many_trajectories_share_engine_calls() -> None:
     engine = ScriptedEngine(_multiply)
     prompts = [TOKENIZER.encode(f"{1000 + k}*2000=") for k in range(6)]

@@ -255,11 +255,26 @@ class AgentLoop:
         """The observation wrapped in the template, as ids; the observation's own text is read
         without special tokens, so a tool cannot end the turn or write one for the model."""
         head, tail = self._wrap
+        return head + self._text_ids(text) + tail
+
+    def reset_ids(self, prompt: list[int], text: str) -> tuple[list[int], list[int]]:
+        """Where the observation of an environment's ``reset`` goes: ``(prompt, ids after it)``.
+        A prompt that ends as the observation template does, opening the assistant's turn (a
+        ChatML prompt), loses that opening, and the ids after it are the observation, after a
+        blank line in the prompt's last message, then the opening again: the model reads it in
+        the user's turn. After another prompt, the observation follows as one wrapped in the
+        template."""
+        tail = self._wrap[1]
+        if tail and prompt[-len(tail) :] == tail:
+            return prompt[: -len(tail)], self._text_ids("\n\n" + text) + tail
+        return prompt, self.observation_ids(text)
+
+    def _text_ids(self, text: str) -> list[int]:
         text = text[: CHARS_PER_TOKEN * self.config.max_tokens]
         # Text a tool or environment made from the model's output may hold lone surrogates
         # (JSON's "\ud800"), which no tokenizer encodes: replaced, not raised.
         text = text.encode("utf-8", "replace").decode("utf-8")
-        return head + self.tokenizer.encode(text, special=False) + tail
+        return self.tokenizer.encode(text, special=False)
 
     async def trajectory(
         self, batcher: TurnBatcher, prompt: list[int], problem: Problem
@@ -283,7 +298,8 @@ class AgentLoop:
         if not ok:
             return self._finish(t, "error")
         if first:
-            t.add_observation(self.observation_ids(str(first))[:budget], batcher.engine.version)
+            t.prompt_ids, ids = self.reset_ids(t.prompt_ids, str(first))
+            t.add_observation(ids[:budget], batcher.engine.version)
         while True:
             if t.turns >= self.config.max_turns:
                 return self._finish(t, "turns")

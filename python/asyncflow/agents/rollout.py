@@ -92,7 +92,9 @@ class AgentRollout(Rollout):
             for c in completions:
                 assert isinstance(c, TrajectoryCompletion) and c.trajectory is not None
                 t: Trajectory = c.trajectory
-                columns["prompt_ids"].append(prompt)
+                # The prompt as the trajectory has it (an environment's first observation may
+                # have taken its assistant opening: see ``AgentLoop.reset_ids``).
+                columns["prompt_ids"].append(np.asarray(t.prompt_ids, prompt.dtype))
                 columns["response_ids"].append(np.array(t.response_ids, np.int64))
                 columns["behaviour_logprobs"].append(np.array(t.logprobs, np.float32))
                 columns["token_versions"].append(np.array(t.versions, np.int64))
