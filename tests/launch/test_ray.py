@@ -24,6 +24,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 import asyncflow as af
 from asyncflow import checkpoint
 from asyncflow import config as cfg
+from asyncflow.engines.errors import EngineError
+from asyncflow.launch import ray_workers
 from asyncflow.launch.local import WorkerError
 from asyncflow.launch.ray_cluster import RayCluster
 from asyncflow.launch.ray_join import LOOPBACK, join
@@ -405,3 +407,48 @@ def test_sigterm_stops_a_ray_run_through_its_cleanup() -> None:
         "    print('cleaned up', flush=True)\n"
     )
     assert_sigterm_runs_cleanup(script)
+
+
+class _Decoding:
+    """A rollout worker that decodes until it is let go, and an engine that notes its calls."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.calls: list[str] = []
+
+    def run(self) -> None:
+        self.go.wait(60)
+
+    def generate(self, prompts: list[list[int]], sampling: object) -> list[list[str]]:
+        self.calls.append("generate")
+        return [[]]
+
+
+def test_an_evaluation_does_not_use_an_engine_whose_worker_still_decodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that outlived the supervisor's stop (its 60 s) still decodes with its engine:
+    an evaluation through that actor is refused, naming it, rather than run beside the decode
+    (nor weights loaded under it); once the worker stops, the engine is the evaluation's."""
+    monkeypatch.setattr(ray_workers, "FREE_ENGINE_WAIT", 0.2)
+    actor = object.__new__(ray_workers.WorkerActor)
+    decoding = _Decoding()
+    actor.engine, actor.worker = decoding, decoding  # type: ignore[assignment]
+    decoding.label = "rollout-0"  # type: ignore[attr-defined]
+    actor.idle = threading.Event()
+    actor.idle.set()
+    monkeypatch.setattr(actor, "report", lambda: None)
+    running = threading.Thread(target=actor.run)
+    running.start()
+    try:
+        while actor.idle.is_set():  # until the run has begun
+            time.sleep(0.01)
+        with pytest.raises(EngineError, match="rollout-0: its rollout worker still runs"):
+            actor.generate([[1]], object())
+        with pytest.raises(EngineError, match="cannot load weights"):
+            actor.load_weights(3)
+        assert decoding.calls == []
+    finally:
+        decoding.go.set()
+        running.join(60)
+    assert actor.generate([[1]], object()) == [[]] and decoding.calls == ["generate"]

@@ -11,6 +11,7 @@ row is committed only by its ack, none is lost or processed twice.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections import Counter
@@ -26,6 +27,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from asyncflow.config import Config, resolve_engine_name
 from asyncflow.daemon import connect
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
+from asyncflow.engines.errors import EngineError
 from asyncflow.engines.hf import HFTrainEngine
 from asyncflow.engines.registry import create_rollout_engine
 from asyncflow.launch.local import WorkerError
@@ -38,6 +40,9 @@ from asyncflow.workers.base import Context, RunState, Worker
 from asyncflow.workers.partial import rollout_worker
 from asyncflow.workers.reference import ReferenceWorker
 from asyncflow.workers.reward import RewardWorker, resolve_reward
+
+#: Seconds an evaluation waits for a rollout actor's worker to stop before it uses the engine.
+FREE_ENGINE_WAIT = 30.0
 
 
 @dataclass
@@ -68,6 +73,9 @@ class WorkerActor:
         self.engine: RolloutEngine | None = None
         self.worker = self._worker(role, label, model_dir)
         self.life = uuid.uuid4().hex
+        #: Set while no :meth:`run` executes: only then does an evaluation use the engine.
+        self.idle = threading.Event()
+        self.idle.set()
 
     def _worker(self, role: str, label: str, model_dir: Path) -> Worker:
         c, ctx = self.ctx.config, self.ctx
@@ -90,7 +98,11 @@ class WorkerActor:
 
     def run(self) -> Report:
         """Runs the worker until :meth:`stop`; raises what the worker raises."""
-        self.worker.run()
+        self.idle.clear()
+        try:
+            self.worker.run()
+        finally:
+            self.idle.set()
         return self.report()
 
     def stop(self) -> None:
@@ -108,12 +120,22 @@ class WorkerActor:
     # -- evaluation through a rollout actor's engine (before the run starts, after it ends) ---
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
-        assert self.engine is not None, "only rollout actors generate"
-        return self.engine.generate(prompts, sampling)
+        return self._free_engine("generate").generate(prompts, sampling)
 
     def load_weights(self, version: int) -> None:
-        assert self.engine is not None, "only rollout actors load weights"
-        self.ctx.weights.load(self.engine, version)
+        engine = self._free_engine("load weights")
+        self.ctx.weights.load(engine, version)
+
+    def _free_engine(self, doing: str) -> RolloutEngine:
+        """The engine, once the worker that uses it has stopped (:data:`FREE_ENGINE_WAIT`): one
+        that outlived the supervisor's stop would still be decoding with it."""
+        assert self.engine is not None, f"only rollout actors {doing}"
+        if not self.idle.wait(FREE_ENGINE_WAIT):
+            raise EngineError(
+                f"{self.engine.label}: its rollout worker still runs {FREE_ENGINE_WAIT:.0f}s "
+                f"after it was told to stop; its engine cannot {doing} for an evaluation"
+            )
+        return self.engine
 
 
 class RemoteRollout(RolloutEngine):
