@@ -1150,7 +1150,6 @@ def _validate_agent(c: Config) -> None:
     for key in ("memory", "disk"):
         size = _size(f"agent.sandbox.{key}", getattr(s, key)) or 0
         _require(size > 0, f"agent.sandbox.{key} must be a positive size")
-    _require(c.launcher == "local", "agent.enabled runs with launcher local only (for now)")
     _require(
         c.rollout.partial == "off",
         "agent.enabled and rollout.partial cannot be combined yet: a trajectory's turns are "

@@ -371,6 +371,45 @@ def test_a_placement_that_fits_but_finds_no_room_now_waits_saying_so_then_fails(
         ray.shutdown()
 
 
+#: The multi-turn tools job (examples/tools.yaml) small, the tool's answer computed in process.
+TOOLS = [
+    "launcher=ray",
+    "model.hidden_size=64",
+    "model.intermediate_size=256",
+    "warm_start.steps=20",
+    f"trainer.groups_per_step={GROUPS}",
+    "rollout.n=4",
+    "rollout.groups_per_call=2",
+    "data.eval_size=8",
+    "rollout.engine=hf",
+    "agent.latency.subprocess=false",
+    "agent.latency.median=0.01",
+    "run.eval_every=100",
+    "run.stall_timeout=120",
+    "ray.start_timeout=180",
+]
+
+
+def test_an_agent_run_trains_on_ray_and_counts_its_actors_trajectories(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Multi-turn trajectories generated in the rollout actors (their agent loops and tools in
+    the actors' processes), trained, evaluated through an actor's engine, and counted in the
+    summary as in a local run."""
+    tools = Path(__file__).resolve().parents[2] / "examples" / "tools.yaml"
+    config = cfg.load(tools, [*TOOLS, f"ray.address={cluster.address}", "trainer.max_steps=2"])
+    summary = train(config, run_dir=tmp_path, reporter=Reporter(enabled=False))
+    assert summary["launcher"] == "ray"
+    assert trained_groups(tmp_path) == list(range(2 * GROUPS)), "every group trained once"
+    assert all(r["agent_turns_mean"] >= 1 for r in metrics(tmp_path))
+    agent = summary["agent"]
+    # Every trained trajectory was counted by the actor that ran it, and took a turn at least.
+    assert agent["trajectories"] >= 2 * GROUPS * 4
+    assert agent["turns"] >= agent["trajectories"]
+    assert agent["engine_calls"] > 0, agent
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+
+
 def test_the_readme_ray_command_runs_from_a_cold_start_on_a_small_machine(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

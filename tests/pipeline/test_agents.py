@@ -1296,7 +1296,6 @@ def test_held_out_problems_are_never_trained_on() -> None:
     [
         ("agent.max_turns=0", "max_turns"),
         ("agent.observation_template=x", "{observation}"),
-        ("launcher=ray", "launcher local"),
         ("reward.sources=[fn,http] reward.http.url=http://127.0.0.1:9", "model and http"),
         # A trajectory, not one turn, must fit a micro-batch: 20 + 170 > 150 (20 + 100 fits).
         (

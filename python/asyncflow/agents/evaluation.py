@@ -64,10 +64,9 @@ def agent_view(
 
 
 def agent_totals(workers: Iterable[object]) -> dict[str, int]:
-    """The agent loops' counters (turns, tool calls, errors by kind) over the run's workers."""
+    """The agent loops' counters (turns, tool calls, errors by kind) over the run's workers: those
+    that have some (``agent_counts``: an agent rollout worker, the Ray actors' supervisor)."""
     totals: Counter[str] = Counter()
     for worker in workers:
-        loop = getattr(worker, "loop", None)
-        if isinstance(loop, AgentLoop):
-            totals.update(loop.totals)
+        totals.update(getattr(worker, "agent_counts", {}))
     return dict(sorted(totals.items()))

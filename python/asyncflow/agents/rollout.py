@@ -10,6 +10,7 @@ trainer reports per step, with ``agent_truncated``, as means over the trajectori
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -43,6 +44,11 @@ class AgentRollout(Rollout):
     ) -> None:
         super().__init__(ctx, engine, name, dispatcher)
         self.loop = agent_loop_for(ctx)
+
+    @property
+    def agent_counts(self) -> Counter[str]:
+        """Turns, tool calls and failures by kind, over the trajectories run so far."""
+        return self.loop.totals
 
     def _problems(self, work: PromptGroups) -> list[Problem]:
         extra = bool(self.config.data.extra_keys)

@@ -24,6 +24,7 @@ import ray
 from ray._private import state as ray_state
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
+from asyncflow.agents.rollout import AgentRollout
 from asyncflow.config import Config, resolve_engine_name
 from asyncflow.daemon import connect
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
@@ -59,6 +60,8 @@ class Report:
     #: Generated samples by version span (see :class:`RunState`), and weight loads that failed.
     version_spans: dict[int, int] = field(default_factory=dict)
     weight_failures: list[str] = field(default_factory=list)
+    #: An agent rollout worker's counters (turns, tool calls, failures by kind).
+    agent_counts: dict[str, int] = field(default_factory=dict)
 
 
 class WorkerActor:
@@ -84,6 +87,8 @@ class WorkerActor:
                 resolve_engine_name("rollout", c.rollout.engine), model_dir, c
             )
             self.engine.label = label
+            if c.agent.enabled:
+                return AgentRollout(ctx, self.engine, label)
             return rollout_worker(ctx, self.engine, label)
         if role == "reward":
             return RewardWorker(ctx, resolve_reward(c.reward.fn, bool(c.data.extra_keys)))
@@ -113,8 +118,17 @@ class WorkerActor:
         with s.lock:
             tokens, samples, cut = s.generated_tokens, s.generated_samples, s.truncated_responses
             spans, failures = dict(s.version_spans), list(s.weight_failures)
+        agent = dict(getattr(self.worker, "agent_counts", {}))
         return Report(
-            self.life, tokens, samples, cut, tracer.spans(), tracer.wall_origin, spans, failures
+            self.life,
+            tokens,
+            samples,
+            cut,
+            tracer.spans(),
+            tracer.wall_origin,
+            spans,
+            failures,
+            agent,
         )
 
     # -- evaluation through a rollout actor's engine (before the run starts, after it ends) ---
@@ -243,6 +257,9 @@ class Supervisor(Worker):
         self.counted = dict.fromkeys(actors, (0, 0, 0))
         self.counted_spans: dict[str, Counter[int]] = {label: Counter() for label in actors}
         self.counted_failures = dict.fromkeys(actors, 0)
+        self.counted_agent: dict[str, Counter[str]] = {label: Counter() for label in actors}
+        #: The agent rollout actors' counters, over their lives (see ``agent_totals``).
+        self.agent_counts: Counter[str] = Counter()
         #: Restarts: those seen (a new life reported) during the run, Ray's count at its end;
         #: and deaths seen, counted where Ray's actor table cannot say whether one was the last.
         self.restarts = dict.fromkeys(actors, 0)
@@ -310,6 +327,7 @@ class Supervisor(Worker):
             self.counted[label] = (0, 0, 0)  # a new life counts from zero
             self.counted_spans[label] = Counter()
             self.counted_failures[label] = 0
+            self.counted_agent[label] = Counter()
         self._count_versions(label, report)
         tokens, samples, cut = self.counted[label]
         self.ctx.state.add(
@@ -326,8 +344,8 @@ class Supervisor(Worker):
             self.ctx.tracer.add(report.spans, report.wall_origin)
 
     def _count_versions(self, label: str, report: Report) -> None:
-        """Adds what the actor's version-span counters and weight failures gained since its last
-        report (in this life) to the run's."""
+        """Adds what the actor's version-span counters, weight failures and agent counters
+        gained since its last report (in this life) to the run's."""
         spans = Counter({int(k): v for k, v in report.version_spans.items()})
         gained = spans - self.counted_spans[label]
         failures = report.weight_failures[self.counted_failures[label] :]
@@ -336,6 +354,9 @@ class Supervisor(Worker):
             self.ctx.state.weight_failures.extend(failures)
         self.counted_spans[label] = spans
         self.counted_failures[label] = len(report.weight_failures)
+        agent = Counter(report.agent_counts)
+        self.agent_counts.update(agent - self.counted_agent[label])
+        self.counted_agent[label] = agent
 
     def run(self) -> None:
         try:
