@@ -1151,11 +1151,6 @@ def _validate_agent(c: Config) -> None:
         size = _size(f"agent.sandbox.{key}", getattr(s, key)) or 0
         _require(size > 0, f"agent.sandbox.{key} must be a positive size")
     _require(
-        c.rollout.partial == "off",
-        "agent.enabled and rollout.partial cannot be combined yet: a trajectory's turns are "
-        "generated between weight loads",
-    )
-    _require(
         (c.reward.sources or [c.reward.type]) == ["fn"],
         "agent.enabled scores trajectories with reward.fn (and the environment's rewards) only: "
         "reward.type / reward.sources model and http are not applied to them",

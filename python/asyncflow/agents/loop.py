@@ -56,10 +56,18 @@ CHARS_PER_TOKEN = 32
 
 
 class TurnBatcher:
-    """Collects model turns from many trajectories and generates them in shared engine calls."""
+    """Collects model turns from many trajectories and generates them in shared engine calls.
+    ``refresh``, if given, is called (in the engine's thread) before each call: it may load
+    newer weights into the engine, which then generate the call's turns."""
 
-    def __init__(self, engine: RolloutEngine, sampling: Sampling) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        sampling: Sampling,
+        refresh: Callable[[], object] | None = None,
+    ) -> None:
         self.engine = engine
+        self.refresh = refresh
         self.sampling = replace(sampling, n=1, seed=None)
         self._pending: list[tuple[list[int], asyncio.Future[tuple[Completion, int]]]] = []
         self._wake = asyncio.Event()
@@ -90,12 +98,9 @@ class TurnBatcher:
             batch, self._pending = self._pending, []
             if not batch:
                 continue
-            version = self.engine.version
-            call = loop.run_in_executor(
-                executor, self.engine.generate, [ids for ids, _ in batch], self.sampling
-            )
+            call = loop.run_in_executor(executor, self._generate, [ids for ids, _ in batch])
             try:
-                outputs = await asyncio.shield(call)
+                version, outputs = await asyncio.shield(call)
                 turns = [group[0] for group in outputs]
                 if len(turns) != len(batch):
                     raise EngineError(
@@ -118,6 +123,13 @@ class TurnBatcher:
             for (_, future), turn in zip(batch, turns, strict=True):
                 if not future.done():
                     future.set_result((turn, version))
+
+    def _generate(self, prompts: list[list[int]]) -> tuple[int, list[list[Completion]]]:
+        """One engine call, after ``refresh``; with the version that generated it."""
+        if self.refresh is not None:
+            self.refresh()
+        version = self.engine.version
+        return version, self.engine.generate(prompts, self.sampling)
 
 
 #: Seconds between looks at the run's stop event while trajectories are under way.
@@ -197,10 +209,12 @@ class AgentLoop:
         problems: Sequence[Problem],
         sampling: Sampling,
         stop: threading.Event | None = None,
+        refresh: Callable[[], object] | None = None,
     ) -> list[list[Trajectory]] | None:
         """``sampling.n`` trajectories for each prompt, all in flight at once; None if ``stop``
-        is set first (the trajectories under way are dropped, their sandboxes killed)."""
-        return asyncio.run(self.run_async(engine, prompts, problems, sampling, stop))
+        is set first (the trajectories under way are dropped, their sandboxes killed).
+        ``refresh`` runs before each engine call (see :class:`TurnBatcher`)."""
+        return asyncio.run(self.run_async(engine, prompts, problems, sampling, stop, refresh))
 
     async def run_async(
         self,
@@ -209,8 +223,9 @@ class AgentLoop:
         problems: Sequence[Problem],
         sampling: Sampling,
         stop: threading.Event | None = None,
+        refresh: Callable[[], object] | None = None,
     ) -> list[list[Trajectory]] | None:
-        batcher = TurnBatcher(engine, sampling)
+        batcher = TurnBatcher(engine, sampling, refresh)
         server = asyncio.create_task(batcher.run())
         jobs = asyncio.gather(
             *(

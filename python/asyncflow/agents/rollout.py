@@ -64,6 +64,10 @@ class AgentRollout(Rollout):
     def _generate(self, work: PromptGroups, version: int) -> list[list[Completion]] | None:
         """Each prompt's trajectories, as completions whose tokens carry their own masks; None
         when the run stopped first (trajectories wait on tools for long: not for them)."""
+        # Under rollout.partial, newer weights are loaded between engine calls: a trajectory's
+        # later turns may be a newer policy's (each turn's context prefilled by the weights that
+        # generate it). Traced inside this span, not as spans of their own.
+        partial = self.config.rollout.partial != "off"
         with self.busy(f"agent trajectories v{version}"):
             runs = self.loop.run(
                 self.engine,
@@ -71,6 +75,7 @@ class AgentRollout(Rollout):
                 self._problems(work),
                 self.sampling,
                 stop=self.ctx.stop,
+                refresh=(lambda: self.sync_weights(traced=False)) if partial else None,
             )
         if runs is None:
             return None
@@ -91,6 +96,7 @@ class AgentRollout(Rollout):
             ]
         }
         rewards, turns, tool_seconds, cut, errors, rows_group = [], [], [], [], [], []
+        oldest, spans = [], []
         tokens = 0
         for prompt, answer, group, completions in zip(
             work.prompts, work.answers, work.groups, outputs, strict=True
@@ -115,6 +121,9 @@ class AgentRollout(Rollout):
                 # call left unanswered at the budget's end looks like an answer's end.
                 cut.append(t.finish_reason == "length")
                 tokens += sum(t.loss_mask)
+                first, last = min(t.versions, default=version), max(t.versions, default=version)
+                oldest.append(first)
+                spans.append(last - first)
         with self.busy("put samples"):
             self.store.put(
                 {
@@ -128,10 +137,12 @@ class AgentRollout(Rollout):
                 partition=step_partition(work.target),
                 groups=np.array(rows_group),
                 group_size=self.sampling.n,
-                version=version,
+                # A trajectory is as old as its oldest token.
+                version=np.array(oldest, np.uint64),
             )
         self.ctx.state.add(
             generated_tokens=tokens,
             generated_samples=len(rewards),
             truncated_responses=sum(cut),
         )
+        self.ctx.state.note_version_spans(spans)

@@ -78,14 +78,15 @@ class Rollout(Worker):
         with _CLAIM_LOCKS_LOCK:
             self._claim_lock = _CLAIM_LOCKS.setdefault(engine, threading.Lock())
 
-    def sync_weights(self) -> bool:
+    def sync_weights(self, traced: bool = True) -> bool:
         """Loads the newest weights of the run's weight source if they are newer than the
         engine's; returns whether it did. A version that fails to load (see
         :func:`load_version`) is reported and skipped; the engine goes on with the version it
         had. One the store failed to deliver is tried again at the next call (a worker waiting
         for it waits a poll interval first: :meth:`_wait_for_weights`). While the newest version
         is one that failed, the one before it (:meth:`_loadable`) is loaded if it is newer than
-        the engine's."""
+        the engine's. The load is a span of its own on the worker's timeline unless
+        ``traced`` is false (a caller already inside one)."""
         self._undelivered = False
         version = self._loadable()
         if version is None:
@@ -93,7 +94,8 @@ class Rollout(Worker):
         with self.engine.load_lock:
             if version <= self.engine.version:
                 return False  # another worker sharing the engine loaded it meanwhile
-            with self.busy(f"load weights v{version}"):
+            span = self.busy(f"load weights v{version}") if traced else contextlib.nullcontext()
+            with span:
                 try:
                     failure = load_version(self.ctx.weights, self.engine, version)
                     delivered = True
