@@ -117,6 +117,19 @@ def test_a_step_returns_its_own_tokens_when_weights_change_mid_generation(
     assert llm.kwargs.get("async_scheduling", True) is (partial == "off")
 
 
+def test_an_agent_run_under_partial_rollout_keeps_the_engines_whole_call_settings(
+    model: Path, platform: dict[str, bool]
+) -> None:
+    """Its turns are whole calls, between which weights load (emptying the prefix cache): the
+    prefix cache, which spares a trajectory's later turns the prefill of its earlier ones, and
+    vLLM's own batch size stay as without partial rollout."""
+    on_gpu(platform)
+    _, off = start(model, "agent.enabled=true")
+    _, partial = start(model, "agent.enabled=true", "rollout.partial=continue")
+    assert partial.kwargs == off.kwargs
+    assert "enable_prefix_caching" not in partial.kwargs
+
+
 @pytest.mark.parametrize(("cuda", "setting"), [(True, True), (False, False)])
 def test_an_explicit_enforce_eager_overrides_the_platform_default(
     model: Path, platform: dict[str, bool], cuda: bool, setting: bool

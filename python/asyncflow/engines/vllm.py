@@ -88,7 +88,9 @@ def llm_arguments(model_dir: Path, config: Config, cuda: bool) -> dict[str, Any]
     """The keyword arguments of vLLM's ``LLM`` for this run, on CUDA (``cuda``) or the CPU."""
     r = config.rollout
     partial: dict[str, Any] = {}
-    if r.partial != "off":
+    # Agent runs generate whole calls under partial rollout too (weights load between calls,
+    # which empties the prefix cache): the request-level loop's settings are not theirs.
+    if r.partial != "off" and not config.agent.enabled:
         # Cached prompt blocks would carry keys and values of whichever weights computed
         # them into sequences admitted later; the loop bounds what is in flight. With
         # asynchronous scheduling (vLLM's default on CUDA) a step returns the tokens of the
