@@ -16,6 +16,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -362,11 +363,17 @@ def check_unprivileged(tmp_path: Path) -> None:
 
 
 def run_unprivileged(
-    tmp_path: Path, code: str, limits: SandboxLimits | None = None
+    tmp_path: Path,
+    code: str,
+    limits: SandboxLimits | None = None,
+    prefix: Sequence[str] = (),
+    must_succeed: bool = False,
 ) -> tuple[str, int]:
     """The sandbox run by an unprivileged user (``UNPRIVILEGED``) from a copy of its two modules
-    in ``tmp_path``: the code's output and exit status. Skips where no user namespace can be
-    made (a documented limitation)."""
+    in ``tmp_path``, under ``prefix`` (a command that runs the rest): the code's output and exit
+    status. Skips where no user namespace can be made (a documented limitation); with
+    ``must_succeed`` the code's run must have exited 0 first (a launcher that failed wrote no
+    header, and would read as a run without namespaces)."""
     package = tmp_path / "asyncflow" / "agents"
     package.mkdir(parents=True)
     (tmp_path / "asyncflow" / "__init__.py").write_text("")
@@ -381,11 +388,13 @@ def run_unprivileged(
         "print(json.dumps([r.output, r.exit_code, r.processes_isolated]))\n"
     )
     done = subprocess.run(
-        ["setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups",
-         str(SYSTEM_PYTHON), "-c", driver],
+        [*prefix, "setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}",
+         "--clear-groups", str(SYSTEM_PYTHON), "-c", driver],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     output, exit_code, isolated = json.loads(done.stdout)
+    if must_succeed:
+        assert exit_code == 0, output
     if not isolated:
         pytest.skip("no user namespace can be made here (documented limitation)")
     return output, exit_code
@@ -418,6 +427,30 @@ def test_without_root_forking_without_bound_hits_the_process_cap() -> None:
             p.stdout.close()  # type: ignore[union-attr]
     assert exit_code == 0, output
     assert output == f"forks {LIMITS.processes - 1}\n"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("prlimit"),
+    reason="runs the sandbox as another user under a hard limit: needs root, setpriv, prlimit",
+)
+@pytest.mark.skipif(
+    tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 14),
+    reason="without root the cap needs Linux 5.14 (user namespaces count apart)",
+)
+def test_a_hard_process_limit_below_the_cap_lowers_the_cap_and_fails_nothing() -> None:
+    """The user's hard limit on processes (9) is below what the sandbox asks for (its default
+    8 processes, and the launcher's 2): which an unprivileged process may not raise. The code
+    still runs, and forks until the lower limit stops it."""
+    with tempfile.TemporaryDirectory(prefix="asyncflow-sandbox-test-") as where:
+        Path(where).chmod(0o755)
+        output, exit_code = run_unprivileged(
+            Path(where),
+            FORK_WITHOUT_BOUND,
+            prefix=["prlimit", "--nproc=9:9"],
+            must_succeed=True,
+        )
+    assert exit_code == 0, output
+    assert output.startswith("forks ") and 0 < int(output.split()[1]) < 9 - 3, output
 
 
 def test_a_run_cancelled_while_its_process_starts_leaves_no_directory(

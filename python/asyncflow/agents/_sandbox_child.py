@@ -213,7 +213,14 @@ def counts_per_namespace() -> bool:
 
 
 def limit(kind: int, value: int, slack: int = 0) -> None:
-    resource.setrlimit(kind, (value, value + slack))
+    """Soft limit ``value``, hard limit ``value + slack``, both held to the hard limit the
+    launcher was given: only a privileged process may raise it (a site's cap on processes or
+    files would otherwise fail every run)."""
+    soft, top = value, value + slack
+    hard = resource.getrlimit(kind)[1]
+    if hard != resource.RLIM_INFINITY:
+        soft, top = min(soft, hard), min(top, hard)
+    resource.setrlimit(kind, (soft, top))
 
 
 def run_code(code: str, settings: dict[str, int], header: str) -> int:
