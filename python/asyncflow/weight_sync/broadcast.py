@@ -328,9 +328,9 @@ class BroadcastReceiver(Receiver):
                 raise WeightsNotHereError("no policy weights have been received yet")
             layout, buffer = self._ready
             if version is not None and version != layout.version:
-                raise WeightsNotHereError(
-                    f"weights v{version} is not here (have v{layout.version})"
-                )
+                # Not received yet, or replaced (only the newest is held).
+                gone = WeightsNotHereError if version > layout.version else LookupError
+                raise gone(f"weights v{version} is not here (have v{layout.version})")
             self._loading[id(buffer)] += 1
         try:
             yield layout, buffer
