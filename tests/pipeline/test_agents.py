@@ -808,6 +808,50 @@ def test_under_partial_rollout_an_agent_loads_new_weights_between_turns(partial:
     assert dict(spans) == ({1: 2} if partial != "off" else {0: 2})
 
 
+def test_a_trajectory_is_as_old_as_its_oldest_model_token_not_its_first_observation() -> None:
+    """Weights newer than the engine's are out when a call begins: its trajectories' first
+    observations carry the engine's version at their reset, every model token the loaded one,
+    which is the row's age."""
+    register_environment("greeting", lambda config, tools: _GreetingEnv())
+    config = Config()
+    config.agent.enabled, config.agent.environment, config.rollout.n = True, "greeting", 2
+    config.agent.max_turns, config.rollout.partial = 1, "continue"
+    store = af.Store()
+    register_tasks(store, reference=False)
+    ctx = Context(store, config, TOKENIZER, Tracer(), RunState())
+    weights.publish(store, 2, [("w", torch.zeros(2))])
+    engine = ScriptedEngine(lambda context, turn: "hi")
+    engine.version = 1
+    worker = AgentRollout(ctx, engine)
+    work = PromptGroups([np.array(TOKENIZER.encode("q"), np.int64)], [b"2"], np.array([0]), 2)
+    outputs = worker._generate(work, 1)
+    assert outputs is not None and engine.version == 2
+    worker._put_samples(work, 1, outputs)
+    rows = store.rows(partition=step_partition(2))
+    tokens = store.read(rows.indexes, "token_versions")["token_versions"]
+    assert [sorted(set(np.asarray(v).tolist())) for v in tokens] == [[1, 2]] * 2
+    assert [int(v) for v in rows.versions] == [2, 2]
+    assert dict(ctx.state.version_spans) == {0: 2}
+
+
+def test_a_template_whose_tail_is_plain_text_never_takes_the_prompts_end_for_a_turn() -> None:
+    """Its tail ("\n") is no turn's opening: a prompt ending with it keeps it, and the first
+    observation is wrapped in the template."""
+    register_environment("greeting", lambda config, tools: _GreetingEnv())
+    config = AgentConfig(
+        enabled=True,
+        environment="greeting",
+        max_turns=1,
+        observation_template="Observation: {observation}\n",
+    )
+    loop = AgentLoop(config, TOKENIZER)
+    prompt = TOKENIZER.encode("q\n")
+    engine = ScriptedEngine(lambda context, turn: "hi")
+    ((t,),) = loop.run(engine, [prompt], [Problem("q", "")], Sampling())
+    wrapped = loop.observation_ids("hello")
+    assert t.prompt_ids == prompt and t.response_ids[: len(wrapped)] == wrapped
+
+
 class _RecordingEnv(_ForgingEnv):
     """Records the problems it is reset with; every step ends the trajectory."""
 

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -33,6 +34,7 @@ from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
 from asyncflow.weight_sync.source import WeightsNotHereError, load_into
 from asyncflow.weight_sync.versions import put_version
+from asyncflow.workers import rollout as rollout_module
 from asyncflow.workers.base import (
     LEASES,
     PROMPTS,
@@ -302,6 +304,34 @@ def test_a_version_the_store_failed_to_deliver_is_loaded_at_the_next_try(
     assert waits == [ctx.config.run.poll_interval]
     assert worker.sync_weights() and engine.version == 1
     assert len(waits) == 1
+
+
+def test_with_work_in_flight_an_undelivered_load_is_tried_again_a_poll_interval_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between decode steps or agent turns: each try may wait out the store's timeout, while
+    the work in flight could go on with the weights it has."""
+    ctx = context("run.poll_interval=5")
+    weights.publish(ctx.store, 1, [("w", torch.zeros(2))])
+    tries: list[int] = []
+    load = ctx.weights.load
+
+    def late_once(engine: RolloutEngine, version: int) -> int:
+        tries.append(version)
+        if len(tries) == 1:
+            raise af.errors.StoreTimeoutError("the daemon answered too late")
+        return load(engine, version)
+
+    monkeypatch.setattr(ctx.weights, "load", late_once)
+    now = [100.0]
+    monkeypatch.setattr(rollout_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    engine = Loads()
+    worker = Rollout(ctx, engine)
+    assert not worker.sync_weights_in_flight() and tries == [1]
+    now[0] += 4.9
+    assert not worker.sync_weights_in_flight() and tries == [1], "not within the interval"
+    now[0] += 0.1
+    assert worker.sync_weights_in_flight() and tries == [1, 1] and engine.version == 1
 
 
 def test_a_version_gone_from_the_store_with_none_newer_is_tried_again_not_given_up(

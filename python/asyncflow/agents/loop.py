@@ -199,6 +199,9 @@ class AgentLoop:
         # are the real ones); ``format`` unescapes ``{{``/``}}`` as it would on the whole.
         head, tail = config.observation_template.split("{observation}", 1)
         self._wrap = tokenizer.encode(head.format()), tokenizer.encode(tail.format())
+        #: Whether the template's tail holds special tokens (a turn's markers, as ChatML's
+        #: does): only such a tail is taken for the assistant's opening (see ``reset_ids``).
+        self._tail_opens_turn = self._wrap[1] != tokenizer.encode(tail.format(), special=False)
         #: Totals over every trajectory run so far (for the run's summary).
         self.totals: Counter[str] = Counter()
 
@@ -274,13 +277,14 @@ class AgentLoop:
 
     def reset_ids(self, prompt: list[int], text: str) -> tuple[list[int], list[int]]:
         """Where the observation of an environment's ``reset`` goes: ``(prompt, ids after it)``.
-        A prompt that ends as the observation template does, opening the assistant's turn (a
-        ChatML prompt), loses that opening, and the ids after it are the observation, after a
-        blank line in the prompt's last message, then the opening again: the model reads it in
-        the user's turn. After another prompt, the observation follows as one wrapped in the
+        A prompt that ends as the observation template does, where that tail holds special
+        tokens (it opens the assistant's turn, as ChatML's does), loses that opening, and the
+        ids after it are the observation, after a blank line in the prompt's last message, then
+        the opening again: the model reads it in the user's turn. After another prompt, or with
+        a template whose tail is plain text, the observation follows as one wrapped in the
         template."""
         tail = self._wrap[1]
-        if tail and prompt[-len(tail) :] == tail:
+        if self._tail_opens_turn and prompt[-len(tail) :] == tail:
             return prompt[: -len(tail)], self._text_ids("\n\n" + text) + tail
         return prompt, self.observation_ids(text)
 

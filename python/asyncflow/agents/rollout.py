@@ -75,7 +75,7 @@ class AgentRollout(Rollout):
                 self._problems(work),
                 self.sampling,
                 stop=self.ctx.stop,
-                refresh=(lambda: self.sync_weights(traced=False)) if partial else None,
+                refresh=(lambda: self.sync_weights_in_flight(traced=False)) if partial else None,
             )
         if runs is None:
             return None
@@ -121,7 +121,10 @@ class AgentRollout(Rollout):
                 # call left unanswered at the budget's end looks like an answer's end.
                 cut.append(t.finish_reason == "length")
                 tokens += sum(t.loss_mask)
-                first, last = min(t.versions, default=version), max(t.versions, default=version)
+                # Its age is that of the tokens it trains, the model's: an environment's first
+                # observation carries the version the call began with, older after a load.
+                trained = [v for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
+                first, last = min(trained, default=version), max(trained, default=version)
                 oldest.append(first)
                 spans.append(last - first)
         with self.busy("put samples"):

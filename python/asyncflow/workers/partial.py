@@ -112,7 +112,7 @@ class PartialRollout(Rollout):
         # Under abort, the sequences in flight are cut only once the new weights are in: a
         # version that fails to load, or that the store is slow to deliver, cuts nothing (every
         # decode step would otherwise prefill them all again while it is retried).
-        if self.sync_weights() and self.mode == "abort":
+        if self.sync_weights_in_flight() and self.mode == "abort":
             for request in self.engine.abort_requests():
                 self.engine.add_request(request)  # its prefix prefilled again under them
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -73,8 +74,10 @@ class Rollout(Worker):
         self.sampling = Sampling(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens)
         #: Versions whose weights failed to load; newer ones are still tried.
         self._unloadable: set[int] = set()
-        #: Whether the last load failed for the store's trouble, not the version's.
+        #: Whether the last load failed for the store's trouble, not the version's, and when
+        #: a load with work in flight may try again (:meth:`sync_weights_in_flight`).
         self._undelivered = False
+        self._retry_at = 0.0
         with _CLAIM_LOCKS_LOCK:
             self._claim_lock = _CLAIM_LOCKS.setdefault(engine, threading.Lock())
 
@@ -112,6 +115,18 @@ class Rollout(Worker):
             self._unloadable.update((failed, version))
             return False
         return True
+
+    def sync_weights_in_flight(self, traced: bool = True) -> bool:
+        """:meth:`sync_weights` between two decode steps or engine calls of work in flight, but
+        not again within a poll interval of a load the store failed to deliver: each try may
+        wait out the store's timeout, and the work in flight goes on meanwhile with the weights
+        it has."""
+        if self._undelivered and time.monotonic() < self._retry_at:
+            return False
+        loaded = self.sync_weights(traced)
+        if self._undelivered:
+            self._retry_at = time.monotonic() + self.config.run.poll_interval
+        return loaded
 
     def _loadable(self) -> int | None:
         """The version to load next: the newest if it is newer than the engine's and has not
