@@ -15,6 +15,7 @@ import torch
 import asyncflow as af
 from asyncflow import config as cfg
 from asyncflow import weights
+from asyncflow.agents.evaluation import agent_totals
 from asyncflow.engines.base import Completion, Request, Sampling
 from asyncflow.engines.errors import EngineDiedError, WeightLoadError
 from asyncflow.engines.hf import HFRolloutEngine
@@ -607,3 +608,19 @@ def test_the_ray_supervisor_adds_each_actors_version_spans_once() -> None:
     assert ctx.state.version_spans == {0: 6, 1: 3}
     assert ctx.state.weight_failures == ["v3 failed"]
     assert ctx.state.multi_version_share() == pytest.approx(3 / 9)
+
+
+def test_the_ray_supervisor_adds_each_actors_agent_counters_over_its_lives() -> None:
+    """Each report holds its life's counters so far: the run's are what each adds, a restarted
+    actor counting from zero again; a counter at zero is kept, as a local run's summary has it."""
+    from asyncflow.launch.ray_workers import Report, Supervisor
+
+    supervisor = Supervisor(context(), {"rollout-0": _FakeActor()})
+
+    def report(life: str, counts: dict[str, int]) -> Report:
+        return Report(life, 0, 0, 0, [], 0.0, agent_counts=counts)
+
+    supervisor._count("rollout-0", report("a", {"turns": 3, "tool_calls": 0}), spans=False)
+    supervisor._count("rollout-0", report("a", {"turns": 5, "tool_calls": 1}), spans=False)
+    supervisor._count("rollout-0", report("b", {"turns": 2, "error_bad_json": 0}), spans=False)
+    assert agent_totals([supervisor]) == {"error_bad_json": 0, "tool_calls": 1, "turns": 7}

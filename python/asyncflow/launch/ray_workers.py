@@ -355,7 +355,8 @@ class Supervisor(Worker):
         self.counted_spans[label] = spans
         self.counted_failures[label] = len(report.weight_failures)
         agent = Counter(report.agent_counts)
-        self.agent_counts.update(agent - self.counted_agent[label])
+        for key, count in agent.items():  # (keys at zero kept, as a local run's summary has)
+            self.agent_counts[key] += max(0, count - self.counted_agent[label][key])
         self.counted_agent[label] = agent
 
     def run(self) -> None:
