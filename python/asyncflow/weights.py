@@ -314,9 +314,9 @@ def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str
         raise WeightsNotHereError("no policy weights have been published yet")
     wanted = max(versions) if version is None else version
     if wanted not in versions:
-        raise WeightsNotHereError(
-            f"weights version {wanted} is not in the store (have {sorted(versions)})"
-        )
+        # Not published yet (or gone, with none newer), or replaced by newer ones.
+        gone = WeightsNotHereError if wanted > max(versions) else LookupError
+        raise gone(f"weights version {wanted} is not in the store (have {sorted(versions)})")
     index = versions[wanted]
     manifest = store.read([index], MANIFEST)[MANIFEST][0]
     listed = json.loads(manifest)

@@ -536,6 +536,18 @@ def test_a_version_is_published_only_once_its_manifest_is_ready() -> None:
         weights.fetch(store, 4)
 
 
+def test_a_version_replaced_by_newer_ones_is_gone_and_a_later_one_yet_to_come() -> None:
+    """Only the second is worth trying again (see ``WeightsNotHereError``)."""
+    store = af.Store()
+    for version in range(1, weights.KEEP_VERSIONS + 2):
+        weights.publish(store, version, [("w", torch.zeros(2))])
+    with pytest.raises(LookupError, match="version 1 is not in the store") as replaced:
+        weights.fetch(store, 1)
+    assert not isinstance(replaced.value, WeightsNotHereError)
+    with pytest.raises(WeightsNotHereError, match="is not in the store"):
+        weights.fetch(store, weights.KEEP_VERSIONS + 2)
+
+
 def test_a_version_deleted_while_the_versions_are_listed_is_left_out() -> None:
     store = af.Store()
     for version in (1, 2, 3):

@@ -140,7 +140,7 @@ class AgentRollout(Rollout):
                 partition=step_partition(work.target),
                 groups=np.array(rows_group),
                 group_size=self.sampling.n,
-                # A trajectory is as old as its oldest token.
+                # A trajectory is as old as its oldest model token.
                 version=np.array(oldest, np.uint64),
             )
         self.ctx.state.add(
