@@ -331,12 +331,19 @@ def test_only_the_working_directory_is_writable() -> None:
 
 UNPRIVILEGED = 4321  # a user id no file here belongs to
 SYSTEM_PYTHON = Path("/usr/bin/python3")  # readable by any user, unlike an interpreter in /root
-
-
-@pytest.mark.skipif(
+#: Tests that run the sandbox as ``UNPRIVILEGED`` (see :func:`run_unprivileged`).
+AS_ANOTHER_USER = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setpriv") or not SYSTEM_PYTHON.exists(),
     reason="runs the sandbox as another user: needs root, setpriv and a system Python",
 )
+#: Without root, the process cap holds only where each user namespace counts apart.
+CAP_IN_USER_NAMESPACES = pytest.mark.skipif(
+    tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 14),
+    reason="without root the cap needs Linux 5.14 (user namespaces count apart)",
+)
+
+
+@AS_ANOTHER_USER
 def test_without_root_the_code_gets_no_capability_and_cannot_see_its_caller() -> None:
     # The sandbox's two modules use the standard library only: copied where that user can read
     # (pytest's own temporary directories are the owner's only).
@@ -400,14 +407,8 @@ def run_unprivileged(
     return output, exit_code
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv") or not SYSTEM_PYTHON.exists(),
-    reason="runs the sandbox as another user: needs root, setpriv and a system Python",
-)
-@pytest.mark.skipif(
-    tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 14),
-    reason="without root the cap needs Linux 5.14 (user namespaces count apart)",
-)
+@AS_ANOTHER_USER
+@CAP_IN_USER_NAMESPACES
 def test_without_root_forking_without_bound_hits_the_process_cap() -> None:
     """The cap counts the sandbox's own processes only: the same user has as many as the cap
     running outside it meanwhile."""
@@ -429,14 +430,9 @@ def test_without_root_forking_without_bound_hits_the_process_cap() -> None:
     assert output == f"forks {LIMITS.processes - 1}\n"
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("prlimit"),
-    reason="runs the sandbox as another user under a hard limit: needs root, setpriv, prlimit",
-)
-@pytest.mark.skipif(
-    tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 14),
-    reason="without root the cap needs Linux 5.14 (user namespaces count apart)",
-)
+@AS_ANOTHER_USER
+@pytest.mark.skipif(not shutil.which("prlimit"), reason="needs prlimit")
+@CAP_IN_USER_NAMESPACES
 def test_a_hard_process_limit_below_the_cap_lowers_the_cap_and_fails_nothing() -> None:
     """The user's hard limit on processes (9) is below what the sandbox asks for (its default
     8 processes, and the launcher's 2): which an unprivileged process may not raise. The code
