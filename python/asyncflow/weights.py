@@ -131,8 +131,8 @@ class Watcher(WeightSource):
         stop: threading.Event | None = None,
         wake_wait: float = WAKE_WAIT,
     ) -> None:
-        """``stop``: once it is set, waiters return (within about ``wake_wait`` seconds) as if
-        their time were up."""
+        """``stop``: once it is set, waiters return as if their time were up: at :meth:`wake`,
+        or within about ``wake_wait`` seconds."""
         self.store = store
         self.interval = interval
         self.stop = stop
@@ -223,6 +223,10 @@ class Watcher(WeightSource):
                 return published()
             finally:
                 self._waiters -= 1
+
+    def wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def _poll(self) -> None:
         while True:

@@ -17,6 +17,7 @@ from asyncflow import config as cfg
 from asyncflow import weights
 from asyncflow.engines.base import Completion, RolloutEngine, Sampling
 from asyncflow.errors import UnknownTaskError
+from asyncflow.launch.local import run_threads
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.arithmetic import ArithmeticTask
 from asyncflow.telemetry.trace import Tracer
@@ -193,6 +194,56 @@ def test_a_wait_for_weights_ends_when_the_run_stops() -> None:
     started = time.monotonic()
     assert not watcher.wait_for(1, timeout=60)  # stopped already: at once
     assert time.monotonic() - started < 30
+
+
+def test_a_wait_for_weights_ends_at_once_when_woken_after_the_run_stopped() -> None:
+    stop = threading.Event()
+    watcher = weights.Watcher(af.Store(), interval=0.01, stop=stop, wake_wait=600)
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(watcher.wait_for(1, timeout=600)))
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while watcher._poller is None or not watcher._watching:  # the poller waits in the store
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stop.set()
+    watcher.wake()
+    waiter.join(timeout=60)  # the poller's own wait and the waiter's timeout are 600 s
+    assert got == [False]
+
+
+def test_a_workers_weights_poller_waits_in_the_store_as_long_as_an_idle_claim() -> None:
+    store = Counting()
+    ctx = context(store, "run.poll_interval=0.01")
+    assert not ctx.weights.wait_for(1, timeout=0.3)
+    # With a wait of the poll interval it would have claimed about 30 times.
+    waits = [t for t in store.claim_timeouts if t is not None]
+    assert waits and all(t == IDLE_WAIT for t in waits), store.claim_timeouts
+    assert store.calls["claim"] <= 2, store.calls
+
+
+def test_run_threads_wakes_workers_waiting_for_weights_when_the_run_stops() -> None:
+    store = af.Store()
+    ctx = context(store, "run.poll_interval=600")  # the poller and the waiter wait 600 s
+
+    class Waiting(Worker):
+        role = "waiting"
+
+        def step(self) -> bool:
+            self.ctx.weights.wait_for(1, timeout=600)
+            return True
+
+    class Finisher(Worker):
+        role = "finisher"
+
+        def step(self) -> bool:
+            time.sleep(0.01)
+            return not self.ctx.weights._watching  # done once the other waits in the store
+
+    finisher = Finisher(ctx)
+    started = time.monotonic()
+    run_threads([Waiting(ctx), finisher], ctx.stop, finisher, join_timeout=60)
+    assert time.monotonic() - started < 60
 
 
 def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_claim_wait() -> None:

@@ -112,6 +112,7 @@ class WorkerActor:
 
     def stop(self) -> None:
         self.ctx.stop.set()
+        self.ctx.weights.wake()
 
     def report(self) -> Report:
         s, tracer = self.ctx.state, self.ctx.tracer

@@ -42,6 +42,9 @@ class WeightSource(ABC):
         """Waits up to ``timeout`` seconds (less once the run stops) for ``version`` or a newer
         one; returns whether it is here."""
 
+    def wake(self) -> None:
+        """Makes waiters look again at once (the run has stopped: they return)."""
+
     @abstractmethod
     def load(self, engine: RolloutEngine, version: int) -> int:
         """Loads ``version`` (or, where the transport keeps only the newest, a newer one) into

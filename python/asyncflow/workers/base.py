@@ -175,11 +175,13 @@ class Context:
             self.tokenizer, data, data.max_prompt_length, prompt_tools(self.config)
         )
         # A tenth of the claim wait: new weights are seen promptly, for one store read. A wait
-        # for weights waits in the store, noticing the run's stop within a claim's wait.
+        # for weights waits in the store, as long as an idle worker's claim: a publication ends
+        # it at once, and the run's stop wakes the waiters (``run_threads``), so a shorter one
+        # would only wake the poller to find nothing new.
         poll = self.config.run.poll_interval
         interval = poll / 10
         self.weights = (
-            Watcher(self.store, interval, self.stop, wake_wait=poll)
+            Watcher(self.store, interval, self.stop, wake_wait=max(poll, IDLE_WAIT))
             if weight_receiver is None
             else ReceivedWeights(weight_receiver, interval, self.stop)
         )
