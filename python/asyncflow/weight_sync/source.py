@@ -42,6 +42,7 @@ class WeightSource(ABC):
         """Waits up to ``timeout`` seconds (less once the run stops) for ``version`` or a newer
         one; returns whether it is here."""
 
+    @abstractmethod
     def wake(self) -> None:
         """Makes waiters look again at once (the run has stopped: they return)."""
 
@@ -98,6 +99,9 @@ class ReceivedWeights(WeightSource):
                 return True
             if left <= 0 or (self.stop is not None and self.stop.is_set()):
                 return False
+
+    def wake(self) -> None:
+        pass  # its waiters look at the stop every ``interval``
 
     def load(self, engine: RolloutEngine, version: int) -> int:
         newest = self.latest()
