@@ -215,10 +215,13 @@ def test_a_wait_for_weights_ends_at_once_when_woken_after_the_run_stopped() -> N
 def test_a_workers_weights_poller_waits_in_the_store_as_long_as_an_idle_claim() -> None:
     store = Counting()
     ctx = context(store, "run.poll_interval=0.01")
-    assert not ctx.weights.wait_for(1, timeout=0.3)
-    # With a wait of the poll interval it would have claimed about 30 times.
-    waits = [t for t in store.claim_timeouts if t is not None]
-    assert waits and all(t == IDLE_WAIT for t in waits), store.claim_timeouts
+    threading.Thread(target=ctx.weights.wait_for, args=(1, 60), daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not store.calls["claim"]:  # the poller's first wait in the store
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)  # with a wait of the poll interval it would claim about 30 times more here
+    assert store.claim_timeouts[0] == IDLE_WAIT, store.claim_timeouts
     assert store.calls["claim"] <= 2, store.calls
 
 

@@ -176,8 +176,8 @@ class Context:
         )
         # A tenth of the claim wait: new weights are seen promptly, for one store read. A wait
         # for weights waits in the store, as long as an idle worker's claim: a publication ends
-        # it at once, and the run's stop wakes the waiters (``run_threads``), so a shorter one
-        # would only wake the poller to find nothing new.
+        # it at once, and the run's stop wakes the waiters (``run_threads``, a Ray actor's
+        # ``stop``), so a shorter one would only wake the poller to find nothing new.
         poll = self.config.run.poll_interval
         interval = poll / 10
         self.weights = (
