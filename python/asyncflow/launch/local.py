@@ -230,8 +230,8 @@ def run_threads(
         raise
     finally:
         stop.set()
-        for weights in {id(w.ctx.weights): w.ctx.weights for w in workers}.values():
-            weights.wake()  # waiters for a version see the stop now, not at their poller's wait
+        for w in workers:  # waiters for a version see the stop now, not after their poller's wait
+            w.ctx.weights.wake()
         for t in threads:
             t.join(timeout=join_timeout)
         tick()
