@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,6 +130,40 @@ def test_ctrl_c_interrupts_a_blocked_claim(store: af.Store) -> None:
     finally:
         signal.signal(signal.SIGINT, previous)
     # A claim deaf to Ctrl-C would wait out its 60 s and end in TimeoutError instead.
+
+
+def voluntary_switches() -> int:
+    """How many times the calling thread has given up its core to wait, so far."""
+    status = Path(f"/proc/self/task/{threading.get_native_id()}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("voluntary_ctxt_switches"))
+    return int(line.split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
+def test_a_claim_waiting_outside_the_main_thread_sleeps_until_its_deadline(
+    store: af.Store,
+) -> None:
+    # Only Python's main thread runs signal handlers, so a claim waiting in a worker's thread
+    # has no Ctrl-C to look for. It used to wake every 50 ms to look anyway: 20 wake-ups in a
+    # second, each costing an idle worker CPU.
+    store.register_task("t")
+    switches: list[int] = []
+    timed_out: list[BaseException] = []
+
+    def idle_claim() -> None:
+        before = voluntary_switches()
+        try:
+            store.claim("t", "x", 1, timeout=1.0)
+        except af.StoreTimeoutError as e:
+            timed_out.append(e)
+        switches.append(voluntary_switches() - before)
+
+    worker = threading.Thread(target=idle_claim)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and len(timed_out) == 1
+    # One sleep and its wake-up, give or take a lock; a poll every 50 ms would make 20.
+    assert switches[0] < 10, f"the waiting claim woke its thread {switches[0]} times"
 
 
 def test_a_waiting_put_proceeds_when_another_thread_frees_memory(

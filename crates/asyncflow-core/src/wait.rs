@@ -16,17 +16,32 @@ pub const INTERRUPT_POLL: Duration = Duration::from_millis(50);
 pub struct Wait<'a> {
     /// `None` waits for ever (still interruptible).
     pub deadline: Option<Instant>,
-    pub interrupted: &'a (dyn Fn() -> bool + Sync),
+    /// Asked every `INTERRUPT_POLL` whether to stop. `None`: nothing can ask, so the wait sleeps
+    /// until its deadline or its answer, with no wake-up in between.
+    pub interrupted: Option<&'a (dyn Fn() -> bool + Sync)>,
 }
 
 impl Wait<'static> {
     /// A wait that only ends at its deadline.
     pub fn until(deadline: Option<Instant>) -> Self {
-        Self { deadline, interrupted: &|| false }
+        Self { deadline, interrupted: None }
     }
 
     pub fn timeout(timeout: Option<Duration>) -> Self {
         Self::until(timeout.map(|t| Instant::now() + t))
+    }
+}
+
+impl Wait<'_> {
+    /// Whether the caller asks the wait to stop.
+    pub fn asked_to_stop(&self) -> bool {
+        self.interrupted.is_some_and(|asked| asked())
+    }
+
+    /// How long the wait may sleep before asking its caller again: `INTERRUPT_POLL`, or for ever
+    /// where nothing can ask.
+    pub fn poll(&self) -> Option<Duration> {
+        self.interrupted.map(|_| INTERRUPT_POLL)
     }
 }
 
@@ -57,18 +72,17 @@ pub fn block_on<T, R>(
             Attempt::Done(r) => return Ok(Some(r)),
             Attempt::Pending { .. } if last_try => return Ok(None),
             Attempt::Pending { wake_at } => {
-                let until = [Some(now + INTERRUPT_POLL), wait.deadline, wake_at]
-                    .into_iter()
-                    .flatten()
-                    .min()
-                    .expect("the poll bound is always present");
-                cv.wait_until(&mut state, until);
+                let poll = wait.poll().map(|p| now + p);
+                match [poll, wait.deadline, wake_at].into_iter().flatten().min() {
+                    Some(until) => drop(cv.wait_until(&mut state, until)),
+                    None => cv.wait(&mut state),
+                }
             }
         }
         drop(state);
         if last_interrupt_check.elapsed() >= INTERRUPT_POLL {
             last_interrupt_check = Instant::now();
-            if (wait.interrupted)() {
+            if wait.asked_to_stop() {
                 return Err(StoreError::Interrupted);
             }
         }

@@ -14,7 +14,7 @@ use asyncflow_core::{
 use parking_lot::Mutex;
 use proptest::prelude::*;
 
-const NOW: Wait<'static> = Wait { deadline: None, interrupted: &|| false };
+const NOW: Wait<'static> = Wait { deadline: None, interrupted: None };
 const TASKS: [&str; 2] = ["reward", "train"];
 const PARTITIONS: [&str; 3] = ["p0", "p1", "__pinned"];
 

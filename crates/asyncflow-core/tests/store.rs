@@ -10,7 +10,7 @@ use asyncflow_core::{
     StoreConfig, StoreError, Wait,
 };
 
-const NOW: Wait<'static> = Wait { deadline: None, interrupted: &|| false };
+const NOW: Wait<'static> = Wait { deadline: None, interrupted: None };
 
 fn store() -> Store {
     Store::new(StoreConfig::default()).unwrap()
@@ -118,7 +118,11 @@ fn a_blocked_claim_wakes_when_a_put_makes_rows_ready() {
                 false
             };
             let deadline = Some(Instant::now() + Duration::from_secs(60));
-            s.claim(&spec("gen", &["prompt"], 4), false, Wait { deadline, interrupted: &asked })
+            s.claim(
+                &spec("gen", &["prompt"], 4),
+                false,
+                Wait { deadline, interrupted: Some(&asked) },
+            )
         })
     };
     while !waiting.load(Ordering::SeqCst) {
@@ -491,7 +495,7 @@ fn an_interrupted_claim_returns_promptly() {
     let s = store();
     s.register_task("t", None).unwrap();
     let started = Instant::now();
-    let wait = Wait { deadline: None, interrupted: &|| true };
+    let wait = Wait { deadline: None, interrupted: Some(&|| true) };
     assert_eq!(s.claim(&spec("t", &["x"], 1), false, wait), Err(StoreError::Interrupted));
     assert!(started.elapsed() < Duration::from_secs(2));
 }

@@ -63,7 +63,8 @@ fn runs_signal_handlers(py: Python<'_>) -> PyResult<bool> {
 /// Runs `f` without the GIL, giving it a `Wait` that ends at `deadline` or when a signal handler
 /// raises; the handler's exception (e.g. `KeyboardInterrupt`) is what the caller sees then. Only
 /// in Python's main thread does the wait take the GIL back now and then to run the handlers: in
-/// another thread they never run, and the GIL would only be taken from the threads using it.
+/// another thread they never run, so its wait sleeps until its answer or deadline, with no
+/// wake-up in between (a worker's idle claim would otherwise wake every `INTERRUPT_POLL`).
 #[allow(clippy::disallowed_methods)]
 pub fn detached<T: Send, E: BlockingError>(
     py: Python<'_>,
@@ -72,8 +73,8 @@ pub fn detached<T: Send, E: BlockingError>(
 ) -> PyResult<T> {
     let raised: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
     let main = runs_signal_handlers(py)?;
-    let interrupted = || {
-        main && Python::attach(|py| match py.check_signals() {
+    let check_signals = || {
+        Python::attach(|py| match py.check_signals() {
             Ok(()) => false,
             Err(e) => {
                 *raised.lock().expect("signal slot poisoned") = Some(e);
@@ -81,7 +82,8 @@ pub fn detached<T: Send, E: BlockingError>(
             }
         })
     };
-    let result = py.detach(|| f(Wait { deadline, interrupted: &interrupted }));
+    let interrupted = main.then_some(&check_signals as &(dyn Fn() -> bool + Sync));
+    let result = py.detach(|| f(Wait { deadline, interrupted }));
     match result {
         Ok(v) => Ok(v),
         Err(e) if e.is_interrupted() => {

@@ -201,7 +201,7 @@ fn a_claim_is_served_while_more_claims_wait_than_the_daemon_has_threads() {
     client.register_task("t", None, NOW).unwrap();
     let done = AtomicBool::new(false);
     let interrupted = || done.load(Ordering::Relaxed);
-    let idle_wait = Wait { deadline: None, interrupted: &interrupted };
+    let idle_wait = Wait { deadline: None, interrupted: Some(&interrupted) };
     std::thread::scope(|s| {
         let idle: Vec<_> = (0..IDLE)
             .map(|_| s.spawn(|| client.claim(&spec("idle", "never", 1), false, None, idle_wait)))
@@ -270,7 +270,7 @@ fn a_cancelled_claim_stops_waiting_and_its_connection_serves_on() {
                 &spec("t", "x", 1),
                 false,
                 None,
-                Wait { deadline: None, interrupted: &interrupted },
+                Wait { deadline: None, interrupted: Some(&interrupted) },
             )
         });
         wait_until("the claim waits", || metric(&metrics, "waiting_claims") == 1);

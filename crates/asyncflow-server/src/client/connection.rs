@@ -240,8 +240,7 @@ impl Connection {
 
     /// Sends a request that gets no reply.
     pub fn notify(&self, req: &Request) -> Result<()> {
-        let never = || false;
-        self.link(Wait { deadline: None, interrupted: &never })?.notify(req)
+        self.link(Wait { deadline: None, interrupted: None })?.notify(req)
     }
 }
 
@@ -264,7 +263,7 @@ fn sleep_interruptibly(total: Duration, wait: Wait<'_>) -> Result<()> {
             return Ok(());
         }
         std::thread::sleep(left.min(asyncflow_core::wait::INTERRUPT_POLL));
-        if (wait.interrupted)() {
+        if wait.asked_to_stop() {
             return Err(Error::Store(StoreError::Interrupted));
         }
     }

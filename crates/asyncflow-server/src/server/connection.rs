@@ -432,9 +432,8 @@ async fn pay_for(daemon: &Arc<Daemon>, header: &FrameHeader, meta: &[u8], len: u
             "a put of {len} bytes can never fit in the daemon's {limit}-byte --memory-limit"
         ))));
     }
-    let never = || false;
     if let Ok(guard) =
-        daemon.roles.reserve(len, Wait { deadline: Some(Instant::now()), interrupted: &never })
+        daemon.roles.reserve(len, Wait { deadline: Some(Instant::now()), interrupted: None })
     {
         return Pay::Store(guard);
     }
@@ -452,7 +451,7 @@ async fn pay_for(daemon: &Arc<Daemon>, header: &FrameHeader, meta: &[u8], len: u
     let d = Arc::clone(daemon);
     let reserved = tokio::task::spawn_blocking(move || {
         let interrupted = || d.stopping.load(Ordering::Relaxed);
-        d.roles.reserve(len, Wait { deadline, interrupted: &interrupted })
+        d.roles.reserve(len, Wait { deadline, interrupted: Some(&interrupted) })
     })
     .await;
     match reserved {

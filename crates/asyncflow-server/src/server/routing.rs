@@ -85,8 +85,7 @@ pub(super) fn dispatch(
     // What cannot wait runs right here: handing it to another thread would cost more than it.
     let paid = frame.payload.paid.is_some() || frame.payload.bytes.is_empty();
     if !may_wait(&req, session, daemon, paid) {
-        let never = || false;
-        let wait = Wait { deadline, interrupted: &never };
+        let wait = Wait { deadline, interrupted: None };
         let outcome = daemon.execute(session, req, frame.payload, wait);
         return answer(outgoing(daemon, session, id, outcome, notice));
     }
@@ -123,7 +122,7 @@ pub(super) fn dispatch(
                 || session.closed.load(Ordering::Relaxed)
                 || daemon.stopping.load(Ordering::Relaxed)
         };
-        let wait = Wait { deadline, interrupted: &interrupted };
+        let wait = Wait { deadline, interrupted: Some(&interrupted) };
         let outcome = daemon.execute(&session, req, frame.payload, wait);
         drop(held);
         session.untrack(id);
@@ -303,8 +302,7 @@ impl WaitingClaim {
             timeout: *timeout,
             read: *read,
         };
-        let never = || false;
-        let wait = Wait { deadline: Some(now), interrupted: &never };
+        let wait = Wait { deadline: Some(now), interrupted: None };
         match daemon.execute(session, attempt, Payload::default(), wait) {
             Err(StoreError::Timeout { what, .. }) if last => {
                 Some(Err(StoreError::Timeout { what, waited: now - self.started }))
@@ -327,8 +325,7 @@ fn pay_for_spare(daemon: &Daemon, session: &Session, req: &Request) {
         && let PayloadSource::Staged(stage) = p.source
         && daemon.config.memory_limit.is_some()
     {
-        let never = || false;
-        let now = Wait { deadline: Some(Instant::now()), interrupted: &never };
+        let now = Wait { deadline: Some(Instant::now()), interrupted: None };
         let extent = extent(p.columns.iter().flat_map(|c| &c.cells));
         shm.pay_spare(stage, extent, |bytes| daemon.roles.reserve(bytes, now));
     }

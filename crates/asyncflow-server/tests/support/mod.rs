@@ -11,7 +11,7 @@ use asyncflow_server::client::{Client, Policy, Preference, PutColumn, ReadColumn
 use asyncflow_server::config::Flags;
 use tokio::sync::oneshot;
 
-pub const NOW: Wait<'static> = Wait { deadline: None, interrupted: &|| false };
+pub const NOW: Wait<'static> = Wait { deadline: None, interrupted: None };
 
 /// Clients of tests give up on a daemon that is gone quickly.
 pub const POLICY: Policy =

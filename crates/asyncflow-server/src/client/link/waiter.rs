@@ -7,7 +7,6 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use asyncflow_core::wait::INTERRUPT_POLL;
 use asyncflow_core::{StoreError, Wait};
 use asyncflow_proto::Request;
 
@@ -127,16 +126,18 @@ impl Pending {
     fn sleep(&self, started: Instant, wait: Wait<'_>) -> Delivery {
         let deadline = self.deadline;
         loop {
-            let poll = deadline.map_or(INTERRUPT_POLL, |d| {
-                d.saturating_duration_since(Instant::now()).min(INTERRUPT_POLL)
-            });
-            match self.rx.recv_timeout(poll) {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let received = match [left, wait.poll()].into_iter().flatten().min() {
+                Some(poll) => self.rx.recv_timeout(poll),
+                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            };
+            match received {
                 Ok(delivery) => return delivery,
                 Err(RecvTimeoutError::Disconnected) => {
                     return Err(Error::connection("connection closed"));
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    if (wait.interrupted)() {
+                    if wait.asked_to_stop() {
                         self.abandon();
                         return Err(Error::Store(StoreError::Interrupted));
                     }
