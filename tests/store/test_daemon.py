@@ -249,14 +249,18 @@ def test_a_shared_memory_put_after_the_first_is_one_round_trip(daemons: Daemons)
     assert store.stats()["memory_used"] == 0, "an unused spare holds no store memory"
     # A put of another size gives the spare back and stages; once its rows are gone, their
     # segment comes back as a spare of its size.
+    # A put of a few KiB goes in its request instead, and leaves the spare alone.
     before = requests_served(port)
     store.put({"x": np.zeros((4, 1 << 18), np.uint8)})  # larger: stage and put
     store.claim("t", "x", 4, timeout=5).ack()
-    small = store.put({"x": [np.ones(10, np.uint8)]})  # a 1 MiB spare is not kept for 10 bytes
-    assert store.read(small, "x")["x"][0].tolist() == [1] * 10
-    store.claim("t", "x", 1, timeout=5).ack()
-    store.put({"x": [np.full(10, 2, np.uint8)]})  # into a 64 KiB spare
-    assert requests_served(port) - before == 2 + 2 + 2 + 1 + 2 + 1
+    medium = [np.ones(1 << 14, np.uint8)] * 2  # 32 KiB: a 1 MiB spare is not kept for it
+    rows = store.put({"x": medium})
+    assert [v.tolist() for v in store.read(rows, "x")["x"]] == [m.tolist() for m in medium]
+    store.claim("t", "x", 2, timeout=5).ack()
+    small = store.put({"x": [np.full(10, 2, np.uint8)]})  # in the request: one round trip
+    assert store.read(small, "x")["x"][0].tolist() == [2] * 10
+    store.put({"x": medium})  # into the 64 KiB spare, still there
+    assert requests_served(port) - before == 2 + 2 + 2 + 1 + 2 + 1 + 1 + 1
 
 
 def test_requests_travel_in_rings_unless_the_socket_is_asked_for(daemons: Daemons) -> None:

@@ -75,7 +75,8 @@ def test_a_write_through_a_shared_memory_view_cannot_change_what_others_read(
 ) -> None:
     url = daemons().url
     store = af.connect(url, transport="shm")
-    idx = store.put({"adv": [np.ones(4, dtype=np.float32)]})
+    # 32 KiB, written into shared memory (a put of a few KiB travels in its request instead).
+    idx = store.put({"adv": [np.ones(8192, dtype=np.float32)]})
     view = store.read(idx, "adv")["adv"][0]
     with pytest.raises(ValueError, match="read-only"):
         view[0] = 100
@@ -85,10 +86,10 @@ def test_a_write_through_a_shared_memory_view_cannot_change_what_others_read(
     assert child.returncode == -signal.SIGSEGV, (child.returncode, child.stdout, child.stderr)
     assert "written" not in child.stdout
     for reader in (store, af.connect(url, transport="shm")):
-        np.testing.assert_array_equal(reader.read(idx, "adv")["adv"][0], np.ones(4))
+        np.testing.assert_array_equal(reader.read(idx, "adv")["adv"][0], np.ones(8192))
     # Puts from this process still write shared memory (through a mapping of their own).
-    again = store.put({"adv": [np.full(4, 7, dtype=np.float32)] * 3})
-    np.testing.assert_array_equal(store.read(again, "adv")["adv"][2], np.full(4, 7))
+    again = store.put({"adv": [np.full(8192, 7, dtype=np.float32)] * 3})
+    np.testing.assert_array_equal(store.read(again, "adv")["adv"][2], np.full(8192, 7))
 
 
 def test_the_daemon_a_training_job_starts_demands_a_token_of_its_own(

@@ -117,7 +117,8 @@ def test_a_ragged_column_given_whole_reads_back_row_by_row(store: af.Store) -> N
 
 
 def test_reads_are_read_only_views_that_share_store_memory(store: af.Store) -> None:
-    idx = store.put({"x": [np.arange(1000, dtype=np.float32)]})
+    # 32 KiB: over shared memory, a put of a few KiB travels in its request and is read as copies.
+    idx = store.put({"x": [np.arange(8192, dtype=np.float32)]})
     first = store.read(idx, "x")["x"][0]
     second = store.read(idx, "x")["x"][0]
     assert np.shares_memory(first, second), "both reads view the same store bytes"

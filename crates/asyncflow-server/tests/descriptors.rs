@@ -33,7 +33,8 @@ fn every_link_to_a_daemon_shares_one_mapping_of_each_segment() {
     let daemon = Daemon::start(&[]);
     let writer = daemon.connect(Preference::Shm);
     assert_eq!(writer.transport(), "shm");
-    let values: Vec<i64> = (0..256).collect();
+    // 32 KiB: a put of a few KiB travels in its request, not in a segment.
+    let values: Vec<i64> = (0..4096).collect();
     let rows = put_ints(&writer, "x", &values);
     let first = daemon.connect(Preference::Shm);
     assert_eq!(read_ints(&first, &rows, "x"), values);

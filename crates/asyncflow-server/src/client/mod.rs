@@ -39,6 +39,12 @@ fn unexpected(reply: &Reply) -> Error {
     Error::connection(format!("unexpected reply from the daemon: {reply:?}"))
 }
 
+/// The largest put whose cells go in its request's frame on a shared-memory link too, rather
+/// than in a region of shared memory: a region is a segment of at least `MIN_SEGMENT` (64 KiB),
+/// made for the put (a descriptor sent and mapped, tens of microseconds) and held for as long as
+/// its rows live, where copying a few KiB through the frame costs a microsecond or two.
+const INLINE_PUT_BYTES: u64 = 16 << 10;
+
 /// Writes a put's cells where `conn` wants them — a staged shared-memory region, or the frame —
 /// and sends the request `make` builds for that payload source; its reply is to be waited for
 /// with [`put_reply`].
@@ -50,7 +56,7 @@ fn send_cells(
     make: impl FnOnce(PayloadSource) -> Request,
 ) -> Result<Pending> {
     let link = conn.live_link(wait)?;
-    if !link.is_shm() {
+    if !link.is_shm() || layout.total <= INLINE_PUT_BYTES {
         return link.send(&make(PayloadSource::Inline), &layout.parts()).map_err(unknown);
     }
     // The region the daemon set aside after this link's last put saves staging one. One of
