@@ -1,0 +1,97 @@
+"""What an idle worker's claim and a small put cost the calling thread, against one daemon::
+
+    .venv/bin/python benches/profiles/small_calls.py [ROUNDS]
+
+- An idle claim: a claim with a 1 s timeout on a task with no rows, in a thread other than the
+  main one (as every worker's), until it times out. Thread CPU (``time.thread_time``) and
+  voluntary context switches (``/proc``) per claim, means over ROUNDS // 100 claims (at least 3).
+- A small put: a put of one row of 16 float32 (64 B) or of 1,024 (4 KiB), ROUNDS times, back to
+  back or 2 ms apart (the daemon's connection thread has gone to sleep by then, as between a
+  worker's calls). Microseconds of wall-clock time and of thread CPU per put, means.
+
+Each runs over shared memory (``shm``) and over TCP, in this process, against a daemon of its
+own started here. ROUNDS defaults to 1000.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+import asyncflow as af
+from asyncflow.daemon import DaemonProcess
+
+
+def voluntary_switches() -> int:
+    status = Path(f"/proc/self/task/{threading.get_native_id()}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("voluntary_ctxt"))
+    return int(line.split()[1])
+
+
+def in_a_thread(body: Callable[[], tuple[float, float]]) -> tuple[float, float]:
+    out: list[tuple[float, float]] = []
+    worker = threading.Thread(target=lambda: out.append(body()))
+    worker.start()
+    worker.join()
+    return out[0]
+
+
+def idle_claims(store: af.Store, claims: int) -> tuple[float, float]:
+    store.register_task("idle")
+
+    def body() -> tuple[float, float]:
+        switches, cpu = voluntary_switches(), time.thread_time()
+        for _ in range(claims):
+            with contextlib.suppress(af.StoreTimeoutError):
+                store.claim("idle", "never", 1, timeout=1.0)
+        return (time.thread_time() - cpu) / claims, (voluntary_switches() - switches) / claims
+
+    return in_a_thread(body)
+
+
+def puts(store: af.Store, floats: int, gap: float, rounds: int) -> tuple[float, float]:
+    row = np.zeros(floats, np.float32)
+
+    def body() -> tuple[float, float]:
+        wall, cpu = 0.0, time.thread_time()
+        for _ in range(rounds):
+            start = time.perf_counter()
+            store.put({f"x{floats}": [row]}, partition="small")
+            wall += time.perf_counter() - start
+            if gap:
+                time.sleep(gap)  # its own system call counts in the thread CPU: a few µs
+        return wall / rounds, (time.thread_time() - cpu) / rounds
+
+    spent = in_a_thread(body)
+    store.clear("small")
+    return spent
+
+
+def main(rounds: int) -> None:
+    print("| path | idle 1 s claim: thread CPU (µs) | context switches |")
+    print("|---|---:|---:|")
+    results = []
+    with DaemonProcess() as daemon:
+        for path in ("shm", "tcp"):
+            store = af.connect(daemon.url, transport=path)
+            cpu, switches = idle_claims(store, max(3, rounds // 100))
+            print(f"| {path} | {1e6 * cpu:.0f} | {switches:.1f} |")
+            for floats in (16, 1024):
+                for gap in (0.0, 0.002):
+                    wall, put_cpu = puts(store, floats, gap, rounds)
+                    results.append((path, 4 * floats, gap, wall, put_cpu))
+    print("\n| path | put of | calls | wall (µs) | thread CPU (µs) |")
+    print("|---|---:|---|---:|---:|")
+    for path, size, gap, wall, cpu in results:
+        calls = "back to back" if gap == 0 else f"{1e3 * gap:.0f} ms apart"
+        print(f"| {path} | {size} B | {calls} | {1e6 * wall:.0f} | {1e6 * cpu:.0f} |")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1000)
