@@ -477,6 +477,9 @@ impl Store {
     pub fn ack(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
         let freed = self.change(|index| index.ack(lease, subset, self.clock.now()))?;
         self.free_payloads(&freed);
+        // A whole-groups claim skips the members its task acked already, so an ack can make a
+        // group claimable: the claims blocked here look again (those without a thread do not).
+        self.changed.notify_all();
         Ok(())
     }
 

@@ -290,6 +290,44 @@ fn the_rest_of_a_group_partly_acked_is_delivered_again_as_the_group() {
 }
 
 #[test]
+fn an_ack_that_leaves_a_group_claimable_wakes_a_blocked_whole_groups_claim() {
+    // A whole-groups claim skips the members its task acked: the ack of the member another claim
+    // of the task held is what makes the rest claimable, and nothing else changes (the held
+    // lease runs out long after the waiting claim's deadline).
+    let config = StoreConfig { lease_timeout: Duration::from_secs(600), ..StoreConfig::default() };
+    let s = Arc::new(Store::new(config).unwrap());
+    s.register_task("adv", None).unwrap();
+    let target = PutTarget::New(NewRows {
+        partition: "p".into(),
+        groups: Some(vec![7; 2]),
+        group_size: Some(2),
+        versions: vec![0],
+        ..NewRows::default()
+    });
+    let rows = s.put(vec![ints(&s, "x", &[&[1], &[2]])], &target).unwrap();
+    let one = s.claim(&spec("adv", &["x"], 1), false, no_wait()).unwrap();
+    let waiter = {
+        let s = Arc::clone(&s);
+        thread::spawn(move || {
+            let mut whole = spec("adv", &["x"], 1);
+            whole.whole_groups = true;
+            // Nothing can interrupt it, so it sleeps until its deadline unless woken.
+            let deadline = Some(Instant::now() + Duration::from_secs(60));
+            s.claim(&whole, false, Wait { deadline, interrupted: None })
+        })
+    };
+    // Gives the claim time to find nothing and sleep; were it slower, it would find the rest
+    // of the group at its first look, and the test would pass without showing the wake-up.
+    thread::sleep(Duration::from_millis(300));
+    s.ack(one.lease.unwrap(), None).unwrap();
+    let acked = Instant::now();
+    let rest: Vec<u64> = rows.iter().copied().filter(|r| !one.rows.contains(r)).collect();
+    assert_eq!(waiter.join().unwrap().unwrap().rows, rest);
+    // Unwoken, it would find the group only at its deadline's last look, a minute on.
+    assert!(acked.elapsed() < Duration::from_secs(30), "the ack did not wake the claim");
+}
+
+#[test]
 fn an_expired_lease_is_redelivered_and_its_ack_fails_without_effect() {
     let (s, advance) = store_on_a_driven_clock(Duration::from_secs(30));
     s.register_task("t", None).unwrap();
