@@ -54,11 +54,12 @@ def test_shared_memory_reads_view_the_daemons_memory(daemons: Daemons) -> None:
 
 
 def test_one_read_of_rows_from_many_shared_segments(daemons: Daemons) -> None:
-    # Each put stages its own segment; a reader that has mapped none of them needs more
-    # descriptors than one message carries, so the rest of the cells come inline.
+    # Each put stages its own segment (32 KiB: a put of 16 KiB or less would travel in its
+    # request); a reader that has mapped none of them needs more descriptors than one message
+    # carries, so the rest of the cells come inline.
     url = daemons().url
     writer, reader = af.connect(url, transport="shm"), af.connect(url, transport="shm")
-    rows = [np.full(1000 + i, i, dtype=np.int64) for i in range(40)]
+    rows = [np.full(4096 + i, i, dtype=np.int64) for i in range(40)]
     idx = np.concatenate([writer.put({"x": [row]}) for row in rows])
     for _ in range(2):  # then again, with the segments mapped by the first read
         got = reader.read(idx, "x")["x"]
@@ -342,7 +343,9 @@ def test_a_put_into_a_spare_waits_for_memory_under_a_limit(daemons: Daemons) -> 
 def test_a_store_sharded_over_three_storage_daemons(sharded_store: Callable[..., af.Store]) -> None:
     store = sharded_store(3)
     store.register_task("t")
-    rows = [np.full(n + 1, n, dtype=np.int32) for n in range(9)]
+    # 16 KiB and more a row, so that each storage daemon's part is written into its shared
+    # memory; smaller parts would travel in their requests.
+    rows = [np.full(4096 + n, n, dtype=np.int32) for n in range(9)]
     store.put({"ids": rows})
     s = store.stats()
     assert s["storage_daemons"] == 3 and s["payload_rows"] == 9 and s["transport"] == "shm"

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use asyncflow_core::{ClaimSpec, StoreError, Wait};
 use asyncflow_server::Error;
 use asyncflow_server::client::Preference;
-use support::{Daemon, NOW, ints, put_ints, read_ints};
+use support::{Daemon, NOW, ints, put_ints, put_row, read_ints, read_row};
 
 fn spec(task: &str, field: &str, batch_size: usize) -> ClaimSpec {
     ClaimSpec {
@@ -42,6 +42,10 @@ fn round_trip(prefer: Preference, transport: &str) {
     client.ack(claimed.lease.unwrap(), None, NOW).unwrap();
     let stats = client.stats(NOW).unwrap();
     assert_eq!((stats.index.live_rows, stats.index.counters.rows_acked), (0, 3));
+    // Those puts travel in their requests; one of 32 KiB is written into shared memory.
+    let wide: Vec<i64> = (0..4096).collect();
+    let row = put_row(&client, "w", &wide);
+    assert_eq!(read_row(&client, row, "w"), wide);
 }
 
 #[test]

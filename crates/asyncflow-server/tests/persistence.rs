@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use asyncflow_core::ClaimSpec;
 use asyncflow_server::client::{Client, Preference};
-use support::{Daemon, NOW, put_ints, read_ints};
+use support::{Daemon, NOW, put_ints, put_row, read_ints, read_row};
 
 fn data_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("af-persist-{name}-{}", std::process::id()));
@@ -23,27 +23,42 @@ fn spec(batch_size: usize) -> ClaimSpec {
     ClaimSpec { task: "t".into(), fields: vec!["x".into()], batch_size, ..ClaimSpec::default() }
 }
 
-/// Puts 10 rows; acks the first 4, leaves 3 leased and 3 untouched. Returns the rows.
-fn work(client: &Client) -> Vec<u64> {
+/// The values of the row `work` puts last, of 32 KiB: over shared memory it is written into a
+/// segment, where the others travel in their request.
+fn wide() -> Vec<i64> {
+    (0..4096).map(|v| v * 3).collect()
+}
+
+/// Puts 10 rows; acks the first 4, leaves 3 leased and 3 untouched; then, if `wide`, puts one
+/// wide row (in field `w`, which no claim asks for). Returns the rows, the wide one last. (A
+/// snapshot is taken only once the log outgrows twice the live bytes: not with a wide row.)
+fn work(client: &Client, wide_row: bool) -> Vec<u64> {
     client.register_task("t", None, NOW).unwrap();
-    let rows = put_ints(client, "x", &(0..10).collect::<Vec<_>>());
+    let mut rows = put_ints(client, "x", &(0..10).collect::<Vec<_>>());
     let acked = client.claim(&spec(4), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     client.ack(acked.lease.unwrap(), None, NOW).unwrap();
     let leased = client.claim(&spec(3), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     assert_eq!(leased.rows, rows[4..7]);
+    if wide_row {
+        rows.push(put_row(client, "w", &wide()));
+    }
     rows
 }
 
-/// What a restart must show: rows 4..10 with their values, all claimable again, none of 0..4.
+/// What a restart must show: rows 4..10 with their values, all claimable again, none of 0..4,
+/// and the wide row whole if there is one.
 fn check_restored(client: &Client, rows: &[u64]) {
     let live: Vec<u64> = client.rows(None, None, NOW).unwrap().iter().map(|r| r.index).collect();
     assert_eq!(live, rows[4..], "acked rows stay gone, the others come back");
-    assert_eq!(read_ints(client, &rows[4..], "x"), (4..10).collect::<Vec<i64>>());
+    assert_eq!(read_ints(client, &rows[4..10], "x"), (4..10).collect::<Vec<i64>>());
+    if let Some(&row) = rows.get(10) {
+        assert_eq!(read_row(client, row, "w"), wide());
+    }
     let again = client.claim(&spec(6), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
-    assert_eq!(again.rows, rows[4..], "rows that were leased are delivered again");
+    assert_eq!(again.rows, rows[4..10], "rows that were leased are delivered again");
     client.ack(again.lease.unwrap(), None, NOW).unwrap();
     let more = put_ints(client, "x", &[99]);
-    assert!(more[0] > rows[9], "new rows come after the restored ones");
+    assert!(more[0] > *rows.last().unwrap(), "new rows come after the restored ones");
 }
 
 fn flags(dir: &Path, extra: &[&str]) -> Vec<String> {
@@ -73,7 +88,7 @@ fn a_restarted_daemon_has_every_completed_put_and_unacked_row() {
         let dir = data_dir(&format!("standalone-{fsync}"));
         let flags = flags(&dir, &["--fsync", fsync]);
         let daemon = start(&flags);
-        let rows = work(&daemon.connect(Preference::Shm));
+        let rows = work(&daemon.connect(Preference::Shm), true);
         daemon.stop().unwrap();
         let again = start(&flags);
         check_restored(&again.connect(Preference::Tcp), &rows);
@@ -87,7 +102,7 @@ fn a_torn_log_tail_is_cut_off_and_the_rest_restored() {
     let dir = data_dir("torn");
     let flags = flags(&dir, &[]);
     let daemon = start(&flags);
-    let rows = work(&daemon.connect(Preference::Tcp));
+    let rows = work(&daemon.connect(Preference::Tcp), true);
     daemon.stop().unwrap();
     let log = newest_log(&dir);
     let whole = std::fs::metadata(&log).unwrap().len();
@@ -121,7 +136,7 @@ fn a_snapshot_replaces_the_log_and_restores_the_same_store() {
     let dir = data_dir("snapshot");
     let flags = flags(&dir, &["--compact-after", "1"]);
     let daemon = start(&flags);
-    let rows = work(&daemon.connect(Preference::Shm));
+    let rows = work(&daemon.connect(Preference::Shm), false);
     wait_for_snapshot(&dir);
     daemon.stop().unwrap();
     let again = start(&flags);
@@ -141,7 +156,7 @@ fn a_controller_and_its_storage_daemons_restart_from_their_directories() {
     let controller_flags = flags(&dirs[3], &["--role", "controller", "--storage", &joined]);
     let controller = start(&controller_flags);
     let client = Client::connect(&controller.url(), None, Preference::Tcp).unwrap();
-    let rows = work(&client);
+    let rows = work(&client, true);
     drop(client);
     controller.stop().unwrap();
     for d in storage {
@@ -188,7 +203,7 @@ fn the_data_directory_and_its_files_are_the_owners_alone() {
     let root = data_dir("modes");
     let dir = root.join("nested");
     let daemon = start(&flags(&dir, &["--compact-after", "1"]));
-    work(&daemon.connect(Preference::Shm));
+    work(&daemon.connect(Preference::Shm), false);
     wait_for_snapshot(&dir);
     daemon.stop().unwrap();
     // Every directory the daemon made, parents included, and every file it wrote: payloads,

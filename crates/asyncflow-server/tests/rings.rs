@@ -18,7 +18,7 @@ use asyncflow_server::client::{Client, Preference};
 use asyncflow_shm::{ClientEnds, recv_with_fds};
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::net::RecvFlags;
-use support::{Daemon, NOW, POLICY, put_ints, read_ints};
+use support::{Daemon, NOW, POLICY, put_ints, put_row, read_ints, read_row};
 
 fn frame(op: Op, id: u64, meta: &[u8]) -> Vec<u8> {
     let mut out = FrameHeader::new(op, id, meta.len(), 0).encode().to_vec();
@@ -119,6 +119,9 @@ fn the_path_before_rings_is_still_there_when_asked_for() {
     assert_eq!(client.transport(), "shm-socket");
     let rows = put_ints(&client, "x", &[4, 5, 6]);
     assert_eq!(read_ints(&client, &rows, "x"), vec![4, 5, 6]);
+    let wide: Vec<i64> = (0..4096).collect(); // 32 KiB: written into shared memory
+    let row = put_row(&client, "w", &wide);
+    assert_eq!(read_row(&client, row, "w"), wide);
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use asyncflow_core::ClaimSpec;
 use asyncflow_proto::{Reply, Request};
 use asyncflow_server::client::{Client, Connection, Policy, Preference};
-use support::{Daemon, NOW, put_ints, read_ints};
+use support::{Daemon, NOW, put_ints, put_row, read_ints, read_row};
 
 struct Cluster {
     storage: Vec<Daemon>,
@@ -59,6 +59,14 @@ fn rows_spread_over_storage_daemons_and_come_back_in_order(prefer: Preference, t
     }
     let claimed = client.claim(&spec(12), false, Some(Duration::from_secs(1)), NOW).unwrap().0;
     assert_eq!(read_ints(&client, &claimed.rows, "x"), values);
+    // Those cells travel in their requests; 32 KiB rows are written into each storage daemon's
+    // shared memory (over TCP, in the request too).
+    let wide: Vec<Vec<i64>> = (0..3).map(|k| (k..k + 4096).collect()).collect();
+    for w in &wide {
+        let row = put_row(&client, "w", w);
+        assert_eq!(&read_row(&client, row, "w"), w);
+        client.delete(&[row], NOW).unwrap();
+    }
     client.ack(claimed.lease.unwrap(), None, NOW).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while c.storage.iter().map(payload_rows).sum::<u64>() > 0 {

@@ -110,6 +110,24 @@ pub fn put_ints(client: &Client, field: &str, values: &[i64]) -> Vec<u64> {
     client.put(&[column], new_rows(), Some(Duration::from_secs(5)), NOW).unwrap()
 }
 
+/// Puts one row of `values` in `field`: 4 KiB values or more make it larger than a put that
+/// travels in its request, so that over shared memory it is written into a segment.
+pub fn put_row(client: &Client, field: &str, values: &[i64]) -> u64 {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let column = PutColumn {
+        name: field.into(),
+        schema: FieldSchema::ragged(DType::I64, vec![]),
+        cells: vec![(bytes.as_slice(), values.len() as u64)],
+    };
+    client.put(&[column], new_rows(), Some(Duration::from_secs(5)), NOW).unwrap()[0]
+}
+
+/// The values of row `row`'s `field`, as `put_row` put them.
+pub fn read_row(client: &Client, row: u64, field: &str) -> Vec<i64> {
+    let columns = client.read(&[row], &[field.to_owned()], NOW).unwrap();
+    columns[0].2[0].bytes().chunks(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
 pub fn read_ints(client: &Client, rows: &[u64], field: &str) -> Vec<i64> {
     ints(&client.read(rows, &[field.to_owned()], NOW).unwrap()[0])
 }
