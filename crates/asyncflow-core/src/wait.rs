@@ -14,7 +14,7 @@ pub const INTERRUPT_POLL: Duration = Duration::from_millis(50);
 /// How long a blocking call may wait, and how its caller asks it to stop early.
 #[derive(Clone, Copy)]
 pub struct Wait<'a> {
-    /// `None` waits for ever (still interruptible).
+    /// `None` waits for ever (still interruptible, if `interrupted` is set).
     pub deadline: Option<Instant>,
     /// Asked every `INTERRUPT_POLL` whether to stop. `None`: nothing can ask, so the wait sleeps
     /// until its deadline or its answer, with no wake-up in between.
