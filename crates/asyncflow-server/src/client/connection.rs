@@ -262,7 +262,7 @@ fn sleep_interruptibly(total: Duration, wait: Wait<'_>) -> Result<()> {
         if left.is_zero() {
             return Ok(());
         }
-        std::thread::sleep(left.min(asyncflow_core::wait::INTERRUPT_POLL));
+        std::thread::sleep(wait.poll().map_or(left, |poll| left.min(poll)));
         if wait.asked_to_stop() {
             return Err(Error::Store(StoreError::Interrupted));
         }
