@@ -183,3 +183,31 @@ def test_a_waiting_put_proceeds_when_another_thread_frees_memory(
     store.claim("t", "x", 1, timeout=1).ack()
     waiter.join(timeout=10)
     assert len(result) == 1
+
+
+def test_an_ack_that_leaves_a_group_claimable_wakes_a_waiting_whole_groups_claim(
+    store: af.Store,
+) -> None:
+    # A whole-groups claim skips the members its task acked: the ack of the member another
+    # claim of the task holds is what makes the rest of the group claimable, and nothing else
+    # changes until that lease would run out (30 s), long after the ack.
+    store.register_task("adv")
+    rows = list(store.put({"x": [1, 2]}, groups=[7, 7], group_size=2))
+    one = store.claim("adv", "x", 1, timeout=1)
+    got: list[af.Batch] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(store.claim("adv", "x", 1, whole_groups=True, timeout=60))
+    )
+    waiter.start()
+    while not inside(waiter.ident or 0, "claim"):
+        time.sleep(0.001)
+    # Gives the claim time to find nothing and wait; were it slower, it would find the rest of
+    # the group at its first look, and the test would pass without showing the wake-up.
+    time.sleep(0.3)
+    one.ack()
+    acked = time.monotonic()
+    waiter.join(timeout=120)
+    assert len(got) == 1
+    assert list(got[0].indexes) == [r for r in rows if r not in list(one.indexes)]
+    # Unwoken, it would find the group only once the acked lease's deadline passed, at 30 s.
+    assert time.monotonic() - acked < 20, "the ack did not wake the claim"

@@ -132,16 +132,21 @@ type ChangeHook = Box<dyn Fn(Claimable<'_>) + Send + Sync>;
 pub enum Claimable<'a> {
     /// These fields became ready on some rows; nothing else changed.
     Fields(&'a [String]),
+    /// A lease was acked: only a claim of whole groups may have gained rows (it skips the
+    /// members its task acked, so an ack can leave the rest of a group claimable).
+    Acked,
     /// Anything may have: leases released or run out, a shared batch claimed, a lease's
     /// deadline moved.
     Any,
 }
 
 impl Claimable<'_> {
-    /// Whether a claim asking for `fields` may have gained rows.
-    pub fn concerns(&self, fields: &[String]) -> bool {
+    /// Whether a claim asking for `fields` (of whole groups if `whole_groups`) may have gained
+    /// rows.
+    pub fn concerns(&self, fields: &[String], whole_groups: bool) -> bool {
         match self {
             Claimable::Fields(ready) => fields.iter().any(|f| ready.contains(f)),
+            Claimable::Acked => whole_groups,
             Claimable::Any => true,
         }
     }
@@ -477,9 +482,7 @@ impl Store {
     pub fn ack(&self, lease: LeaseId, subset: Option<&[u64]>) -> Result<()> {
         let freed = self.change(|index| index.ack(lease, subset, self.clock.now()))?;
         self.free_payloads(&freed);
-        // A whole-groups claim skips the members its task acked already, so an ack can make a
-        // group claimable: the claims blocked here look again (those without a thread do not).
-        self.changed.notify_all();
+        self.notify(Claimable::Acked);
         Ok(())
     }
 

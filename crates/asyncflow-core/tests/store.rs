@@ -142,6 +142,7 @@ fn the_change_hook_names_the_fields_a_put_made_ready_and_anything_else_as_any() 
     s.on_change(move |what| {
         log.lock().unwrap().push(match what {
             Claimable::Fields(f) => Some(f.to_vec()),
+            Claimable::Acked => Some(vec!["(acked)".into()]),
             Claimable::Any => None,
         });
     });
@@ -153,9 +154,25 @@ fn the_change_hook_names_the_fields_a_put_made_ready_and_anything_else_as_any() 
     assert_eq!(heard, vec![Some(vec!["prompt".into()]), Some(vec!["reward".into()]), None]);
     // A claim for rewards may have gained rows from the second put only.
     let reward = ["reward".to_string(), "prompt".to_string()];
-    assert!(Claimable::Fields(&["reward".into()]).concerns(&reward));
-    assert!(!Claimable::Fields(&["response".into()]).concerns(&reward));
-    assert!(Claimable::Any.concerns(&reward));
+    assert!(Claimable::Fields(&["reward".into()]).concerns(&reward, false));
+    assert!(!Claimable::Fields(&["response".into()]).concerns(&reward, true));
+    assert!(Claimable::Any.concerns(&reward, false));
+}
+
+#[test]
+fn the_change_hook_hears_of_an_ack_which_concerns_claims_of_whole_groups_only() {
+    let s = store();
+    s.register_task("gen", None).unwrap();
+    let heard: Arc<Mutex<Vec<bool>>> = Arc::default();
+    let log = Arc::clone(&heard);
+    s.on_change(move |what| log.lock().unwrap().push(matches!(what, Claimable::Acked)));
+    put_prompts(&s, 2, "p");
+    let c = s.claim(&spec("gen", &["prompt"], 2), false, no_wait()).unwrap();
+    s.ack(c.lease.unwrap(), None).unwrap();
+    assert_eq!(*heard.lock().unwrap(), vec![false, true]);
+    let prompt = ["prompt".to_string()];
+    assert!(Claimable::Acked.concerns(&prompt, true));
+    assert!(!Claimable::Acked.concerns(&prompt, false));
 }
 
 #[test]

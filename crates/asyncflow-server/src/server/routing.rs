@@ -90,7 +90,7 @@ pub(super) fn dispatch(
         return answer(outgoing(daemon, session, id, outcome, notice));
     }
     if let (Request::Claim { spec, .. }, Some(_)) = (&req, daemon.roles.claim_store()) {
-        let wake = daemon.claims.for_fields(&spec.fields);
+        let wake = daemon.claims.for_claim(&spec.fields, spec.whole_groups);
         // Registered before the first look, so no change after it goes unnoticed.
         let woken = next_change(&wake);
         let claim = WaitingClaim { id, req, deadline, started: Instant::now(), wake };
@@ -136,33 +136,36 @@ pub(super) fn dispatch(
     None
 }
 
-/// Wakes the claims waiting on the runtime. Claims asking for the same fields share one
-/// `Notify`; a put wakes only those asking for a field it made ready (with many claims waiting
-/// for prompts, each put of samples would otherwise wake every one of them to look again).
+/// Wakes the claims waiting on the runtime. Claims asking for the same fields, of whole groups
+/// or not, share one `Notify`; a put wakes only those asking for a field it made ready (with
+/// many claims waiting for prompts, each put of samples would otherwise wake every one of them
+/// to look again), an ack only those of whole groups.
 #[derive(Default)]
 pub(super) struct ClaimWakes {
-    /// One entry per set of fields some waiting claim asks for; an entry no claim holds any
-    /// more is dropped when a new set comes.
-    sets: parking_lot::Mutex<Vec<(Vec<String>, Arc<Notify>)>>,
+    /// One entry per set of fields and whole-groups flag some waiting claim asks for; an entry
+    /// no claim holds any more is dropped when a new set comes.
+    sets: parking_lot::Mutex<Vec<(Vec<String>, bool, Arc<Notify>)>>,
 }
 
 impl ClaimWakes {
-    /// What wakes a claim asking for `fields`.
-    fn for_fields(&self, fields: &[String]) -> Arc<Notify> {
+    /// What wakes a claim asking for `fields` (of whole groups if `whole_groups`).
+    fn for_claim(&self, fields: &[String], whole_groups: bool) -> Arc<Notify> {
         let mut sets = self.sets.lock();
-        if let Some((_, wake)) = sets.iter().find(|(f, _)| f == fields) {
+        if let Some((_, _, wake)) =
+            sets.iter().find(|(f, whole, _)| f == fields && *whole == whole_groups)
+        {
             return Arc::clone(wake);
         }
-        sets.retain(|(_, wake)| Arc::strong_count(wake) > 1);
+        sets.retain(|(_, _, wake)| Arc::strong_count(wake) > 1);
         let wake = Arc::new(Notify::new());
-        sets.push((fields.to_vec(), Arc::clone(&wake)));
+        sets.push((fields.to_vec(), whole_groups, Arc::clone(&wake)));
         wake
     }
 
     /// Wakes the claims that may have gained rows (`Store::on_change`'s hook).
     pub(super) fn wake(&self, what: Claimable<'_>) {
-        for (fields, wake) in self.sets.lock().iter() {
-            if what.concerns(fields) {
+        for (fields, whole_groups, wake) in self.sets.lock().iter() {
+            if what.concerns(fields, *whole_groups) {
                 wake.notify_waiters();
             }
         }
@@ -417,9 +420,9 @@ mod tests {
     #[test]
     fn a_put_wakes_only_the_claims_asking_for_a_field_it_made_ready() {
         let wakes = ClaimWakes::default();
-        let prompts = wakes.for_fields(&names(&["prompt", "answer"]));
-        let rewards = wakes.for_fields(&names(&["response", "reward"]));
-        assert!(Arc::ptr_eq(&prompts, &wakes.for_fields(&names(&["prompt", "answer"]))));
+        let prompts = wakes.for_claim(&names(&["prompt", "answer"]), false);
+        let rewards = wakes.for_claim(&names(&["response", "reward"]), false);
+        assert!(Arc::ptr_eq(&prompts, &wakes.for_claim(&names(&["prompt", "answer"]), false)));
         let ready = names(&["reward"]);
         assert!(!woken_by(&prompts, || wakes.wake(Claimable::Fields(&ready))));
         assert!(woken_by(&rewards, || wakes.wake(Claimable::Fields(&ready))));
@@ -428,10 +431,21 @@ mod tests {
     }
 
     #[test]
+    fn an_ack_wakes_only_the_claims_of_whole_groups() {
+        let wakes = ClaimWakes::default();
+        let fields = names(&["reward"]);
+        let plain = wakes.for_claim(&fields, false);
+        let whole = wakes.for_claim(&fields, true);
+        assert!(!Arc::ptr_eq(&plain, &whole));
+        assert!(!woken_by(&plain, || wakes.wake(Claimable::Acked)));
+        assert!(woken_by(&whole, || wakes.wake(Claimable::Acked)));
+    }
+
+    #[test]
     fn a_set_of_fields_no_claim_waits_for_is_forgotten() {
         let wakes = ClaimWakes::default();
-        drop(wakes.for_fields(&names(&["once"])));
-        let kept = wakes.for_fields(&names(&["kept"]));
+        drop(wakes.for_claim(&names(&["once"]), false));
+        let kept = wakes.for_claim(&names(&["kept"]), false);
         let sets = wakes.sets.lock();
         assert_eq!(sets.len(), 1);
         assert_eq!(sets[0].0, names(&["kept"]));
