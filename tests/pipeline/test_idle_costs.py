@@ -249,6 +249,40 @@ def test_run_threads_wakes_workers_waiting_for_weights_when_the_run_stops() -> N
     assert time.monotonic() - started < 60
 
 
+def voluntary_switches() -> int:
+    """How many times the calling thread has given up its core to wait, so far."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
+
+
+def test_run_threads_without_a_tick_sleeps_until_the_run_stops() -> None:
+    # It used to wake every 0.2 s to call a tick that does nothing: five wake-ups a second of
+    # every worker process's main thread, for the whole run.
+    ctx = context(af.Store())
+
+    class Finisher(Worker):
+        role = "finisher"
+
+        def step(self) -> bool:
+            time.sleep(2.0)
+            return False
+
+    switches: list[int] = []
+
+    def run() -> None:
+        before = voluntary_switches()
+        finisher = Finisher(ctx)
+        run_threads([finisher], ctx.stop, finisher, join_timeout=60)
+        switches.append(voluntary_switches() - before)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and len(switches) == 1
+    # The wait for the stop and the join, give or take a lock; a tick every 0.2 s would add 10.
+    assert switches[0] < 6, f"run_threads woke its thread {switches[0]} times"
+
+
 def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_claim_wait() -> None:
     store = Counting()
     ctx = context(store, "run.claim_wait=0.2", "run.stall_timeout=300")
