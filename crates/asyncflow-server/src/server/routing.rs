@@ -144,29 +144,36 @@ pub(super) fn dispatch(
 pub(super) struct ClaimWakes {
     /// One entry per set of fields and whole-groups flag some waiting claim asks for; an entry
     /// no claim holds any more is dropped when a new set comes.
-    sets: parking_lot::Mutex<Vec<(Vec<String>, bool, Arc<Notify>)>>,
+    sets: parking_lot::Mutex<Vec<WakeSet>>,
+}
+
+/// What wakes the claims asking for `fields`, of whole groups or not.
+struct WakeSet {
+    fields: Vec<String>,
+    whole_groups: bool,
+    wake: Arc<Notify>,
 }
 
 impl ClaimWakes {
     /// What wakes a claim asking for `fields` (of whole groups if `whole_groups`).
     fn for_claim(&self, fields: &[String], whole_groups: bool) -> Arc<Notify> {
         let mut sets = self.sets.lock();
-        if let Some((_, _, wake)) =
-            sets.iter().find(|(f, whole, _)| f == fields && *whole == whole_groups)
+        if let Some(set) =
+            sets.iter().find(|s| s.fields == fields && s.whole_groups == whole_groups)
         {
-            return Arc::clone(wake);
+            return Arc::clone(&set.wake);
         }
-        sets.retain(|(_, _, wake)| Arc::strong_count(wake) > 1);
+        sets.retain(|s| Arc::strong_count(&s.wake) > 1);
         let wake = Arc::new(Notify::new());
-        sets.push((fields.to_vec(), whole_groups, Arc::clone(&wake)));
+        sets.push(WakeSet { fields: fields.to_vec(), whole_groups, wake: Arc::clone(&wake) });
         wake
     }
 
     /// Wakes the claims that may have gained rows (`Store::on_change`'s hook).
     pub(super) fn wake(&self, what: Claimable<'_>) {
-        for (fields, whole_groups, wake) in self.sets.lock().iter() {
-            if what.concerns(fields, *whole_groups) {
-                wake.notify_waiters();
+        for set in self.sets.lock().iter() {
+            if what.concerns(&set.fields, set.whole_groups) {
+                set.wake.notify_waiters();
             }
         }
     }
@@ -448,7 +455,7 @@ mod tests {
         let kept = wakes.for_claim(&names(&["kept"]), false);
         let sets = wakes.sets.lock();
         assert_eq!(sets.len(), 1);
-        assert_eq!(sets[0].0, names(&["kept"]));
+        assert_eq!(sets[0].fields, names(&["kept"]));
         drop((sets, kept));
     }
 }

@@ -104,6 +104,9 @@ pub struct Link {
     shm: bool,
     /// Whether requests and replies travel in rings (see `Stream::rings`).
     has_rings: bool,
+    /// The watcher thread's look at the replies' ring, for a caller about to sleep to ask for
+    /// its bell (which the watcher always listens to) in place of waking the watcher to ask.
+    replies_bell: Option<Arc<Watcher>>,
     hello: ServerHello,
     address: String,
     policy: Policy,
@@ -211,15 +214,15 @@ impl Link {
         // whole request timeout (a daemon that stopped reading has stopped serving).
         let timeouts = (Some(policy.ping_interval()), Some(policy.request_timeout));
         stream.set_timeouts(timeouts.0, timeouts.1)?;
-        let (read, written, replies_watch) = match (rings, &stream) {
+        let (read, written, replies_watch, replies_bell) = match (rings, &stream) {
             (Some(ends), Stream::Unix(socket)) => {
-                let replies_watch = ends.replies.watcher()?;
+                let replies_watch = Arc::new(ends.replies.watcher()?);
                 let (mut read, mut written) = Stream::rings(ends, socket)?;
                 read.set_timeouts(timeouts.0, None)?;
                 written.set_timeouts(None, timeouts.1)?;
-                (read, written, Some(replies_watch))
+                (read, written, Some(Arc::clone(&replies_watch)), Some(replies_watch))
             }
-            _ => (stream.try_clone()?, stream.try_clone()?, None),
+            _ => (stream.try_clone()?, stream.try_clone()?, None, None),
         };
         let has_rings = replies_watch.is_some();
         let reader = Reader { stream: read, last_heard: Instant::now() };
@@ -243,6 +246,7 @@ impl Link {
             pid: super::process_id(),
             shm,
             has_rings,
+            replies_bell,
             hello,
             address: address.to_owned(),
             policy,
@@ -250,7 +254,7 @@ impl Link {
         let for_watcher = Arc::downgrade(&link);
         std::thread::Builder::new()
             .name("asyncflow-client".into())
-            .spawn(move || watch(&for_watcher, &watched, woken, replies_watch.as_ref()))
+            .spawn(move || watch(&for_watcher, &watched, woken, replies_watch.as_deref()))
             .map_err(|e| Error::connection(format!("cannot start the watcher thread: {e}")))?;
         Ok(link)
     }
@@ -568,12 +572,24 @@ impl Link {
     fn nudge_watcher(&self) {
         let _ = (&self.wake_watcher).write(&[1]);
     }
+
+    /// Makes sure the watcher reads the reply of a caller about to sleep (counted in
+    /// `sleeping` already). On rings the caller asks for the replies' bell itself, which the
+    /// watcher always listens to: the daemon's next reply rings it, and the watcher wakes once,
+    /// to read, instead of twice (once to be told, once for the reply). If a reply is there
+    /// already, or on a socket, the watcher is woken to look.
+    fn watch_for_sleeper(&self) {
+        if !self.replies_bell.as_ref().is_some_and(|r| r.sleep_for_bytes()) {
+            self.nudge_watcher();
+        }
+    }
 }
 
 /// The link's watcher thread: reads replies for callers asleep, pings the daemon while requests
 /// wait and it is silent (giving up on it after a request timeout of silence), and notices when
-/// the daemon hangs up. While no caller sleeps it waits for the hang-up only, so replies that
-/// callers read themselves do not wake it.
+/// the daemon hangs up. While no caller sleeps it waits for the hang-up only (and, on rings, for
+/// the replies' bell, which rings only once a caller about to sleep has asked for it), so
+/// replies that callers read themselves do not wake it.
 fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Option<&Watcher>) {
     loop {
         let Some((wanted, interval)) = link
@@ -582,10 +598,12 @@ fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Optio
         else {
             return;
         };
-        // Replies come on the socket, or in the ring, whose bell rings only if the watcher says
-        // it sleeps (and the ring is empty then).
-        let ring = ring.filter(|_| wanted);
-        let in_ring = ring.is_some_and(|r| !r.sleep_for_bytes());
+        // Replies come on the socket, or in the ring, whose bell rings only if the watcher (or
+        // a caller about to sleep, `Link::watch_for_sleeper`) says it sleeps, and the ring is
+        // empty then. The watcher asks for it while callers sleep; asking again after each
+        // wake-up also renews a caller's request that its `awake` below withdrew.
+        let announced = ring.filter(|_| wanted);
+        let in_ring = announced.is_some_and(|r| !r.sleep_for_bytes());
         let events = if wanted && ring.is_none() {
             PollFlags::IN | PollFlags::RDHUP
         } else {
@@ -599,6 +617,8 @@ fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Optio
         let polled = poll(&mut fds, Some(&timeout));
         if let Some(r) = ring {
             r.bell().silence();
+        }
+        if let Some(r) = announced {
             r.awake();
         }
         let ready = match polled {

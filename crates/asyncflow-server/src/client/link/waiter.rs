@@ -65,7 +65,7 @@ impl Pending {
             delivery
         } else {
             self.link.sleeping.fetch_add(1, Ordering::AcqRel);
-            self.link.nudge_watcher();
+            self.link.watch_for_sleeper();
             let delivery = self.sleep(started, wait);
             self.link.sleeping.fetch_sub(1, Ordering::AcqRel);
             delivery
