@@ -8,6 +8,11 @@
 - A small put: a put of one row of 16 float32 (64 B) or of 1,024 (4 KiB), ROUNDS times, back to
   back or 2 ms apart (the daemon's connection thread has gone to sleep by then, as between a
   worker's calls). Microseconds of wall-clock time and of thread CPU per put, means.
+- A claim that sleeps: a claim (and ack) of one row that another connection of this process
+  puts 3 ms after the claim is sent, ROUNDS // 4 times (at least 3), so that the claiming
+  thread goes to sleep and the link's watcher thread reads the reply for it. The whole
+  process's CPU per claim (both threads and both links' watchers, the put included) and the
+  voluntary context switches per claim of the claiming link's watcher thread.
 
 Each runs over shared memory (``shm``) and over TCP, in this process, against a daemon of its
 own started here. ROUNDS defaults to 1000.
@@ -21,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -73,6 +79,55 @@ def puts(store: af.Store, floats: int, gap: float, rounds: int) -> tuple[float, 
     return spent
 
 
+PATHS: tuple[Literal["shm", "tcp"], ...] = ("shm", "tcp")
+
+
+def watcher_switches() -> dict[str, int]:
+    """Voluntary context switches so far of each link watcher thread of this process, by id."""
+    found = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() != "asyncflow-clien":  # the name, cut to 15
+                continue
+            status = (task / "status").read_text().splitlines()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        found[task.name] = next(int(s.split()[1]) for s in status if s.startswith("voluntary"))
+    return found
+
+
+def sleeping_claims(url: str, path: Literal["shm", "tcp"], claims: int) -> tuple[float, float]:
+    before = set(watcher_switches())
+    claimer = af.connect(url, transport=path)
+    claimer.register_task("sleepy")
+    (mine,) = set(watcher_switches()) - before  # the claiming link's watcher
+    putter = af.connect(url, transport=path)
+    row = np.zeros(4, np.float32)
+    sent = threading.Event()
+
+    def put_each() -> None:
+        for _ in range(claims):
+            sent.wait()
+            sent.clear()
+            time.sleep(0.003)
+            putter.put({"s": [row]}, partition="sleepy")
+
+    producer = threading.Thread(target=put_each)
+    producer.start()
+
+    def body() -> tuple[float, float]:
+        switches, cpu = watcher_switches()[mine], time.process_time()
+        for _ in range(claims):
+            sent.set()
+            claimer.claim("sleepy", "s", 1, timeout=30).ack()
+        spent = (time.process_time() - cpu) / claims
+        return spent, (watcher_switches()[mine] - switches) / claims
+
+    spent = in_a_thread(body)
+    producer.join()
+    return spent
+
+
 def main(rounds: int) -> None:
     print("| path | idle 1 s claim: thread CPU (µs) | context switches |")
     print("|---|---:|---:|")
@@ -86,6 +141,12 @@ def main(rounds: int) -> None:
                 for gap in (0.0, 0.002):
                     wall, put_cpu = puts(store, floats, gap, rounds)
                     results.append((path, 4 * floats, gap, wall, put_cpu))
+    print("\n| path | claim that sleeps: process CPU (µs) | watcher's context switches |")
+    print("|---|---:|---:|")
+    with DaemonProcess() as daemon:
+        for path in PATHS:
+            cpu, switches = sleeping_claims(daemon.url, path, max(3, rounds // 4))
+            print(f"| {path} | {1e6 * cpu:.0f} | {switches:.2f} |")
     print("\n| path | put of | calls | wall (µs) | thread CPU (µs) |")
     print("|---|---:|---|---:|---:|")
     for path, size, gap, wall, cpu in results:
