@@ -25,19 +25,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 import asyncflow as af
 from asyncflow.daemon import DaemonProcess
-
-
-def voluntary_switches() -> int:
-    status = Path(f"/proc/self/task/{threading.get_native_id()}/status").read_text()
-    line = next(line for line in status.splitlines() if line.startswith("voluntary_ctxt"))
-    return int(line.split()[1])
+from asyncflow.telemetry.threads import WATCHER, switches_by_thread, voluntary_switches
 
 
 def in_a_thread(body: Callable[[], tuple[float, float]]) -> tuple[float, float]:
@@ -82,25 +76,11 @@ def puts(store: af.Store, floats: int, gap: float, rounds: int) -> tuple[float, 
 PATHS: tuple[Literal["shm", "tcp"], ...] = ("shm", "tcp")
 
 
-def watcher_switches() -> dict[str, int]:
-    """Voluntary context switches so far of each link watcher thread of this process, by id."""
-    found = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            if (task / "comm").read_text().strip() != "asyncflow-clien":  # the name, cut to 15
-                continue
-            status = (task / "status").read_text().splitlines()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        found[task.name] = next(int(s.split()[1]) for s in status if s.startswith("voluntary"))
-    return found
-
-
 def sleeping_claims(url: str, path: Literal["shm", "tcp"], claims: int) -> tuple[float, float]:
-    before = set(watcher_switches())
+    before = set(switches_by_thread(WATCHER))
     claimer = af.connect(url, transport=path)
     claimer.register_task("sleepy")
-    (mine,) = set(watcher_switches()) - before  # the claiming link's watcher
+    (mine,) = set(switches_by_thread(WATCHER)) - before  # the claiming link's watcher
     putter = af.connect(url, transport=path)
     row = np.zeros(4, np.float32)
     sent = threading.Event()
@@ -116,12 +96,12 @@ def sleeping_claims(url: str, path: Literal["shm", "tcp"], claims: int) -> tuple
     producer.start()
 
     def body() -> tuple[float, float]:
-        switches, cpu = watcher_switches()[mine], time.process_time()
+        switches, cpu = switches_by_thread(WATCHER)[mine], time.process_time()
         for _ in range(claims):
             sent.set()
             claimer.claim("sleepy", "s", 1, timeout=30).ack()
         spent = (time.process_time() - cpu) / claims
-        return spent, (watcher_switches()[mine] - switches) / claims
+        return spent, (switches_by_thread(WATCHER)[mine] - switches) / claims
 
     spent = in_a_thread(body)
     producer.join()

@@ -20,6 +20,7 @@ from asyncflow.errors import UnknownTaskError
 from asyncflow.launch.local import run_threads
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.arithmetic import ArithmeticTask
+from asyncflow.telemetry.threads import voluntary_switches
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
 from asyncflow.workers.base import IDLE_WAIT, PROMPTS, Context, RunState, Worker
@@ -247,12 +248,6 @@ def test_run_threads_wakes_workers_waiting_for_weights_when_the_run_stops() -> N
     started = time.monotonic()
     run_threads([Waiting(ctx), finisher], ctx.stop, finisher, join_timeout=60)
     assert time.monotonic() - started < 60
-
-
-def voluntary_switches() -> int:
-    """How many times the calling thread has given up its core to wait, so far."""
-    with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
 
 
 def test_run_threads_without_a_tick_sleeps_until_the_run_stops() -> None:

@@ -25,6 +25,7 @@ import pytest
 import asyncflow as af
 from asyncflow import _native
 from asyncflow.daemon import DaemonProcess
+from asyncflow.telemetry.threads import WATCHER, switches_by_thread
 
 #: The conftest's ``daemons`` fixture: starts a daemon with the given flags.
 Daemons = Callable[..., Any]
@@ -279,21 +280,6 @@ def test_requests_travel_in_rings_unless_the_socket_is_asked_for(daemons: Daemon
         af.connect(url, transport="ring")
 
 
-def watcher_switches() -> dict[str, int]:
-    """Voluntary context switches so far of each link watcher thread of this process (each
-    link's thread that reads replies for callers asleep), by thread id."""
-    found = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            if (task / "comm").read_text().strip() != "asyncflow-clien":  # the name, cut to 15
-                continue
-            status = (task / "status").read_text().splitlines()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        found[task.name] = next(int(s.split()[1]) for s in status if s.startswith("voluntary"))
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
 def test_a_claim_that_sleeps_on_rings_wakes_the_watcher_only_for_its_reply(
     daemons: Daemons,
@@ -301,17 +287,17 @@ def test_a_claim_that_sleeps_on_rings_wakes_the_watcher_only_for_its_reply(
     # A caller about to sleep used to wake the link's watcher thread to have it listen for the
     # replies' bell, and the reply woke it again. On rings the caller now asks for the bell
     # itself, and only the reply (here: the daemon's answer at the claim's timeout) wakes it.
-    others = set(watcher_switches())
+    others = set(switches_by_thread(WATCHER))
     store = af.connect(daemons().url, transport="shm")
     store.register_task("t")
-    (mine,) = set(watcher_switches()) - others  # this link's watcher
+    (mine,) = set(switches_by_thread(WATCHER)) - others  # this link's watcher
     claims = 4
-    before = watcher_switches()[mine]
+    before = switches_by_thread(WATCHER)[mine]
     for _ in range(claims):
         with pytest.raises(af.StoreTimeoutError):
             store.claim("t", "never", 1, timeout=0.5)
     time.sleep(0.3)  # the watcher goes back to sleep after the last reply
-    woken = watcher_switches()[mine] - before
+    woken = switches_by_thread(WATCHER)[mine] - before
     # Each wake-up ends in one more sleep. Told, then the reply: at least 2 a claim; the reply
     # only: 1, and one more now and then when the bell rings for a reply read meanwhile. (No
     # ping comes: the daemon is silent for 0.5 s at a time, far less than a ping interval.)

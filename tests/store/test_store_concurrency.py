@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import asyncflow as af
+from asyncflow.telemetry.threads import voluntary_switches
 
 PRODUCERS = 8
 CONSUMERS = 8
@@ -130,13 +131,6 @@ def test_ctrl_c_interrupts_a_blocked_claim(store: af.Store) -> None:
     finally:
         signal.signal(signal.SIGINT, previous)
     # A claim deaf to Ctrl-C would wait out its 60 s and end in TimeoutError instead.
-
-
-def voluntary_switches() -> int:
-    """How many times the calling thread has given up its core to wait, so far."""
-    status = Path(f"/proc/self/task/{threading.get_native_id()}/status").read_text()
-    line = next(line for line in status.splitlines() if line.startswith("voluntary_ctxt_switches"))
-    return int(line.split()[1])
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
