@@ -20,7 +20,7 @@ from asyncflow.errors import UnknownTaskError
 from asyncflow.launch.local import run_threads
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.arithmetic import ArithmeticTask
-from asyncflow.telemetry.threads import voluntary_switches
+from asyncflow.telemetry.threads import switches_in_a_thread
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
 from asyncflow.workers.base import IDLE_WAIT, PROMPTS, Context, RunState, Worker
@@ -262,20 +262,12 @@ def test_run_threads_without_a_tick_sleeps_until_the_run_stops() -> None:
             time.sleep(2.0)
             return False
 
-    switches: list[int] = []
-
-    def run() -> None:
-        before = voluntary_switches()
-        finisher = Finisher(ctx)
-        run_threads([finisher], ctx.stop, finisher, join_timeout=60)
-        switches.append(voluntary_switches() - before)
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    runner.join(timeout=60)
-    assert not runner.is_alive() and len(switches) == 1
+    finisher = Finisher(ctx)
+    _, switches = switches_in_a_thread(
+        lambda: run_threads([finisher], ctx.stop, finisher, join_timeout=60)
+    )
     # The wait for the stop and the join, give or take a lock; a tick every 0.2 s would add 10.
-    assert switches[0] < 6, f"run_threads woke its thread {switches[0]} times"
+    assert switches < 6, f"run_threads woke its thread {switches} times"
 
 
 def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_claim_wait() -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import asyncflow as af
-from asyncflow.telemetry.threads import voluntary_switches
+from asyncflow.telemetry.threads import switches_in_a_thread
 
 PRODUCERS = 8
 CONSUMERS = 8
@@ -141,23 +141,18 @@ def test_a_claim_waiting_outside_the_main_thread_sleeps_until_its_deadline(
     # has no Ctrl-C to look for. It used to wake every 50 ms to look anyway: 20 wake-ups in a
     # second, each costing an idle worker CPU.
     store.register_task("t")
-    switches: list[int] = []
-    timed_out: list[BaseException] = []
 
-    def idle_claim() -> None:
-        before = voluntary_switches()
+    def idle_claim() -> bool:
         try:
             store.claim("t", "x", 1, timeout=1.0)
-        except af.StoreTimeoutError as e:
-            timed_out.append(e)
-        switches.append(voluntary_switches() - before)
+        except af.StoreTimeoutError:
+            return True
+        return False
 
-    worker = threading.Thread(target=idle_claim)
-    worker.start()
-    worker.join(timeout=60)
-    assert not worker.is_alive() and len(timed_out) == 1
+    timed_out, switches = switches_in_a_thread(idle_claim)
+    assert timed_out
     # One sleep and its wake-up, give or take a lock; a poll every 50 ms would make 20.
-    assert switches[0] < 10, f"the waiting claim woke its thread {switches[0]} times"
+    assert switches < 10, f"the waiting claim woke its thread {switches} times"
 
 
 def test_a_waiting_put_proceeds_when_another_thread_frees_memory(

@@ -4,7 +4,11 @@ costs is what profiles and tests of idle workers count."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 #: The name the client's link watcher threads carry in ``/proc`` (``asyncflow-client``, cut to
 #: the kernel's 15 characters).
@@ -33,3 +37,29 @@ def switches_by_thread(name: str) -> dict[str, int]:
         except FileNotFoundError:
             continue
     return found
+
+
+def switches_in_a_thread(body: Callable[[], T], timeout: float = 60.0) -> tuple[T, int]:
+    """Runs ``body`` in a thread of its own, not the main one (as a worker's runs), and returns
+    what it returned with how many times that thread gave up its core meanwhile. What it raises
+    is raised here; a body still running after ``timeout`` seconds is an error."""
+    out: list[tuple[T, int]] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        before = voluntary_switches()
+        try:
+            result = body()
+        except BaseException as e:
+            failed.append(e)
+            return
+        out.append((result, voluntary_switches() - before))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"the body still ran after {timeout:.0f}s")
+    if failed:
+        raise failed[0]
+    return out[0]
