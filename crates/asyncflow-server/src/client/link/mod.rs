@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::io::{BufWriter, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -620,11 +620,24 @@ fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Optio
         }
         if let Some(r) = announced {
             r.awake();
+            // The flag is withdrawn before `sleeping` is read again: a caller that counts itself
+            // in and asks for the bell after the withdrawal is then seen asleep at the top.
+            fence(Ordering::SeqCst);
         }
         let ready = match polled {
             Ok(n) => n,
             Err(rustix::io::Errno::INTR) => continue,
-            Err(_) => return,
+            Err(e) => {
+                // Nobody would read replies for callers asleep any more: they learn why now.
+                if let Some(link) = link.upgrade() {
+                    link.fail_all(&format!(
+                        "connection to the store daemon at {} lost: cannot wait for its \
+                         replies: {e}",
+                        link.address
+                    ));
+                }
+                return;
+            }
         };
         let bell_rang = fds.get(2).is_some_and(|f| !f.revents().is_empty());
         let on_socket = !fds[0].revents().is_empty() || in_ring || bell_rang;
