@@ -24,35 +24,27 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
 
 import asyncflow as af
 from asyncflow.daemon import DaemonProcess
-from asyncflow.telemetry.threads import WATCHER, switches_by_thread, voluntary_switches
-
-
-def in_a_thread(body: Callable[[], tuple[float, float]]) -> tuple[float, float]:
-    out: list[tuple[float, float]] = []
-    worker = threading.Thread(target=lambda: out.append(body()))
-    worker.start()
-    worker.join()
-    return out[0]
+from asyncflow.telemetry.threads import WATCHER, switches_by_thread, switches_in_a_thread
 
 
 def idle_claims(store: af.Store, claims: int) -> tuple[float, float]:
     store.register_task("idle")
 
-    def body() -> tuple[float, float]:
-        switches, cpu = voluntary_switches(), time.thread_time()
+    def body() -> float:
+        cpu = time.thread_time()
         for _ in range(claims):
             with contextlib.suppress(af.StoreTimeoutError):
                 store.claim("idle", "never", 1, timeout=1.0)
-        return (time.thread_time() - cpu) / claims, (voluntary_switches() - switches) / claims
+        return (time.thread_time() - cpu) / claims
 
-    return in_a_thread(body)
+    spent, switches = switches_in_a_thread(body, timeout=claims * 60.0)
+    return spent, switches / claims
 
 
 def puts(store: af.Store, floats: int, gap: float, rounds: int) -> tuple[float, float]:
@@ -68,7 +60,7 @@ def puts(store: af.Store, floats: int, gap: float, rounds: int) -> tuple[float, 
                 time.sleep(gap)  # its own system call counts in the thread CPU: a few µs
         return wall / rounds, (time.thread_time() - cpu) / rounds
 
-    spent = in_a_thread(body)
+    spent, _ = switches_in_a_thread(body, timeout=rounds * 60.0)
     store.clear("small")
     return spent
 
@@ -103,7 +95,7 @@ def sleeping_claims(url: str, path: Literal["shm", "tcp"], claims: int) -> tuple
         spent = (time.process_time() - cpu) / claims
         return spent, (switches_by_thread(WATCHER)[mine] - switches) / claims
 
-    spent = in_a_thread(body)
+    spent, _ = switches_in_a_thread(body, timeout=claims * 60.0)
     producer.join()
     return spent
 
@@ -113,7 +105,7 @@ def main(rounds: int) -> None:
     print("|---|---:|---:|")
     results = []
     with DaemonProcess() as daemon:
-        for path in ("shm", "tcp"):
+        for path in PATHS:
             store = af.connect(daemon.url, transport=path)
             cpu, switches = idle_claims(store, max(3, rounds // 100))
             print(f"| {path} | {1e6 * cpu:.0f} | {switches:.1f} |")
