@@ -20,7 +20,6 @@ from asyncflow.errors import UnknownTaskError
 from asyncflow.launch.local import run_threads
 from asyncflow.models.chatml import chatml_tokenizer
 from asyncflow.tasks.arithmetic import ArithmeticTask
-from asyncflow.telemetry.threads import switches_in_a_thread
 from asyncflow.telemetry.trace import Tracer
 from asyncflow.train import register_tasks
 from asyncflow.workers.base import IDLE_WAIT, PROMPTS, Context, RunState, Worker
@@ -61,10 +60,10 @@ class Counting(af.Store):
         return super().claim(*args, **kwargs)
 
 
-def context(store: af.Store, *overrides: str) -> Context:
+def context(store: af.Store, *overrides: str, **fields: Any) -> Context:
     config = cfg.load(None, ["rollout.n=2", "trainer.groups_per_step=2", *overrides])
     register_tasks(store, reference=False)
-    return Context(store, config, chatml_tokenizer(), Tracer(), RunState())
+    return Context(store, config, chatml_tokenizer(), Tracer(), RunState(), **fields)
 
 
 class Shared(RolloutEngine):
@@ -252,8 +251,22 @@ def test_run_threads_wakes_workers_waiting_for_weights_when_the_run_stops() -> N
 
 def test_run_threads_without_a_tick_sleeps_until_the_run_stops() -> None:
     # It used to wake every 0.2 s to call a tick that does nothing: five wake-ups a second of
-    # every worker process's main thread, for the whole run.
-    ctx = context(af.Store())
+    # every worker process's main thread, for the whole run. The waits of the calling thread are
+    # counted on the stop itself: its context switches would also count each wait for the GIL,
+    # which other threads of the process (pytest-xdist's among them) make at any time.
+    class CountedStop(threading.Event):
+        def __init__(self, caller: int) -> None:
+            super().__init__()
+            self.caller = caller
+            self.waits = 0
+
+        def wait(self, timeout: float | None = None) -> bool:
+            if threading.get_ident() == self.caller:
+                self.waits += 1
+            return super().wait(timeout)
+
+    stop = CountedStop(threading.get_ident())
+    ctx = context(af.Store(), stop=stop)
 
     class Finisher(Worker):
         role = "finisher"
@@ -263,11 +276,10 @@ def test_run_threads_without_a_tick_sleeps_until_the_run_stops() -> None:
             return False
 
     finisher = Finisher(ctx)
-    _, switches = switches_in_a_thread(
-        lambda: run_threads([finisher], ctx.stop, finisher, join_timeout=60)
-    )
-    # The wait for the stop and the join, give or take a lock; a tick every 0.2 s would add 10.
-    assert switches < 6, f"run_threads woke its thread {switches} times"
+    run_threads([finisher], stop, finisher, join_timeout=60)
+    assert stop.is_set()
+    # One wait for the whole run; a tick every 0.2 s would have waited 10 times.
+    assert stop.waits == 1, f"run_threads woke its thread {stop.waits} times"
 
 
 def test_a_full_batch_is_claimed_without_waiting_a_partial_one_after_the_claim_wait() -> None:

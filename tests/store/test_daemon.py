@@ -198,6 +198,12 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) 
         time.sleep(0.01)
 
 
+def asleep(tid: str) -> bool:
+    """Whether this process's thread ``tid`` waits (state S in ``/proc``)."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "S"
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of process ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -290,7 +296,10 @@ def test_a_claim_that_sleeps_on_rings_wakes_the_watcher_only_for_its_reply(
     others = set(switches_by_thread(WATCHER))
     store = af.connect(daemons().url, transport="shm")
     store.register_task("t")
-    (mine,) = set(switches_by_thread(WATCHER)) - others  # this link's watcher
+    # The watcher names itself once it runs, and may still be busy with the replies so far.
+    wait_until(lambda: bool(set(switches_by_thread(WATCHER)) - others), "the link's watcher")
+    (mine,) = set(switches_by_thread(WATCHER)) - others
+    wait_until(lambda: asleep(mine), "the watcher's sleep")
     claims = 4
     before = switches_by_thread(WATCHER)[mine]
     for _ in range(claims):
