@@ -337,9 +337,11 @@ def fetch(store: Store, version: int | None = None) -> tuple[int, list[tuple[str
     cells |= store.read([index], batch)
     tensors = []
     for field, shape, parts, _ in listed:
-        views = [_as_tensor(cells[_part(field, k)][0]) for k in range(parts)]
-        whole = views[0] if parts == 1 else torch.cat(views)
-        tensors.append((field.split("/", 1)[1], whole.view(shape)))
+        pieces = [cells[_part(field, k)][0] for k in range(parts)]
+        # Shaped by numpy, not torch: each torch call lets go of the GIL, and in a process of
+        # busy threads (a rollout worker's) taking it back costs a wait for every tensor.
+        whole = pieces[0] if parts == 1 else np.concatenate(pieces)
+        tensors.append((field.split("/", 1)[1], _as_tensor(whole.reshape(shape))))
     return wanted, tensors
 
 
