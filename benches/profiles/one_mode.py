@@ -32,6 +32,7 @@ def main(mode_name: str, costs_path: str | None) -> None:
         cpu = {r["name"]: r["cpu_s"] - r["emulator_cpu_s"] for r in run.reports}
         cpu |= {"daemon": run.daemon_cpu_s}
         cpu |= {"(emulator)": sum(r["emulator_cpu_s"] for r in run.reports)}
+        cpu |= {"(of which calls)": sum(r["emulated_calls_cpu_s"] for r in run.reports)}
         for name, seconds in cpu.items():
             print(f"  {name}: {seconds:.2f} s CPU = {1e3 * seconds / samples:.3f} ms/sample")
         return run

@@ -69,8 +69,10 @@ def test_the_pipeline_suite_compares_every_mode_with_the_colocated_baseline(
         assert 0 <= fill <= 1
         assert (fill > 0) == (metric(rows, case, "busy_rollout")["value"] > 0)
         assert metric(rows, case, "overhead_per_sample")["unit"] == "ms"
-        # Every mode decodes on emulated devices, whose serving threads' CPU is counted apart.
-        assert metric(rows, case, "emulator_per_sample")["value"] > 0
+        # Every mode decodes on emulated devices, whose serving threads' CPU is counted apart,
+        # as is that of the workers' calls into the emulated engines, part of it.
+        emulator = metric(rows, case, "emulator_per_sample")["value"]
+        assert 0 < metric(rows, case, "emulated_calls_per_sample")["value"] < emulator
     assert metric(rows, "colocated-sync", "samples_per_s", "colocated-sync")["ratio"] == 1
     assert metric(rows, "colocated-sync", "decode_fill")["value"] > 0
     assert metric(rows, "async-1", "staleness_mean")["value"] <= 1

@@ -14,9 +14,11 @@ other, in the same run. Per mode:
 - ``step_time``: modelled seconds per training step.
 - ``overhead_per_sample``: CPU milliseconds the framework spent per trained sample, in every
   process and the store daemon: store, scheduling, weight publication and worker bookkeeping.
-  The emulated devices' serving threads (which wake at every modelled sequence's end to keep the
-  batch's timing) are not the framework: their CPU is left out, and reported apart as
-  ``emulator_per_sample``. The workers' own calls into the emulated engines stay in.
+  The emulator is not the framework: its devices' serving threads (which wake at every modelled
+  sequence's end to keep the batch's timing), and the workers' calls into the emulated engines
+  and verifier (which stand for an accelerator's work and a reward function's: sleeps, and
+  responses of the modelled lengths made up). Their CPU is left out and reported apart as
+  ``emulator_per_sample``, of which ``emulated_calls_per_sample`` is the calls'.
 - ``rollout_devices``: the devices generating; each separated mode runs at its own best split
   (:mod:`asyncflow.bench.split`), colocated-sync on all of them.
 - ``sim_samples_per_s``: the simulator's figure for the same mode, split and cost model, in
@@ -207,6 +209,7 @@ class ModeResult:
     decode_fill: float
     overhead_ms: float
     emulator_ms: float
+    emulated_calls_ms: float
     staleness: float
     rollout_devices: int
     simulated: float
@@ -225,7 +228,9 @@ def measure(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mode
         costs.colocated_bound() if place.colocated else costs.separated_bound(place.rollout_devices)
     )
     emulator = sum(r["emulator_cpu_s"] for r in run.reports)
+    calls = sum(r["emulated_calls_cpu_s"] for r in run.reports)
     cpu = sum(r["cpu_s"] for r in run.reports) + run.daemon_cpu_s - emulator
+    trained = len(times) * w.samples_per_step
     ages = [(int(a), n) for m in run.metrics for a, n in m["staleness"].items()]
     busy, fill = busy_fractions(run, place, costs, window)
     simulated = (
@@ -239,8 +244,9 @@ def measure(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mode
         step_time=modelled / steps,
         busy=busy,
         decode_fill=fill,
-        overhead_ms=1e3 * cpu / (len(times) * w.samples_per_step),
-        emulator_ms=1e3 * emulator / (len(times) * w.samples_per_step),
+        overhead_ms=1e3 * cpu / trained,
+        emulator_ms=1e3 * emulator / trained,
+        emulated_calls_ms=1e3 * calls / trained,
         staleness=sum(a * n for a, n in ages) / max(1, sum(n for _, n in ages)),
         rollout_devices=place.rollout_devices,
         simulated=float(simulated),
@@ -279,6 +285,7 @@ def _add(report: Report, case: str, r: ModeResult, base: ModeResult) -> None:
     report.add(case, "decode_fill", r.decode_fill, "fraction")
     report.add(case, "overhead_per_sample", r.overhead_ms, "ms")
     report.add(case, "emulator_per_sample", r.emulator_ms, "ms")
+    report.add(case, "emulated_calls_per_sample", r.emulated_calls_ms, "ms")
     report.add(case, "staleness_mean", r.staleness, "versions")
     report.add(case, "rollout_devices", r.rollout_devices, "devices")
     report.add(case, "sim_samples_per_s", r.simulated, "samples/s")

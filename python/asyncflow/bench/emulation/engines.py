@@ -10,16 +10,17 @@ verifier spends its modelled time and reads no text.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
 import threading
 import time
 import zlib
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +42,40 @@ from asyncflow.tasks.base import Problem
 
 #: Token id of every stored response token (a digit: its value never matters).
 FILLER_TOKEN = 2
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CallsCpu:
+    """CPU the emulation spends in the real workers' own threads: in their calls to the emulated
+    engines and verifier, which stand for an accelerator's work and a reward function's, neither
+    the framework's. A call made inside another is counted once, with it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = threading.local()
+        self.seconds = 0.0
+
+    def counted(self, method: F) -> F:
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(self._depth, "n", 0)
+            self._depth.n = depth + 1
+            start = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+                if depth == 0:
+                    spent = time.thread_time() - start
+                    with self._lock:
+                        self.seconds += spent
+
+        return call  # type: ignore[return-value]
+
+
+#: This process's emulated calls.
+CALLS = CallsCpu()
 
 
 def stored_tokens(modelled: float, compression: float) -> int:
@@ -68,6 +103,7 @@ class EmulatedRollout(RolloutEngine):
         self.load_s = load_s
         self._load_lock = threading.Lock()
 
+    @CALLS.counted
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         c = self.costs.emulation.compression
         cap = self.costs.workload.response_max_tokens
@@ -87,9 +123,11 @@ class EmulatedRollout(RolloutEngine):
             for group in lengths
         ]
 
+    @CALLS.counted
     def wait_for_room(self, timeout: float) -> bool:
         return self.device.wait_for_room(timeout)
 
+    @CALLS.counted
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         with self._load_lock:
             if version <= self.version:
@@ -138,6 +176,7 @@ class EmulatedPartialRollout(EmulatedRollout):
         #: decode again, and the versions that sampled them.
         self._cut: dict[Any, _Flight] = {}
 
+    @CALLS.counted
     def add_request(self, request: Request) -> None:
         c = self.costs.emulation.compression
         sample = request.key[1]
@@ -150,6 +189,7 @@ class EmulatedPartialRollout(EmulatedRollout):
         switches = [*(before.switches if before else []), (done, self.version)]
         self._flights.append(_Flight(request, seq, length, switches))
 
+    @CALLS.counted
     def step(self) -> list[Request]:
         self._finished.wait(self.step_timeout)
         self._finished.clear()
@@ -163,6 +203,7 @@ class EmulatedPartialRollout(EmulatedRollout):
             f.request.finish_reason = "length" if f.length >= cap else "stop"
         return [f.request for f in done]
 
+    @CALLS.counted
     def abort_requests(self, keys: Collection[Any] | None = None) -> list[Request]:
         self.device.pause(0.0)  # the serving thread credits the steps decoded so far
         chosen = [f for f in self._flights if keys is None or f.request.key in keys]
@@ -180,9 +221,11 @@ class EmulatedPartialRollout(EmulatedRollout):
     def in_flight(self) -> int:
         return len(self._flights)
 
+    @CALLS.counted
     def finish_text(self, request: Request) -> Completion:
         return request.completion("")
 
+    @CALLS.counted
     def load_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(version, weights)
         for f in self._flights:  # exact: the load's pause credited the steps before it
@@ -248,14 +291,17 @@ class EmulatedTrainer(TrainEngine):
         tokens = batch.attention_mask.sum(dim=1).numpy() * self.costs.emulation.compression
         self.pool.run(self.role, self.ranks.add(tokens) / self.tokens_per_s)
 
+    @CALLS.counted
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         self._compute(batch)
         return torch.zeros(batch.input_ids.shape, dtype=torch.float32)
 
+    @CALLS.counted
     def forward_backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         self._compute(batch)
         return {}
 
+    @CALLS.counted
     def optimizer_step(self) -> dict[str, float]:
         step = self.costs.trainer.optimizer_step_s
         self.pool.run(self.role, step + self.costs.network.all_reduce_s(self.pool.devices))
@@ -263,6 +309,7 @@ class EmulatedTrainer(TrainEngine):
         self.version += 1
         return {}
 
+    @CALLS.counted
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.publish_s > 0 and self.version > 0:
             self.pool.run("publish", self.publish_s)
@@ -327,6 +374,7 @@ class ModelledVerifier:
         self._owed = threading.local()
         self._rng = random.Random(0)
 
+    @CALLS.counted
     def __call__(self, response: str, truth: str) -> float:
         owed = getattr(self._owed, "seconds", 0.0) + self.per_sample
         if owed >= 1e-3:

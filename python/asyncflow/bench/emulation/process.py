@@ -22,6 +22,7 @@ from asyncflow.bench import costs as cost_model
 from asyncflow.bench.costs import CostModel
 from asyncflow.bench.emulation.devices import BusyMeter, DecodeDevice, DevicePool
 from asyncflow.bench.emulation.engines import (
+    CALLS,
     EmulatedPartialRollout,
     EmulatedRollout,
     EmulatedTask,
@@ -143,7 +144,7 @@ def main(argv: list[str]) -> int:
     meter = BusyMeter()
     workers, closing, decode_devices = build(spec, ctx, meter)
     finisher = next((w for w in workers if isinstance(w, Trainer)), workers[0])
-    cpu_at_start = cpu_seconds()
+    cpu_at_start, calls_at_start = cpu_seconds(), CALLS.seconds
     print("ready", flush=True)
     try:
         run_threads(workers, ctx.stop, finisher)
@@ -160,8 +161,10 @@ def main(argv: list[str]) -> int:
                 if s.kind == "busy"
             ],
             "cpu_s": cpu_seconds() - cpu_at_start,
-            # The serving threads of the emulated devices: counted apart, as the emulator's.
-            "emulator_cpu_s": sum(d.cpu_s for d in decode_devices),
+            # The serving threads of the emulated devices, and the workers' calls into the
+            # emulated engines and verifier: counted apart, as the emulator's.
+            "emulator_cpu_s": sum(d.cpu_s for d in decode_devices) + CALLS.seconds - calls_at_start,
+            "emulated_calls_cpu_s": CALLS.seconds - calls_at_start,
         }
         Path(spec.report).write_text(json.dumps(report))
     return 0
