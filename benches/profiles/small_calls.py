@@ -30,7 +30,12 @@ import numpy as np
 
 import asyncflow as af
 from asyncflow.daemon import DaemonProcess
-from asyncflow.telemetry.threads import WATCHER, switches_by_thread, switches_in_a_thread
+from asyncflow.telemetry.threads import (
+    WATCHER,
+    new_thread,
+    switches_by_thread,
+    switches_in_a_thread,
+)
 
 
 def idle_claims(store: af.Store, claims: int) -> tuple[float, float]:
@@ -72,7 +77,7 @@ def sleeping_claims(url: str, path: Literal["shm", "tcp"], claims: int) -> tuple
     before = set(switches_by_thread(WATCHER))
     claimer = af.connect(url, transport=path)
     claimer.register_task("sleepy")
-    (mine,) = set(switches_by_thread(WATCHER)) - before  # the claiming link's watcher
+    mine = new_thread(WATCHER, before)  # the claiming link's watcher
     putter = af.connect(url, transport=path)
     row = np.zeros(4, np.float32)
     sent = threading.Event()

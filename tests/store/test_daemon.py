@@ -25,7 +25,7 @@ import pytest
 import asyncflow as af
 from asyncflow import _native
 from asyncflow.daemon import DaemonProcess
-from asyncflow.telemetry.threads import WATCHER, switches_by_thread
+from asyncflow.telemetry.threads import WATCHER, new_thread, switches_by_thread
 
 #: The conftest's ``daemons`` fixture: starts a daemon with the given flags.
 Daemons = Callable[..., Any]
@@ -296,9 +296,8 @@ def test_a_claim_that_sleeps_on_rings_wakes_the_watcher_only_for_its_reply(
     others = set(switches_by_thread(WATCHER))
     store = af.connect(daemons().url, transport="shm")
     store.register_task("t")
-    # The watcher names itself once it runs, and may still be busy with the replies so far.
-    wait_until(lambda: bool(set(switches_by_thread(WATCHER)) - others), "the link's watcher")
-    (mine,) = set(switches_by_thread(WATCHER)) - others
+    mine = new_thread(WATCHER, others)  # this link's watcher
+    # It may still be busy with the replies so far.
     wait_until(lambda: asleep(mine), "the watcher's sleep")
     claims = 4
     before = switches_by_thread(WATCHER)[mine]

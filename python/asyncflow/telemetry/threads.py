@@ -4,7 +4,8 @@ costs is what profiles and tests of idle workers count."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TypeVar
 
@@ -37,6 +38,19 @@ def switches_by_thread(name: str) -> dict[str, int]:
         except FileNotFoundError:
             continue
     return found
+
+
+def new_thread(name: str, known: Collection[str], timeout: float = 30.0) -> str:
+    """The id of the one thread called ``name`` not among ``known`` (ids from
+    :func:`switches_by_thread`), waiting for it up to ``timeout`` seconds: a thread names itself
+    once it runs, which may be after whatever started it has returned."""
+    deadline = time.monotonic() + timeout
+    while not (new := set(switches_by_thread(name)) - set(known)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no new thread called {name!r} after {timeout:.0f}s")
+        time.sleep(0.01)
+    (tid,) = new
+    return tid
 
 
 def switches_in_a_thread(body: Callable[[], T], timeout: float = 60.0) -> tuple[T, int]:

@@ -151,6 +151,7 @@ def main(argv: list[str]) -> int:
     finally:
         for thing in closing:
             thing.close()
+        calls = CALLS.seconds - calls_at_start
         report = {
             "name": spec.name,
             "tracer_origin": tracer.origin,
@@ -163,8 +164,8 @@ def main(argv: list[str]) -> int:
             "cpu_s": cpu_seconds() - cpu_at_start,
             # The serving threads of the emulated devices, and the workers' calls into the
             # emulated engines and verifier: counted apart, as the emulator's.
-            "emulator_cpu_s": sum(d.cpu_s for d in decode_devices) + CALLS.seconds - calls_at_start,
-            "emulated_calls_cpu_s": CALLS.seconds - calls_at_start,
+            "emulator_cpu_s": sum(d.cpu_s for d in decode_devices) + calls,
+            "emulated_calls_cpu_s": calls,
         }
         Path(spec.report).write_text(json.dumps(report))
     return 0
