@@ -25,7 +25,7 @@ import pytest
 import asyncflow as af
 from asyncflow import _native
 from asyncflow.daemon import DaemonProcess
-from asyncflow.telemetry.threads import WATCHER, new_thread, switches_by_thread
+from asyncflow.telemetry.threads import WATCHER, asleep, new_thread, switches_by_thread
 
 #: The conftest's ``daemons`` fixture: starts a daemon with the given flags.
 Daemons = Callable[..., Any]
@@ -196,12 +196,6 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) 
     while not condition():
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.01)
-
-
-def asleep(tid: str) -> bool:
-    """Whether this process's thread ``tid`` waits (state S in ``/proc``)."""
-    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-    return stat[stat.rindex(")") + 2] == "S"
 
 
 def cpu_seconds(pid: int) -> float:

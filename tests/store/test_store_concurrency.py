@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import asyncflow as af
-from asyncflow.telemetry.threads import switches_in_a_thread
+from asyncflow.telemetry.threads import asleep, switches_of
 
 PRODUCERS = 8
 CONSUMERS = 8
@@ -134,25 +134,41 @@ def test_ctrl_c_interrupts_a_blocked_claim(store: af.Store) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
-def test_a_claim_waiting_outside_the_main_thread_sleeps_until_its_deadline(
-    store: af.Store,
-) -> None:
+def test_a_claim_waiting_outside_the_main_thread_sleeps_until_rows_come(store: af.Store) -> None:
     # Only Python's main thread runs signal handlers, so a claim waiting in a worker's thread
     # has no Ctrl-C to look for. It used to wake every 50 ms to look anyway: 20 wake-ups in a
-    # second, each costing an idle worker CPU.
+    # second, each costing an idle worker CPU. The thread's switches are counted only while it
+    # waits inside the native call, which holds no GIL: waits for the GIL, which other threads
+    # of the test process cause as they please, fall outside the count.
     store.register_task("t")
+    claimed: list[int] = []
+    claimer = threading.Thread(
+        target=lambda: claimed.append(len(store.claim("t", "x", 1, timeout=120)))
+    )
+    claimer.start()
+    tid = str(claimer.native_id)
+    deadline = time.monotonic() + 60
 
-    def idle_claim() -> bool:
-        try:
-            store.claim("t", "x", 1, timeout=1.0)
-        except af.StoreTimeoutError:
-            return True
-        return False
+    def settled() -> bool:
+        """Inside the claim, asleep, and not woken for a tenth of a second: past any wait for
+        the GIL (a thread waiting for it wakes every 5 ms), so waiting in the native call."""
+        if not (inside(claimer.ident or 0, "claim") and asleep(tid)):
+            return False
+        seen = switches_of(tid)
+        time.sleep(0.1)
+        return asleep(tid) and switches_of(tid) == seen
 
-    timed_out, switches = switches_in_a_thread(idle_claim)
-    assert timed_out
-    # One sleep and its wake-up, give or take a lock; a poll every 50 ms would make 20.
-    assert switches < 10, f"the waiting claim woke its thread {switches} times"
+    while not settled():
+        assert time.monotonic() < deadline, "the claim never settled into its wait"
+    before = switches_of(tid)
+    time.sleep(1.0)  # a look every 50 ms would wake it about 20 times meanwhile
+    during = switches_of(tid) - before
+    waited_throughout = not claimed
+    store.put({"x": [1.0]})
+    claimer.join(timeout=60)
+    assert claimed == [1], "the put ended the claim"
+    assert waited_throughout, "the claim ended before the row came"
+    assert during < 5, f"the waiting claim woke its thread {during} times in a second"
 
 
 def test_a_waiting_put_proceeds_when_another_thread_frees_memory(

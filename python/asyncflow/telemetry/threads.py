@@ -23,7 +23,19 @@ def _voluntary(status: str) -> int:
 
 def voluntary_switches() -> int:
     """How many times the calling thread has given up its core to wait, so far."""
-    return _voluntary(Path(f"/proc/self/task/{threading.get_native_id()}/status").read_text())
+    return switches_of(str(threading.get_native_id()))
+
+
+def switches_of(tid: str) -> int:
+    """How many times this process's thread ``tid`` (its native id) has given up its core to
+    wait, so far."""
+    return _voluntary(Path(f"/proc/self/task/{tid}/status").read_text())
+
+
+def asleep(tid: str) -> bool:
+    """Whether this process's thread ``tid`` waits (state S in ``/proc``)."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "S"
 
 
 def switches_by_thread(name: str) -> dict[str, int]:
