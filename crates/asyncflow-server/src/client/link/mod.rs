@@ -592,10 +592,15 @@ impl Link {
 /// replies that callers read themselves do not wake it.
 fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Option<&Watcher>) {
     loop {
-        let Some((wanted, interval)) = link
-            .upgrade()
-            .map(|l| (l.sleeping.load(Ordering::Acquire) > 0, l.policy.ping_interval()))
-        else {
+        // A caller counts itself out of `sleeping` only once it has woken, well after the
+        // watcher handed it its reply: with no request left to answer, nobody needs the watcher,
+        // and asking for the bell would have the next reply, which its caller reads itself,
+        // wake the watcher for nothing. (A caller about to sleep is counted in `sleeping` after
+        // its request is in `pending`, and out of `pending` only once its reply is handed over.)
+        let Some((wanted, interval)) = link.upgrade().map(|l| {
+            let sleeping = l.sleeping.load(Ordering::Acquire) > 0;
+            (sleeping && !l.pending.lock().is_empty(), l.policy.ping_interval())
+        }) else {
             return;
         };
         // Replies come on the socket, or in the ring, whose bell rings only if the watcher (or
