@@ -280,25 +280,35 @@ def test_requests_travel_in_rings_unless_the_socket_is_asked_for(daemons: Daemon
         af.connect(url, transport="ring")
 
 
+def watcher_wakeups(daemons: Daemons, claims: int, timeout: float, then_ask: bool) -> int:
+    """How many times a new shared-memory link's watcher thread wakes while this thread makes
+    ``claims`` claims that each wait ``timeout`` s for rows that never come, each followed
+    (``then_ask``) by a request the daemon answers at once."""
+    others = set(switches_by_thread(WATCHER))
+    store = af.connect(daemons().url, transport="shm")
+    store.register_task("t")
+    mine = new_thread(WATCHER, others)  # this link's watcher
+    # It may still be busy with the replies so far.
+    wait_until(lambda: asleep(mine), "the watcher's sleep")
+    before = switches_by_thread(WATCHER)[mine]
+    for _ in range(claims):
+        with pytest.raises(af.StoreTimeoutError):
+            store.claim("t", "never", 1, timeout=timeout)
+        if then_ask:
+            store.register_task("t")  # answered at once, and read by its caller
+    time.sleep(0.3)  # the watcher goes back to sleep after the last reply
+    # Each wake-up ends in one more sleep.
+    return switches_by_thread(WATCHER)[mine] - before
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
 def test_the_request_after_a_sleeping_claim_does_not_wake_the_watcher(daemons: Daemons) -> None:
     # A caller counts itself out of the link's sleepers only once it has woken, after the
     # watcher handed it its reply. The watcher, back at the top of its loop first, used to see
     # it still asleep and ask for the replies' bell again; the caller's next request's reply,
     # which the caller reads itself, then rang it for nothing: two wake-ups per claim.
-    others = set(switches_by_thread(WATCHER))
-    store = af.connect(daemons().url, transport="shm")
-    store.register_task("t")
-    mine = new_thread(WATCHER, others)  # this link's watcher
-    wait_until(lambda: asleep(mine), "the watcher's sleep")
     claims = 10
-    before = switches_by_thread(WATCHER)[mine]
-    for _ in range(claims):
-        with pytest.raises(af.StoreTimeoutError):
-            store.claim("t", "never", 1, timeout=0.3)
-        store.register_task("t")  # answered at once, and read by its caller
-    time.sleep(0.3)  # the watcher goes back to sleep after the last reply
-    woken = switches_by_thread(WATCHER)[mine] - before
+    woken = watcher_wakeups(daemons, claims, timeout=0.3, then_ask=True)
     # One wake-up a claim, for its reply; one more only when a reply to register_task comes
     # after its caller stopped looking and slept (200 µs), as on a loaded machine now and then.
     assert woken <= claims * 7 // 5, f"the watcher woke {woken} times for {claims} claims"
@@ -311,22 +321,11 @@ def test_a_claim_that_sleeps_on_rings_wakes_the_watcher_only_for_its_reply(
     # A caller about to sleep used to wake the link's watcher thread to have it listen for the
     # replies' bell, and the reply woke it again. On rings the caller now asks for the bell
     # itself, and only the reply (here: the daemon's answer at the claim's timeout) wakes it.
-    others = set(switches_by_thread(WATCHER))
-    store = af.connect(daemons().url, transport="shm")
-    store.register_task("t")
-    mine = new_thread(WATCHER, others)  # this link's watcher
-    # It may still be busy with the replies so far.
-    wait_until(lambda: asleep(mine), "the watcher's sleep")
     claims = 4
-    before = switches_by_thread(WATCHER)[mine]
-    for _ in range(claims):
-        with pytest.raises(af.StoreTimeoutError):
-            store.claim("t", "never", 1, timeout=0.5)
-    time.sleep(0.3)  # the watcher goes back to sleep after the last reply
-    woken = switches_by_thread(WATCHER)[mine] - before
-    # Each wake-up ends in one more sleep. Told, then the reply: at least 2 a claim; the reply
-    # only: 1, and one more now and then when the bell rings for a reply read meanwhile. (No
-    # ping comes: the daemon is silent for 0.5 s at a time, far less than a ping interval.)
+    woken = watcher_wakeups(daemons, claims, timeout=0.5, then_ask=False)
+    # Told, then the reply: at least 2 a claim; the reply only: 1, and one more now and then
+    # when the bell rings for a reply read meanwhile. (No ping comes: the daemon is silent for
+    # 0.5 s at a time, far less than a ping interval.)
     assert woken <= claims * 3 // 2, f"the watcher woke {woken} times for {claims} claims"
 
 
