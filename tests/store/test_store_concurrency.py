@@ -160,6 +160,7 @@ def test_a_claim_waiting_outside_the_main_thread_sleeps_until_rows_come(store: a
 
     while not settled():
         assert time.monotonic() < deadline, "the claim never settled into its wait"
+        time.sleep(0.01)
     before = switches_of(tid)
     time.sleep(1.0)  # a look every 50 ms would wake it about 20 times meanwhile
     during = switches_of(tid) - before
