@@ -7,13 +7,12 @@ verifier, rows to claim. This times, in one thread of this process, a computatio
 nothing of the store (numpy's sum of 100,000 float64), ``register_task`` of a task that exists
 (a round trip with no work), and a put of 16 float32 to existing rows, over shared memory to one
 daemon: CALLS times back to back (default 2000), then CALLS // 20 times, each after a 50 ms
-sleep. Microseconds of thread CPU (``getrusage(RUSAGE_THREAD)``) and of wall-clock time per
-call, means.
+sleep. Microseconds of thread CPU (``time.thread_time``) and of wall-clock time per call,
+means.
 """
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 from collections.abc import Callable
@@ -24,21 +23,16 @@ import asyncflow as af
 from asyncflow.daemon import DaemonProcess
 
 
-def thread_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_THREAD)
-    return usage.ru_utime + usage.ru_stime
-
-
 def per_call(fn: Callable[[], object], gap: float, calls: int) -> tuple[float, float]:
     """Mean thread CPU and wall-clock time of ``fn`` (µs), each call after ``gap`` s asleep."""
     cpu = wall = 0.0
     for _ in range(calls):
         if gap:
             time.sleep(gap)
-        c, w = thread_cpu(), time.perf_counter()
+        c, w = time.thread_time(), time.perf_counter()
         fn()
         wall += time.perf_counter() - w
-        cpu += thread_cpu() - c
+        cpu += time.thread_time() - c
     return 1e6 * cpu / calls, 1e6 * wall / calls
 
 
