@@ -25,7 +25,13 @@ import pytest
 import asyncflow as af
 from asyncflow import _native
 from asyncflow.daemon import DaemonProcess
-from asyncflow.telemetry.threads import WATCHER, asleep, new_thread, switches_by_thread
+from asyncflow.telemetry.threads import (
+    WATCHER,
+    asleep,
+    new_thread,
+    switches_by_thread,
+    switches_of,
+)
 
 #: The conftest's ``daemons`` fixture: starts a daemon with the given flags.
 Daemons = Callable[..., Any]
@@ -312,6 +318,48 @@ def test_the_request_after_a_sleeping_claim_does_not_wake_the_watcher(daemons: D
     # One wake-up a claim, for its reply; one more only when a reply to register_task comes
     # after its caller stopped looking and slept (200 µs), as on a loaded machine now and then.
     assert woken <= claims * 7 // 5, f"the watcher woke {woken} times for {claims} claims"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
+def test_replies_read_by_their_callers_do_not_wake_the_watcher_while_another_caller_sleeps(
+    daemons: Daemons,
+) -> None:
+    # Threads of a process share one link. While one thread's claim sleeps (waiting for rows),
+    # the watcher reads for it; the replies ring's bell used to say only "a reader sleeps", so
+    # every reply to the other threads, each read by its own caller, rang the watcher as well.
+    others = set(switches_by_thread(WATCHER))
+    store = af.connect(daemons().url, transport="shm")
+    store.register_task("t")
+    watcher = new_thread(WATCHER, others)
+    claimed: list[int] = []
+    claimer = threading.Thread(
+        target=lambda: claimed.append(len(store.claim("t", "x", 1, timeout=120)))
+    )
+    claimer.start()
+    claiming = str(claimer.native_id)
+
+    def settled() -> bool:
+        """The claim sleeps inside the native call (asleep and not woken for a tenth of a
+        second: past any wait for the GIL, which wakes every 5 ms), and the watcher for it."""
+        seen = switches_of(claiming)
+        time.sleep(0.1)
+        return asleep(claiming) and switches_of(claiming) == seen and asleep(watcher)
+
+    wait_until(settled, "the claim's and the watcher's sleep")
+    before = switches_by_thread(WATCHER)[watcher]
+    asks = 40
+    for _ in range(asks):
+        store.register_task("t")  # answered at once, and read by its caller
+        time.sleep(0.005)  # time for a watcher woken by the reply to fall asleep again
+    woken = switches_by_thread(WATCHER)[watcher] - before
+    waited_throughout = not claimed
+    store.put({"x": [1.0]})
+    claimer.join(timeout=60)
+    assert claimed == [1], "the put ended the claim"
+    assert waited_throughout, "the claim ended before the asks were made"
+    # None, but for an ask whose reply came after its caller stopped looking (200 µs) and
+    # slept, as on a loaded machine now and then.
+    assert woken <= asks // 4, f"the watcher woke {woken} times for {asks} quick replies"
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")

@@ -8,6 +8,11 @@
 //! the announcement; a full fence on each side between the two steps means at least one of them
 //! sees the other, so no wake-up is lost.
 //!
+//! A reader of replies may sleep for one reply only ([`waiting_for`] its request): the daemon
+//! then rings only once it has written that reply, and the replies other callers read for
+//! themselves meanwhile do not wake it. Announcements join: a second sleeper waiting for
+//! something else turns the word into [`ANY`], which every push rings.
+//!
 //! A producer still preparing bytes can say they are coming (`Producer::expect`): a flag the
 //! consumer takes (`Consumer::expected`), and the bell rung if the consumer sleeps, so that the
 //! consumer's wake-up overlaps the preparation instead of following it.
@@ -30,17 +35,35 @@ use rustix::mm::{self, ProtFlags};
 use crate::error::ShmError;
 use crate::segment::{anonymous_fd, map};
 
-/// Bytes of a ring's header, before its data: the head, the tail and the two sleep flags, each
+/// Bytes of a ring's header, before its data: the head, the tail and the two sleep words, each
 /// on a cache line of its own (the producer's notice that bytes are coming beside the
-/// consumer's flag).
+/// consumer's word).
 const HEADER: usize = 256;
 const HEAD: usize = 0;
 const TAIL: usize = 64;
+/// 0 while the consumer is awake; else what it sleeps for: [`ANY`] or [`waiting_for`] a request.
 const CONSUMER_ASLEEP: usize = 128;
 /// Set by the producer ahead of bytes it is about to send (`Producer::expect`); on the
 /// consumer's line, which the producer already writes.
 const EXPECTED: usize = 136;
+/// 0 while the producer is awake, [`ANY`] while it sleeps for room.
 const PRODUCER_ASLEEP: usize = 192;
+
+/// A sleep word that any push (or freed room) answers. Odd, as every announcement is, so that
+/// the word's low half, the whole flag of older peers, reads as asleep.
+pub const ANY: u64 = 1;
+
+/// The sleep word of a reader that waits for the reply to request `id` only: it is rung when
+/// the producer has written that reply (`Producer::wake_consumer_for`), or any bytes at all.
+#[must_use]
+pub const fn waiting_for(id: u64) -> u64 {
+    (id << 1) | 1
+}
+
+/// What two announcements in one sleep word make: either when they agree, else [`ANY`].
+const fn join(word: u64, wanted: u64) -> u64 {
+    if word == 0 || word == wanted { wanted } else { ANY }
+}
 
 /// The smallest and largest capacity of one ring.
 pub const MIN_RING: usize = 4 << 10;
@@ -141,25 +164,37 @@ impl Ring {
         Ok(used as usize)
     }
 
-    /// Announces that this side sleeps (flag at `at`) and returns whether `ready` holds now;
-    /// if it does, the announcement is withdrawn and the caller should not sleep.
-    fn announce(&self, at: usize, ready: impl FnOnce() -> io::Result<bool>) -> io::Result<bool> {
-        self.word32(at).store(1, Ordering::SeqCst);
+    /// Announces that this side sleeps for `wanted` (joined into the word at `at`) and returns
+    /// whether `ready` holds now; if it does, the word is cleared and the caller should not
+    /// sleep (nor should another sleeper of the word count on it: see `Watcher`).
+    fn announce(
+        &self,
+        at: usize,
+        wanted: u64,
+        ready: impl FnOnce() -> io::Result<bool>,
+    ) -> io::Result<bool> {
+        let word = self.word64(at);
+        let _ =
+            word.fetch_update(Ordering::SeqCst, Ordering::Relaxed, |seen| Some(join(seen, wanted)));
         fence(Ordering::SeqCst);
         let ready = ready()?;
         if ready {
-            self.word32(at).store(0, Ordering::Relaxed);
+            word.store(0, Ordering::Relaxed);
         }
         Ok(ready)
     }
 
-    /// After publishing an index: rings `bell` if the other side said it sleeps (flag at `at`).
-    fn wake(&self, at: usize, bell: &Bell) {
+    /// After publishing an index: rings `bell` if the other side said it sleeps (word at `at`)
+    /// for anything, or for what `answers` says the published bytes hold.
+    fn wake(&self, at: usize, bell: &Bell, answers: impl Fn(u64) -> bool) {
         fence(Ordering::SeqCst);
-        if self.word32(at).load(Ordering::Relaxed) != 0
-            && self.word32(at).swap(0, Ordering::AcqRel) != 0
-        {
-            bell.ring();
+        let word = self.word64(at);
+        let mut seen = word.load(Ordering::Relaxed);
+        while seen != 0 && (seen == ANY || answers(seen)) {
+            match word.compare_exchange(seen, 0, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return bell.ring(),
+                Err(now) => seen = now,
+            }
         }
     }
 }
@@ -199,7 +234,15 @@ impl Producer {
 
     /// Wakes the consumer if it sleeps: call once what was pushed should be read.
     pub fn wake_consumer(&self) {
-        self.ring.wake(CONSUMER_ASLEEP, &self.bytes);
+        self.ring.wake(CONSUMER_ASLEEP, &self.bytes, |_| true);
+    }
+
+    /// Wakes the consumer if it sleeps for anything, or for the reply to one of `requests`:
+    /// call once the replies to `requests` are pushed whole.
+    pub fn wake_consumer_for(&self, requests: &[u64]) {
+        self.ring.wake(CONSUMER_ASLEEP, &self.bytes, |word| {
+            requests.iter().any(|&id| waiting_for(id) == word)
+        });
     }
 
     /// Tells the consumer that bytes are about to come (the producer is still preparing them),
@@ -212,12 +255,12 @@ impl Producer {
 
     /// About to sleep on [`Producer::room_bell`] for room: false if there is room already.
     pub fn sleep_for_room(&self) -> io::Result<bool> {
-        self.ring.announce(PRODUCER_ASLEEP, || Ok(self.room()? > 0)).map(|ready| !ready)
+        self.ring.announce(PRODUCER_ASLEEP, ANY, || Ok(self.room()? > 0)).map(|ready| !ready)
     }
 
     /// Awake again (whether the bell rang or not).
     pub fn awake(&self) {
-        self.ring.word32(PRODUCER_ASLEEP).store(0, Ordering::Relaxed);
+        self.ring.word64(PRODUCER_ASLEEP).store(0, Ordering::Relaxed);
     }
 
     pub fn room_bell(&self) -> &Bell {
@@ -256,7 +299,7 @@ impl Consumer {
         }
         self.tail += n as u64;
         self.ring.word64(TAIL).store(self.tail, Ordering::Release);
-        self.ring.wake(PRODUCER_ASLEEP, &self.room);
+        self.ring.wake(PRODUCER_ASLEEP, &self.room, |_| true);
         Ok(n)
     }
 
@@ -267,12 +310,12 @@ impl Consumer {
 
     /// About to sleep on [`Consumer::bytes_bell`]: false if bytes are there already.
     pub fn sleep_for_bytes(&self) -> io::Result<bool> {
-        self.ring.announce(CONSUMER_ASLEEP, || Ok(self.available()? > 0)).map(|ready| !ready)
+        self.ring.announce(CONSUMER_ASLEEP, ANY, || Ok(self.available()? > 0)).map(|ready| !ready)
     }
 
     /// Awake again (whether the bell rang or not).
     pub fn awake(&self) {
-        self.ring.word32(CONSUMER_ASLEEP).store(0, Ordering::Relaxed);
+        self.ring.word64(CONSUMER_ASLEEP).store(0, Ordering::Relaxed);
     }
 
     /// Whether the producer said bytes are about to come ([`Producer::expect`]) since the last
@@ -289,16 +332,20 @@ impl Consumer {
 
 /// A second look at a consumer's ring, for a thread that sleeps until bytes come while others
 /// may be reading them: it sees the ring's published indexes only.
+///
+/// Several threads may announce on one watcher's word; one that finds bytes there clears the
+/// word, and so withdraws the others' announcements too, which they then have to make again.
 pub struct Watcher {
     ring: Ring,
     bell: Bell,
 }
 
 impl Watcher {
-    /// About to sleep on [`Watcher::bell`]: false if bytes are there already (or the ring is
-    /// broken, which a read will say).
-    pub fn sleep_for_bytes(&self) -> bool {
-        let ready = self.ring.announce(CONSUMER_ASLEEP, || {
+    /// About to sleep on [`Watcher::bell`] for `wanted` ([`ANY`] or [`waiting_for`] a
+    /// request's reply): false if bytes are there already (or the ring is broken, which a read
+    /// will say).
+    pub fn sleep_for(&self, wanted: u64) -> bool {
+        let ready = self.ring.announce(CONSUMER_ASLEEP, wanted, || {
             let head = self.ring.word64(HEAD).load(Ordering::Acquire);
             let tail = self.ring.word64(TAIL).load(Ordering::Acquire);
             Ok(self.ring.used(head, tail).map_or(true, |n| n > 0))
@@ -308,7 +355,7 @@ impl Watcher {
 
     /// Awake again (whether the bell rang or not).
     pub fn awake(&self) {
-        self.ring.word32(CONSUMER_ASLEEP).store(0, Ordering::Relaxed);
+        self.ring.word64(CONSUMER_ASLEEP).store(0, Ordering::Relaxed);
     }
 
     pub fn bell(&self) -> &Bell {
@@ -492,6 +539,45 @@ mod tests {
         client.replies.pop(&mut [0u8; 1]).unwrap();
         assert!(daemon.replies.room_bell().silence());
         daemon.replies.awake();
+    }
+
+    #[test]
+    fn a_reader_asleep_for_one_reply_is_rung_by_that_reply_only_and_two_sleepers_by_any() {
+        let (mut daemon, mut client) = pair(MIN_RING);
+        let watcher = client.replies.watcher().unwrap();
+        let rung = || watcher.bell().silence();
+        let mut take = || client.replies.pop(&mut [0u8; 64]).unwrap();
+        // Asleep for request 7's reply: the replies to 5 and 6 pass it by, 7's rings it.
+        assert!(watcher.sleep_for(waiting_for(7)));
+        daemon.replies.push(b"5").unwrap();
+        daemon.replies.wake_consumer_for(&[5, 6]);
+        assert!(!rung(), "rung for replies it does not wait for");
+        assert_eq!(take(), 1);
+        daemon.replies.push(b"67").unwrap();
+        daemon.replies.wake_consumer_for(&[6, 7]);
+        assert!(rung());
+        daemon.replies.wake_consumer_for(&[7]);
+        assert!(!rung(), "rung twice");
+        assert_eq!(take(), 2);
+        // Two sleepers on one word, waiting for different replies: any reply rings.
+        assert!(watcher.sleep_for(waiting_for(8)));
+        assert!(watcher.sleep_for(waiting_for(9)));
+        daemon.replies.push(b"3").unwrap();
+        daemon.replies.wake_consumer_for(&[3]);
+        assert!(rung());
+        assert_eq!(take(), 1);
+        // The same announcement twice stays that one; a plain wake-up (more bytes to come, as in
+        // a reply larger than the ring) rings whatever a reader sleeps for.
+        assert!(watcher.sleep_for(waiting_for(8)));
+        assert!(watcher.sleep_for(waiting_for(8)));
+        daemon.replies.push(b"9").unwrap();
+        daemon.replies.wake_consumer_for(&[9]);
+        assert!(!rung());
+        daemon.replies.wake_consumer();
+        assert!(rung());
+        // With bytes there nobody sleeps, whatever it waits for.
+        assert!(!watcher.sleep_for(waiting_for(8)));
+        assert!(!watcher.sleep_for(ANY));
     }
 
     #[test]

@@ -497,12 +497,13 @@ impl FrameWriter {
     /// Writes the header; on the Unix socket, with the frame's segment descriptors attached.
     async fn write_header(&mut self, out: &Outgoing) -> std::io::Result<()> {
         let header = out.header.encode();
-        if let FrameWriter::Ring(w) = self
-            && !out.fds.is_empty()
-        {
-            let fds: Vec<BorrowedFd<'_>> = out.fds.iter().map(|d| d.segment.fd()).collect();
-            w.send_fds(&fds).await?;
-            out.fds.iter().for_each(Descriptor::written);
+        if let FrameWriter::Ring(w) = self {
+            w.answers(out.header.request_id);
+            if !out.fds.is_empty() {
+                let fds: Vec<BorrowedFd<'_>> = out.fds.iter().map(|d| d.segment.fd()).collect();
+                w.send_fds(&fds).await?;
+                out.fds.iter().for_each(Descriptor::written);
+            }
         }
         let FrameWriter::Unix(w) = self else {
             return self.write_all(&header).await;

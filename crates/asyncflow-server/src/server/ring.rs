@@ -143,9 +143,17 @@ pub struct RingOut {
     bell: AsyncFd<BellFd>,
     replies: Producer,
     socket: unix::OwnedWriteHalf,
+    /// The requests whose replies were written since the client was last told of replies: a
+    /// reader that sleeps for one of them is rung by `flush`, one that sleeps for another not.
+    answered: Vec<u64>,
 }
 
 impl RingOut {
+    /// Notes that the reply to `request` is being written.
+    pub fn answers(&mut self, request: u64) {
+        self.answered.push(request);
+    }
+
     pub async fn write_all(&mut self, mut bytes: &[u8]) -> io::Result<()> {
         loop {
             let n = self.replies.push(bytes)?;
@@ -158,9 +166,11 @@ impl RingOut {
         }
     }
 
-    /// Lets the client read what was written.
-    pub fn flush(&self) {
-        self.replies.wake_consumer();
+    /// Lets the client read what was written: wakes a reader that sleeps for any reply, or for
+    /// one of those written since the last flush.
+    pub fn flush(&mut self) {
+        self.replies.wake_consumer_for(&self.answered);
+        self.answered.clear();
     }
 
     async fn wait_for_room(&mut self) -> io::Result<()> {
@@ -199,7 +209,7 @@ pub fn ends(rings: DaemonEnds, socket: unix::OwnedWriteHalf) -> io::Result<(Ring
         unsafe { (registered(requests.bytes_bell().fd())?, registered(replies.room_bell().fd())?) };
     Ok((
         RingIn { bell: asked, requests, announced: false },
-        RingOut { bell: room, replies, socket },
+        RingOut { bell: room, replies, socket, answered: Vec::new() },
     ))
 }
 

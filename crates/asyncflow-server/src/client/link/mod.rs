@@ -27,13 +27,14 @@ use std::collections::HashMap;
 use std::io::{BufWriter, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::atomic::{AtomicU64, Ordering, fence};
 use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use asyncflow_core::{StoreError, Wait};
 use asyncflow_proto::{Limits, Reply, Request, Segments, ServerHello, Spare, decode_answer};
+use asyncflow_shm::ring::{ANY, waiting_for};
 use asyncflow_shm::{ClientEnds, Segment, Watcher};
 use parking_lot::Mutex;
 use rustix::event::{PollFd, PollFlags, poll};
@@ -76,6 +77,13 @@ pub struct Answer {
 
 type Delivery = Result<(Reply, Vec<u8>)>;
 
+/// A request waiting for its reply: where the reply goes, and whether its caller sleeps until
+/// it comes (the watcher then reads for it).
+struct Waiting {
+    reply: SyncSender<Delivery>,
+    asleep: bool,
+}
+
 /// The reading end of the socket; whoever holds it reads whole frames.
 struct Reader {
     stream: Stream,
@@ -88,11 +96,10 @@ pub struct Link {
     /// Kept to wake the watcher thread when the link is dropped.
     stream: Stream,
     reader: Mutex<Reader>,
-    /// Callers asleep until their reply comes: while there are any, the watcher reads.
-    sleeping: AtomicUsize,
-    /// A byte written here wakes the watcher to look at `sleeping` again.
+    /// A byte written here wakes the watcher to look again at who sleeps.
     wake_watcher: UnixStream,
-    pending: Mutex<HashMap<u64, SyncSender<Delivery>>>,
+    /// Requests not answered yet; while the caller of one sleeps, the watcher reads.
+    pending: Mutex<HashMap<u64, Waiting>>,
     next_id: AtomicU64,
     broken: Mutex<Option<String>>,
     /// Read pins whose views are gone, to be sent before the next request.
@@ -235,7 +242,6 @@ impl Link {
             writer: Mutex::new(writer),
             stream,
             reader: Mutex::new(reader),
-            sleeping: AtomicUsize::new(0),
             wake_watcher,
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -302,8 +308,8 @@ impl Link {
     fn fail_all(&self, why: &str) {
         self.broken.lock().get_or_insert_with(|| why.to_owned());
         let why = self.broken.lock().clone().unwrap_or_default();
-        for (_, tx) in self.pending.lock().drain() {
-            let _ = tx.try_send(Err(Error::connection(why.clone())));
+        for (_, waiting) in self.pending.lock().drain() {
+            let _ = waiting.reply.try_send(Err(Error::connection(why.clone())));
         }
         self.stream.shutdown();
     }
@@ -360,8 +366,8 @@ impl Link {
         };
         let waiter = self.pending.lock().remove(&header.request_id);
         match waiter {
-            Some(tx) => {
-                let _ = tx.try_send(delivery);
+            Some(waiting) => {
+                let _ = waiting.reply.try_send(delivery);
             }
             None => {
                 // Nobody waits (a ping, or a caller that gave up): let go of what it pinned.
@@ -452,7 +458,7 @@ impl Link {
         // its error (`fail_all`), one that failed before is seen by the check. Rings take a
         // request whether or not the daemon is there to read it, so one written to a link that
         // failed in between would wait out its deadline.
-        self.pending.lock().insert(id, tx);
+        self.pending.lock().insert(id, Waiting { reply: tx, asleep: false });
         if let Err(e) = self.check_usable().and_then(|()| self.write(id, req, payload)) {
             self.pending.lock().remove(&id);
             return Err(e);
@@ -573,15 +579,29 @@ impl Link {
         let _ = (&self.wake_watcher).write(&[1]);
     }
 
-    /// Makes sure the watcher reads the reply of a caller about to sleep (counted in
-    /// `sleeping` already). On rings the caller asks for the replies' bell itself, which the
-    /// watcher always listens to: the daemon's next reply rings it, and the watcher wakes once,
-    /// to read, instead of twice (once to be told, once for the reply). If a reply is there
-    /// already, or on a socket, the watcher is woken to look.
-    fn watch_for_sleeper(&self) {
-        if !self.replies_bell.as_ref().is_some_and(|r| r.sleep_for_bytes()) {
+    /// Makes sure the watcher reads the reply to request `id`, whose caller is about to sleep
+    /// until it comes. On rings the caller asks for the replies' bell itself, for its reply
+    /// only, which the watcher always listens to: the daemon rings it once that reply is
+    /// written, and the watcher wakes once, to read, instead of twice (once to be told, once for
+    /// the reply), and not for the replies other callers read for themselves meanwhile. If a
+    /// reply is there already, or on a socket, the watcher is woken to look.
+    fn sleep_until_answered(&self, id: u64) {
+        match self.pending.lock().get_mut(&id) {
+            Some(waiting) => waiting.asleep = true,
+            None => return, // answered already
+        }
+        if !self.replies_bell.as_ref().is_some_and(|r| r.sleep_for(waiting_for(id))) {
             self.nudge_watcher();
         }
+    }
+
+    /// What the watcher waits for: nothing while no caller sleeps, else the reply of the one
+    /// that sleeps, or of any (`ANY`) when several do.
+    fn sleepers(&self) -> Option<u64> {
+        let pending = self.pending.lock();
+        let mut asleep = pending.iter().filter(|(_, w)| w.asleep).map(|(&id, _)| id);
+        let first = asleep.next()?;
+        Some(if asleep.next().is_some() { ANY } else { waiting_for(first) })
     }
 }
 
@@ -592,23 +612,22 @@ impl Link {
 /// replies that callers read themselves do not wake it.
 fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Option<&Watcher>) {
     loop {
-        // A caller counts itself out of `sleeping` only once it has woken, well after the
-        // watcher handed it its reply: with no request left to answer, nobody needs the watcher,
-        // and asking for the bell would have the next reply, which its caller reads itself,
-        // wake the watcher for nothing. (A caller about to sleep is counted in `sleeping` after
-        // its request is in `pending`, and out of `pending` only once its reply is handed over.)
-        let Some((wanted, interval)) = link.upgrade().map(|l| {
-            let sleeping = l.sleeping.load(Ordering::Acquire) > 0;
-            (sleeping && !l.pending.lock().is_empty(), l.policy.ping_interval())
-        }) else {
+        // A request leaves `pending` as its reply is handed over: the callers asleep there are
+        // those still waiting. (Asking for the bell for a caller already answered would have
+        // the next reply, which its caller reads itself, wake the watcher for nothing.)
+        let Some((sleepers, interval)) =
+            link.upgrade().map(|l| (l.sleepers(), l.policy.ping_interval()))
+        else {
             return;
         };
+        let wanted = sleepers.is_some();
         // Replies come on the socket, or in the ring, whose bell rings only if the watcher (or
-        // a caller about to sleep, `Link::watch_for_sleeper`) says it sleeps, and the ring is
-        // empty then. The watcher asks for it while callers sleep; asking again after each
-        // wake-up also renews a caller's request that its `awake` below withdrew.
-        let announced = ring.filter(|_| wanted);
-        let in_ring = announced.is_some_and(|r| !r.sleep_for_bytes());
+        // a caller about to sleep, `Link::sleep_until_answered`) says it sleeps for them, and
+        // the ring is empty then. The watcher asks while callers sleep, for their replies only;
+        // asking again after each wake-up also renews a caller's request that its `awake` below
+        // withdrew.
+        let announced = ring.zip(sleepers);
+        let in_ring = announced.is_some_and(|(r, wanted)| !r.sleep_for(wanted));
         let events = if wanted && ring.is_none() {
             PollFlags::IN | PollFlags::RDHUP
         } else {
@@ -623,10 +642,10 @@ fn watch(link: &Weak<Link>, socket: &OwnedFd, mut woken: UnixStream, ring: Optio
         if let Some(r) = ring {
             r.bell().silence();
         }
-        if let Some(r) = announced {
+        if let Some((r, _)) = announced {
             r.awake();
-            // The flag is withdrawn before `sleeping` is read again: a caller that counts itself
-            // in and asks for the bell after the withdrawal is then seen asleep at the top.
+            // The word is cleared before `pending` is read again: a caller that marks itself
+            // asleep and asks for the bell after the clearing is then seen asleep at the top.
             fence(Ordering::SeqCst);
         }
         let ready = match polled {

@@ -2,7 +2,6 @@
 //! by the watcher; and the token that keeps a read's cells pinned.
 
 use std::cell::Cell;
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -64,11 +63,8 @@ impl Pending {
         let answer = if let Some(delivery) = self.read_for_itself(started + spin) {
             delivery
         } else {
-            self.link.sleeping.fetch_add(1, Ordering::AcqRel);
-            self.link.watch_for_sleeper();
-            let delivery = self.sleep(started, wait);
-            self.link.sleeping.fetch_sub(1, Ordering::AcqRel);
-            delivery
+            self.link.sleep_until_answered(self.id);
+            self.sleep(started, wait)
         };
         if self.may_wait {
             LAST_CLAIM_WAITED.set(started.elapsed() > SPIN);
