@@ -109,10 +109,9 @@ pub struct Link {
     spare: Mutex<Option<Spare>>,
     pid: u32,
     shm: bool,
-    /// Whether requests and replies travel in rings (see `Stream::rings`).
-    has_rings: bool,
-    /// The watcher thread's look at the replies' ring, for a caller about to sleep to ask for
-    /// its bell (which the watcher always listens to) in place of waking the watcher to ask.
+    /// On rings (see `Stream::rings`), the watcher thread's look at the replies' ring, for a
+    /// caller about to sleep to ask for its bell (which the watcher always listens to) in place
+    /// of waking the watcher to ask.
     replies_bell: Option<Arc<Watcher>>,
     hello: ServerHello,
     address: String,
@@ -221,23 +220,23 @@ impl Link {
         // whole request timeout (a daemon that stopped reading has stopped serving).
         let timeouts = (Some(policy.ping_interval()), Some(policy.request_timeout));
         stream.set_timeouts(timeouts.0, timeouts.1)?;
-        let (read, written, replies_watch, replies_bell) = match (rings, &stream) {
+        let (read, written, replies_bell) = match (rings, &stream) {
             (Some(ends), Stream::Unix(socket)) => {
-                let replies_watch = Arc::new(ends.replies.watcher()?);
+                let replies_bell = Arc::new(ends.replies.watcher()?);
                 let (mut read, mut written) = Stream::rings(ends, socket)?;
                 read.set_timeouts(timeouts.0, None)?;
                 written.set_timeouts(None, timeouts.1)?;
-                (read, written, Some(Arc::clone(&replies_watch)), Some(replies_watch))
+                (read, written, Some(replies_bell))
             }
-            _ => (stream.try_clone()?, stream.try_clone()?, None, None),
+            _ => (stream.try_clone()?, stream.try_clone()?, None),
         };
-        let has_rings = replies_watch.is_some();
         let reader = Reader { stream: read, last_heard: Instant::now() };
         let watched = stream.as_fd().try_clone_to_owned()?;
         let writer = BufWriter::with_capacity(256 << 10, written);
         let (wake_watcher, woken) = UnixStream::pair()?;
         wake_watcher.set_nonblocking(true)?;
         woken.set_nonblocking(true)?;
+        let watched_ring = replies_bell.clone();
         let link = Arc::new(Self {
             writer: Mutex::new(writer),
             stream,
@@ -251,7 +250,6 @@ impl Link {
             spare: Mutex::new(None),
             pid: super::process_id(),
             shm,
-            has_rings,
             replies_bell,
             hello,
             address: address.to_owned(),
@@ -260,7 +258,7 @@ impl Link {
         let for_watcher = Arc::downgrade(&link);
         std::thread::Builder::new()
             .name("asyncflow-client".into())
-            .spawn(move || watch(&for_watcher, &watched, woken, replies_watch.as_deref()))
+            .spawn(move || watch(&for_watcher, &watched, woken, watched_ring.as_deref()))
             .map_err(|e| Error::connection(format!("cannot start the watcher thread: {e}")))?;
         Ok(link)
     }
@@ -275,7 +273,7 @@ impl Link {
 
     /// Whether requests and replies travel in shared-memory rings.
     pub fn has_rings(&self) -> bool {
-        self.has_rings
+        self.replies_bell.is_some()
     }
 
     pub fn address(&self) -> &str {
@@ -315,7 +313,7 @@ impl Link {
     }
 
     fn map_segments(&self, segments: &Segments, mut fds: Vec<OwnedFd>) -> Result<()> {
-        if self.has_rings {
+        if self.has_rings() {
             // They were sent on the socket just before the reply went into its ring.
             self.stream.receive_fds(&mut fds, segments.new.len()).map_err(|e| {
                 Error::connection(format!("the descriptors of a reply did not come: {e}"))

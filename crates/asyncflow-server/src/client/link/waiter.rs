@@ -77,7 +77,7 @@ impl Pending {
     fn read_for_itself(&self, until: Instant) -> Option<Delivery> {
         let stays = || false;
         // A look at a ring costs no system call: yield the core only now and then.
-        let yield_every = if self.link.has_rings { 64 } else { 1 };
+        let yield_every = if self.link.has_rings() { 64 } else { 1 };
         let mut turns = 0u32;
         loop {
             match self.rx.try_recv() {
