@@ -20,6 +20,9 @@ use tokio::net::unix;
 /// How often a daemon waiting for room in a reply ring checks that its client is still there.
 const CHECK_CLIENT: Duration = Duration::from_millis(100);
 
+/// Replies written in a row, at most, before the client is told of them (see `RingOut::answers`).
+const TELL_EVERY: usize = 64;
+
 /// The rings for a client that asked for rings of `asked` bytes: the nearest power of two within
 /// what a ring may hold.
 pub fn create(asked: u64) -> Result<DaemonEnds, ShmError> {
@@ -149,8 +152,12 @@ pub struct RingOut {
 }
 
 impl RingOut {
-    /// Notes that the reply to `request` is being written.
+    /// Notes that the reply to `request` is being written. While replies keep coming, the
+    /// client is told of those written so far every so often, which also bounds the list.
     pub fn answers(&mut self, request: u64) {
+        if self.answered.len() >= TELL_EVERY {
+            self.flush();
+        }
         self.answered.push(request);
     }
 
@@ -216,8 +223,28 @@ pub fn ends(rings: DaemonEnds, socket: unix::OwnedWriteHalf) -> io::Result<(Ring
 #[cfg(test)]
 mod tests {
     use asyncflow_shm::ClientEnds;
+    use asyncflow_shm::ring::waiting_for;
 
     use super::*;
+
+    #[tokio::test]
+    async fn a_client_asleep_for_a_reply_is_told_of_it_within_a_long_run_of_replies() {
+        let daemon = DaemonEnds::create(MIN_RING).unwrap();
+        let fds = daemon.descriptors().iter().map(|f| f.try_clone_to_owned().unwrap()).collect();
+        let client = ClientEnds::open(MIN_RING, fds).unwrap();
+        let watcher = client.replies.watcher().unwrap();
+        let (socket, _peer) = tokio::net::UnixStream::pair().unwrap();
+        let (_requests, mut replies) = ends(daemon, socket.into_split().1).unwrap();
+        assert!(watcher.sleep_for(waiting_for(1)));
+        // Replies written one after another, with more always queued: no flush between them.
+        for id in 1..=TELL_EVERY as u64 {
+            replies.answers(id);
+            replies.write_all(b"r").await.unwrap();
+        }
+        assert!(!watcher.bell().silence(), "rung before the run of replies paused");
+        replies.answers(TELL_EVERY as u64 + 1);
+        assert!(watcher.bell().silence(), "request 1's reply went untold");
+    }
 
     #[tokio::test]
     async fn a_request_the_client_said_was_coming_is_told_apart_from_one_it_did_not() {
