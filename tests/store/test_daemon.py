@@ -29,8 +29,8 @@ from asyncflow.telemetry.threads import (
     WATCHER,
     asleep,
     new_thread,
+    settled,
     switches_by_thread,
-    switches_of,
 )
 
 #: The conftest's ``daemons`` fixture: starts a daemon with the given flags.
@@ -337,15 +337,8 @@ def test_replies_read_by_their_callers_do_not_wake_the_watcher_while_another_cal
     )
     claimer.start()
     claiming = str(claimer.native_id)
-
-    def settled() -> bool:
-        """The claim sleeps inside the native call (asleep and not woken for a tenth of a
-        second: past any wait for the GIL, which wakes every 5 ms), and the watcher for it."""
-        seen = switches_of(claiming)
-        time.sleep(0.1)
-        return asleep(claiming) and switches_of(claiming) == seen and asleep(watcher)
-
-    wait_until(settled, "the claim's and the watcher's sleep")
+    # The claim sleeps inside the native call (past any wait for the GIL), and the watcher.
+    wait_until(lambda: settled(claiming) and asleep(watcher), "the claim's and the watcher's sleep")
     before = switches_by_thread(WATCHER)[watcher]
     asks = 40
     for _ in range(asks):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import asyncflow as af
-from asyncflow.telemetry.threads import asleep, switches_of
+from asyncflow.telemetry.threads import settled, switches_of
 
 PRODUCERS = 8
 CONSUMERS = 8
@@ -149,16 +149,8 @@ def test_a_claim_waiting_outside_the_main_thread_sleeps_until_rows_come(store: a
     tid = str(claimer.native_id)
     deadline = time.monotonic() + 60
 
-    def settled() -> bool:
-        """Inside the claim, asleep, and not woken for a tenth of a second: past any wait for
-        the GIL (a thread waiting for it wakes every 5 ms), so waiting in the native call."""
-        if not (inside(claimer.ident or 0, "claim") and asleep(tid)):
-            return False
-        seen = switches_of(tid)
-        time.sleep(0.1)
-        return asleep(tid) and switches_of(tid) == seen
-
-    while not settled():
+    # Inside the claim and settled: past any wait for the GIL, so waiting in the native call.
+    while not (inside(claimer.ident or 0, "claim") and settled(tid)):
         assert time.monotonic() < deadline, "the claim never settled into its wait"
         time.sleep(0.01)
     before = switches_of(tid)

@@ -38,6 +38,16 @@ def asleep(tid: str) -> bool:
     return stat[stat.rindex(")") + 2] == "S"
 
 
+def settled(tid: str, quiet: float = 0.1) -> bool:
+    """Whether this process's thread ``tid`` waits and is not woken for ``quiet`` seconds: a
+    thread waiting for the GIL wakes every 5 ms, so one that passes waits for something else."""
+    if not asleep(tid):
+        return False
+    seen = switches_of(tid)
+    time.sleep(quiet)
+    return asleep(tid) and switches_of(tid) == seen
+
+
 def switches_by_thread(name: str) -> dict[str, int]:
     """The voluntary context switches so far of each thread of this process called ``name``
     (as ``/proc`` shows it), by thread id; a thread that ends while they are read is left out."""
