@@ -56,6 +56,7 @@ class Store:
         self,
         fields: list[tuple[str, Any, str | None, npt.NDArray[np.uint64] | None]],
         options: PutOptions | None = None,
+        ack: int | None = None,
     ) -> npt.NDArray[np.uint64]: ...
     def claim(
         self, task: str, fields: list[str], batch_size: int, options: ClaimOptions | None = None

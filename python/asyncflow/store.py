@@ -159,7 +159,12 @@ class Store:
 
     @_arguments
     def put(
-        self, data: Mapping[str, Any], *, options: PutOptions | None = None, **kwargs: Any
+        self,
+        data: Mapping[str, Any],
+        *,
+        options: PutOptions | None = None,
+        ack: Batch | int | None = None,
+        **kwargs: Any,
     ) -> np.ndarray:
         """Writes rows; returns their indexes (uint64). Each field's value is one array (a row per
         first-axis entry), a list with one value per row, or a :class:`~asyncflow.Ragged` (see
@@ -167,9 +172,26 @@ class Store:
         arguments: ``partition``, ``indexes``, ``groups``, ``group_size``, ``version``, ``tags``,
         ``timeout``) say which rows: new ones by default, or fields of existing ``indexes``. The
         new fields become ready, and claimable, only once the whole put is in place.
+
+        ``ack``, a batch claimed from this store (or its lease), is acked whole once the put is
+        in, in the same request: a stage's results and the commit of the rows they came from in
+        one round trip. Nothing is acked if the put fails. If the ack fails (``LeaseError``: the
+        lease ended), the put stays in place, as with a put and then an ack.
         """
         fields = to_native(data)
-        return self._native.put(fields, _options(PutOptions, options, kwargs))
+        put = _options(PutOptions, options, kwargs)
+        lease = None if ack is None else self._lease(ack)
+        if lease is None:  # (an empty batch holds no lease: nothing to ack)
+            return self._native.put(fields, put)
+        if isinstance(ack, Batch):
+            if ack.store is not self:
+                raise BadRequestError("put: the batch to ack was claimed from another store")
+            ack._drop_cells()
+        rows = self._native.put(fields, put, lease)
+        if isinstance(ack, Batch):
+            ack._note_acked(None)
+            ack._settle(None)
+        return rows
 
     def claim(
         self,

@@ -196,6 +196,18 @@ def requests_served(port: int) -> int:
     return metric(port, "requests_total")
 
 
+def test_a_put_that_acks_its_batch_is_one_request(daemons: Daemons) -> None:
+    port = free_port()
+    store = af.connect(daemons("--metrics", f"127.0.0.1:{port}").url)
+    store.register_task("t")
+    store.put({"x": [1, 2]})
+    batch = store.claim("t", "x", 2, timeout=1)
+    before = requests_served(port)
+    store.put({"y": np.array([3, 4])}, indexes=batch.indexes, ack=batch)
+    assert requests_served(port) - before == 1
+    assert store.stats()["rows_acked"] == 2
+
+
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     """Polls ``condition`` until it holds; fails after ``timeout`` seconds, naming ``what``."""
     deadline = time.monotonic() + timeout
@@ -456,6 +468,13 @@ def test_a_store_sharded_over_three_storage_daemons(sharded_store: Callable[...,
     while store.stats()["memory_used"] and time.monotonic() < deadline + 10:
         time.sleep(0.02)
     assert store.stats()["memory_used"] == 0
+    # A put that acks a batch: the controller commits the put, then the lease is acked.
+    store.put({"ids": rows[:2]})
+    batch = store.claim("t", "ids", 2, timeout=5)
+    acked = store.stats()["rows_acked"]
+    new = store.put({"ids": rows[2:4]}, partition="next", ack=batch)
+    assert store.rows(new).partitions == ["next", "next"]
+    assert store.stats()["rows_acked"] == acked + 2
 
 
 def test_a_put_one_storage_daemon_refuses_fails_whole_and_the_others_go_on(

@@ -173,6 +173,57 @@ def test_partial_acks_then_exit_acks_the_rest(store: af.Store) -> None:
     assert store.stats()["rows_acked"] == 3
 
 
+def test_a_put_that_acks_a_batch_writes_its_results_and_commits_the_rows(store: af.Store) -> None:
+    store.register_task("t")
+    store.register_task("later")  # (which keeps the rows once "t" acked them)
+    store.put({"x": [1, 2, 3]})
+    with store.claim("t", "x", 3, timeout=1) as batch:
+        store.put({"y": np.array([4, 5, 6])}, indexes=batch.indexes, ack=batch)
+        # Acked: nothing is left for the context manager to settle (an ack again would raise).
+    assert store.stats()["rows_acked"] == 3
+    assert [int(v) for v in store.read(batch.indexes, "y")["y"]] == [4, 5, 6]
+    assert len(store.claim("t", "x", 3, timeout=0, allow_partial=True)) == 0
+    # New rows elsewhere, and the rows they came from acked, in one call.
+    store.put({"x": [7]})
+    source = store.claim("t", "x", 1, timeout=1)
+    new = store.put({"x": [8, 9]}, partition="next", ack=source)
+    assert store.rows(new).partitions == ["next", "next"]
+    assert store.stats()["rows_acked"] == 4
+    # An empty batch holds no lease: the put alone.
+    empty = store.claim("t", "x", 1, timeout=0, allow_partial=True, partition="none")
+    assert len(store.put({"x": [10]}, partition="none", ack=empty)) == 1
+
+
+def test_a_put_that_fails_acks_nothing_and_an_ack_that_fails_leaves_the_put(
+    store: af.Store,
+) -> None:
+    store.register_task("t")
+    store.put({"x": [1, 2]})
+    batch = store.claim("t", "x", 2, timeout=1)
+    # A put refused (one value for two rows): the lease still holds its rows, unacked.
+    with pytest.raises(af.SchemaError):
+        store.put({"y": np.array([1.0])}, indexes=batch.indexes, ack=batch)
+    assert store.stats()["rows_acked"] == 0
+    assert len(store.claim("t", "x", 2, timeout=0, allow_partial=True)) == 0
+    # A batch claimed from another store is refused before anything is written.
+    other = af.Store()
+    other.register_task("t")
+    other.put({"x": [1]})
+    foreign = other.claim("t", "x", 1, timeout=1)
+    with pytest.raises(af.BadRequestError, match="another store"):
+        store.put({"z": np.array([1, 2])}, indexes=batch.indexes, ack=foreign)
+    assert store.ready_fields(batch.indexes) == [["x"], ["x"]]
+    batch.ack()
+    # Its lease ended: the put is in, the ack refused, as a put and then an ack would be.
+    store.put({"x": [3]})
+    late = store.claim("t", "x", 1, timeout=1)
+    late.ack()
+    row = store.put({"x": [4]})
+    with pytest.raises(af.LeaseError):
+        store.put({"w": np.array([5])}, indexes=row, ack=late.lease)
+    assert [int(v) for v in store.read(row, "w")["w"]] == [5]
+
+
 def test_claim_options_filter_by_partition_version_and_group(store: af.Store) -> None:
     store.register_task("t")
     store.put({"x": [0, 0]}, partition="old", version=1)

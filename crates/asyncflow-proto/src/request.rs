@@ -46,6 +46,10 @@ pub struct PutRequest {
     pub target: PutTarget,
     pub timeout: Option<Duration>,
     pub source: PayloadSource,
+    /// A lease this client holds, acked whole once the put is in: the put of a stage's results
+    /// and the ack of the rows they came from, in one round trip. Nothing is acked if the put
+    /// fails; an ack that fails (the lease ended) leaves the put in place, as two requests would.
+    pub ack: Option<u64>,
 }
 
 /// Payload cells for a storage daemon: `columns[f].1[k]` is field `columns[f].0` of `rows[k]`.
@@ -317,6 +321,10 @@ impl Request {
                 put_target(&mut w, &p.target);
                 put_timeout(&mut w, p.timeout);
                 put_source(&mut w, p.source);
+                // Last and only when set, so that a put without one reads as before.
+                if let Some(lease) = p.ack {
+                    w.u64(lease);
+                }
             }
             Request::Claim { spec, allow_partial, timeout, read } => {
                 claim::encode(&mut w, spec);
@@ -413,6 +421,7 @@ impl Request {
                 target: get_target(r)?,
                 timeout: r.opt(Reader::duration)?,
                 source: get_source(r)?,
+                ack: if r.remaining() > 0 { Some(r.u64()?) } else { None },
             }),
             Op::Claim => Request::Claim {
                 spec: claim::decode(r)?,
@@ -497,6 +506,7 @@ mod tests {
             }),
             timeout: Some(Duration::from_millis(1500)),
             source,
+            ack: None,
         })
     }
 
@@ -520,6 +530,22 @@ mod tests {
         let req = put(PayloadSource::Inline, 64);
         let back = round_trip(&req, 72).unwrap();
         assert_eq!(format!("{back:?}"), format!("{req:?}"));
+    }
+
+    #[test]
+    fn a_put_that_acks_round_trips_and_one_without_is_encoded_as_before() {
+        let Request::Put(plain) = put(PayloadSource::Inline, 64) else { unreachable!() };
+        let acking = Request::Put(PutRequest { ack: Some(u64::MAX - 1), ..plain.clone() });
+        let Request::Put(back) = round_trip(&acking, 72).unwrap() else { panic!("not a put") };
+        assert_eq!(back.ack, Some(u64::MAX - 1));
+        let plain_bytes = Request::Put(plain).encode();
+        // The lease is the one thing the acking put adds, at the end.
+        assert_eq!(acking.encode()[..plain_bytes.len()], plain_bytes[..]);
+        assert!(acking.encode().len() > plain_bytes.len());
+        let Request::Put(back) = Request::decode(Op::Put, &plain_bytes, 72).unwrap() else {
+            panic!("not a put")
+        };
+        assert_eq!(back.ack, None);
     }
 
     #[test]

@@ -139,13 +139,15 @@ impl Store {
 
     /// Writes new rows or fields of existing rows (`options.indexes`). `fields` holds
     /// `(name, value, dtype or None, row lengths or None)`, the lengths given for a ragged column
-    /// passed as one array. Returns the rows' indexes.
-    #[pyo3(signature = (fields, options = None))]
+    /// passed as one array. With `ack`, then acks that lease whole (in the same request to a
+    /// daemon); nothing is acked if the put fails. Returns the rows' indexes.
+    #[pyo3(signature = (fields, options = None, ack = None))]
     fn put<'py>(
         &self,
         py: Python<'py>,
         fields: Vec<PutField<'py>>,
         options: Option<PutOptions<'py>>,
+        ack: Option<u64>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let pending = inspect_fields(&fields)?;
         let (target, timeout) = options.unwrap_or_default().into_target()?;
@@ -164,14 +166,15 @@ impl Store {
                             Ok(unsafe { p.into_column(guard) })
                         })
                         .collect::<Result<_, StoreError>>()?;
-                    store.put(columns, &target)
+                    let rows = store.put(columns, &target)?;
+                    ack.map_or(Ok(()), |lease| store.ack(lease, None)).map(|()| rows)
                 })?
             }
             Conn::Remote(client) => detached(py, None, |wait| {
                 // SAFETY: `fields` (the inspected Python objects) outlives this closure.
                 let columns: Vec<PutColumn<'_>> =
                     pending.iter().map(|p| unsafe { p.as_put_column() }).collect();
-                client.put(&columns, target, timeout, wait)
+                client.put(&columns, target, timeout, ack, wait)
             })?,
         };
         Ok(rows.into_pyarray(py))

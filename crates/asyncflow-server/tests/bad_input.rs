@@ -225,7 +225,7 @@ fn puts_whose_sizes_overflow_are_schema_errors() {
         ];
         for (name, schema, bytes, first_dim) in crafted {
             let column = PutColumn { name: name.into(), schema, cells: vec![(bytes, first_dim)] };
-            let put = client.put(&[column], support::new_rows(), None, support::NOW);
+            let put = client.put(&[column], support::new_rows(), None, None, support::NOW);
             assert!(
                 matches!(put, Err(Error::Store(StoreError::Schema(_)))),
                 "{prefer:?} {name}: {put:?}"

@@ -123,7 +123,7 @@ fn a_staged_put_larger_than_a_frame_is_refused() {
         schema: asyncflow_core::FieldSchema::ragged(asyncflow_core::DType::I64, vec![]),
         cells: vec![(&bytes, 10_000)],
     };
-    let err = client.put(&[column], support::new_rows(), None, NOW).unwrap_err();
+    let err = client.put(&[column], support::new_rows(), None, None, NOW).unwrap_err();
     assert!(matches!(err, Error::Store(StoreError::BadRequest(m)) if m.contains("max-frame")));
     put_ints(&client, "y", &[1]);
 }
@@ -139,7 +139,7 @@ fn a_put_over_max_frame_on_tcp_is_refused_and_its_bytes_counted() {
         schema: asyncflow_core::FieldSchema::ragged(asyncflow_core::DType::U8, vec![]),
         cells: vec![(&bytes, 100 << 10)],
     };
-    let err = client.put(&[column], support::new_rows(), None, NOW).unwrap_err();
+    let err = client.put(&[column], support::new_rows(), None, None, NOW).unwrap_err();
     assert!(matches!(&err, Error::Store(StoreError::BadRequest(m)) if m.contains("max-frame")));
     assert_eq!(metric(&metrics, "request_errors_total"), 1);
     // Read and dropped, but received: the byte count says so.
@@ -159,7 +159,7 @@ fn a_put_larger_than_any_frame_is_refused_over_tcp_before_it_is_sent() {
         schema: asyncflow_core::FieldSchema::ragged(asyncflow_core::DType::U8, vec![]),
         cells: (0..5).map(|_| (gib.as_slice(), 1 << 30)).collect(),
     };
-    let err = client.put(&[column], support::new_rows(), None, NOW).unwrap_err();
+    let err = client.put(&[column], support::new_rows(), None, None, NOW).unwrap_err();
     assert!(
         matches!(&err, Error::Store(StoreError::BadRequest(m)) if m.contains("larger than any frame")),
         "{err}"

@@ -73,6 +73,7 @@ fn put_of(bytes: u64) -> Request {
         target: new_rows(),
         timeout: Some(Duration::from_secs(600)),
         source: PayloadSource::Inline,
+        ack: None,
     })
 }
 

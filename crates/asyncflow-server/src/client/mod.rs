@@ -292,25 +292,39 @@ impl Client {
         }
     }
 
+    /// Writes rows; with `ack`, then acks that lease whole (in the put's own request, but for
+    /// a sharded deployment, whose controller commits a put only after its storage daemons
+    /// hold the bytes: there the ack follows the put). Nothing is acked if the put fails.
     pub fn put(
         &self,
         columns: &[PutColumn<'_>],
         target: PutTarget,
         timeout: Option<Duration>,
+        ack: Option<u64>,
         wait: Wait<'_>,
     ) -> Result<Vec<u64>> {
         if !self.storage.is_empty() {
-            return self.put_sharded(columns, target, timeout, wait);
+            let rows = self.put_sharded(columns, target, timeout, wait)?;
+            return match ack {
+                Some(lease) => self.ack(lease, None, wait).map(|()| rows),
+                None => Ok(rows),
+            };
         }
         let layout = Layout::place(columns, None);
         let metas = layout.column_metas(columns);
         let sent = send_cells(&self.primary, &layout, timeout, wait, |source| {
-            Request::Put(PutRequest { columns: metas, target, timeout, source })
-        })?;
-        match put_reply(sent, wait)? {
-            Reply::Rows(rows) => Ok(rows),
-            other => Err(unexpected(&other)),
+            Request::Put(PutRequest { columns: metas, target, timeout, source, ack })
+        })
+        .and_then(|sent| put_reply(sent, wait));
+        let rows = match sent {
+            Ok(Reply::Rows(rows)) => Ok(rows),
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => Err(e),
+        };
+        if let Some(lease) = ack {
+            self.settled(lease, true, &rows);
         }
+        rows
     }
 
     /// Admit on the controller, bytes to the owners, then commit: the rows become claimable only
@@ -329,6 +343,7 @@ impl Client {
             target,
             timeout,
             source: PayloadSource::Elsewhere,
+            ack: None,
         });
         let (rows, fields) = match self.call(&admit, wait)? {
             Reply::Admitted { rows, fields } => (rows, fields),
@@ -420,11 +435,11 @@ impl Client {
         done
     }
 
-    /// After an ack or release of `lease` (`whole`, or a subset of its rows): whether this
-    /// client still holds it.
-    fn settled(&self, lease: u64, whole: bool, done: &Result<()>) {
+    /// After an ack or release of `lease` (`whole`, or a subset of its rows), or a put that
+    /// acked it: whether this client still holds it.
+    fn settled<T>(&self, lease: u64, whole: bool, done: &Result<T>) {
         match done {
-            Ok(()) if whole => self.primary.forget(lease),
+            Ok(_) if whole => self.primary.forget(lease),
             Err(Error::Store(StoreError::Lease { .. })) => self.primary.forget(lease),
             _ => {}
         }

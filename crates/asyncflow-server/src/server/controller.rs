@@ -43,6 +43,10 @@ impl Execute for Controller {
         wait: Wait<'_>,
     ) -> Outcome {
         match req {
+            Request::Put(p) if p.ack.is_some() => Err(StoreError::bad_request(
+                "a controller admits a put before its bytes are stored: ack the lease after the \
+                 put's commit, not with it",
+            )),
             Request::Put(p) if p.source == PayloadSource::Elsewhere => {
                 check_cell_sizes(&p)?;
                 let specs: Vec<ColumnSpec<'_>> = p

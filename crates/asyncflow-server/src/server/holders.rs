@@ -7,7 +7,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use asyncflow_proto::{Reply, Request};
+use asyncflow_proto::{PutRequest, Reply, Request};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
@@ -46,9 +46,9 @@ impl Touch {
     pub fn of(req: &Request) -> Self {
         match req {
             Request::Claim { .. } => Touch::Claim,
-            Request::Ack { lease, subset: None } | Request::Release { lease, subset: None } => {
-                Touch::End(*lease)
-            }
+            Request::Ack { lease, subset: None }
+            | Request::Release { lease, subset: None }
+            | Request::Put(PutRequest { ack: Some(lease), .. }) => Touch::End(*lease),
             Request::Ack { lease, .. }
             | Request::Release { lease, .. }
             | Request::Renew { lease, .. } => Touch::Keep(*lease),

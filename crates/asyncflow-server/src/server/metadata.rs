@@ -95,7 +95,14 @@ impl Execute for Store {
             Request::RegisterTask { name, scope } => {
                 self.register_task(&name, scope).and(done(Reply::Done))
             }
-            Request::Put(p) => put(self, session, p, payload, wait),
+            Request::Put(p) => {
+                let ack = p.ack;
+                let put = put(self, session, p, payload, wait)?;
+                match ack {
+                    Some(lease) => self.ack(lease, None).map(|()| put),
+                    None => Ok(put),
+                }
+            }
             Request::Claim { spec, allow_partial, read, .. } => {
                 let claimed = claimed(self.claim(&spec, allow_partial, wait)?);
                 if read {

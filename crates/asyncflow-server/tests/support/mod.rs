@@ -107,7 +107,7 @@ pub fn put_ints(client: &Client, field: &str, values: &[i64]) -> Vec<u64> {
         schema: FieldSchema::ragged(DType::I64, vec![]),
         cells: bytes.iter().map(|b| (b.as_slice(), 1)).collect(),
     };
-    client.put(&[column], new_rows(), Some(Duration::from_secs(5)), NOW).unwrap()
+    client.put(&[column], new_rows(), Some(Duration::from_secs(5)), None, NOW).unwrap()
 }
 
 /// Puts one row of `values` in `field`: 4 KiB values or more make it larger than a put that
@@ -119,7 +119,7 @@ pub fn put_row(client: &Client, field: &str, values: &[i64]) -> u64 {
         schema: FieldSchema::ragged(DType::I64, vec![]),
         cells: vec![(bytes.as_slice(), values.len() as u64)],
     };
-    client.put(&[column], new_rows(), Some(Duration::from_secs(5)), NOW).unwrap()[0]
+    client.put(&[column], new_rows(), Some(Duration::from_secs(5)), None, NOW).unwrap()[0]
 }
 
 /// The values of row `row`'s `field`, as `put_row` put them.
