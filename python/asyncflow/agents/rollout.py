@@ -16,6 +16,7 @@ import numpy as np
 
 from asyncflow.agents.loop import AgentLoop
 from asyncflow.agents.trajectory import Trajectory, TrajectoryCompletion
+from asyncflow.batch import Batch
 from asyncflow.engines.base import Completion, RolloutEngine
 from asyncflow.evaluation import verifier
 from asyncflow.tasks.base import Problem
@@ -82,7 +83,11 @@ class AgentRollout(Rollout):
         return [[TrajectoryCompletion.of(t) for t in g] for g in runs]
 
     def _put_samples(
-        self, work: PromptGroups, version: int, outputs: list[list[Completion]]
+        self,
+        work: PromptGroups,
+        version: int,
+        outputs: list[list[Completion]],
+        ack: Batch | None = None,
     ) -> None:
         columns: dict[str, list[object]] = {
             name: []
@@ -142,6 +147,7 @@ class AgentRollout(Rollout):
                 group_size=self.sampling.n,
                 # A trajectory is as old as its oldest model token.
                 version=np.array(oldest, np.uint64),
+                ack=ack,
             )
         self.ctx.state.add(
             generated_tokens=tokens,

@@ -66,11 +66,10 @@ class AdvantageWorker(Worker):
                 # its step is waiting for their replacements.
                 self.ask_for_replacements(batch.indexes, batch.groups, adv)
             if self.config.algorithm.advantage == "gae":
-                shaped = self.token_advantages(self.shaped_rewards, adv, data)
-                self.store.put(shaped, indexes=batch.indexes)
+                out = self.token_advantages(self.shaped_rewards, adv, data)
             else:
-                self.store.put({"advantage": adv}, indexes=batch.indexes)
-        batch.ack()
+                out = {"advantage": adv}
+            self.store.put(out, indexes=batch.indexes, ack=batch)
         return True
 
     def ask_for_replacements(

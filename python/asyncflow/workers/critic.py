@@ -91,8 +91,7 @@ class CriticWorker(Worker):
                     p, r = len(data["prompt_ids"][i]), len(data["response_ids"][i])
                     out[i] = values[row, p : p + r].numpy()
             whole = Ragged(np.concatenate(out), [len(r) for r in data["response_ids"]])
-            self.store.put({"values": whole}, indexes=batch.indexes)
-        batch.ack()
+            self.store.put({"values": whole}, indexes=batch.indexes, ack=batch)
         return True
 
     def train(self) -> bool:

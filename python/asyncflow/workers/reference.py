@@ -39,6 +39,5 @@ class ReferenceWorker(Worker):
                     p, r = len(prompts[i]), len(responses[i])
                     out[i] = logp[row, p : p + r]
             whole = Ragged(np.concatenate(out), [len(r) for r in responses])
-            self.store.put({"ref_logprobs": whole}, indexes=batch.indexes)
-        batch.ack()
+            self.store.put({"ref_logprobs": whole}, indexes=batch.indexes, ack=batch)
         return True

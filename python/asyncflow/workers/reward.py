@@ -192,8 +192,7 @@ class RewardModelWorker(Worker):
             failed = len(rows) - int(np.isfinite(values).sum())
             if failed:
                 self.ctx.state.add(reward_failures=failed)
-            self.store.put({"model_score": values}, indexes=batch.indexes)
-        batch.ack()
+            self.store.put({"model_score": values}, indexes=batch.indexes, ack=batch)
         return True
 
 
@@ -281,8 +280,7 @@ class RewardWorker(Worker):
             if failures:
                 self.failures += failures
                 self.ctx.state.add(reward_failures=len(failures))
-            self.store.put({"reward": rewards}, indexes=batch.indexes)
-        batch.ack()
+            self.store.put({"reward": rewards}, indexes=batch.indexes, ack=batch)
         return True
 
     def _pass_on_agent_rewards(self) -> bool:
@@ -297,6 +295,5 @@ class RewardWorker(Worker):
         if failed := int(np.isnan(rewards).sum()):
             log.warning("%d trajectories could not be scored; their groups are left out", failed)
             self.ctx.state.add(reward_failures=failed)
-        self.store.put({"reward": rewards}, indexes=batch.indexes)
-        batch.ack()
+        self.store.put({"reward": rewards}, indexes=batch.indexes, ack=batch)
         return True

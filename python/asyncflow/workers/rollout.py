@@ -258,12 +258,21 @@ class Rollout(Worker):
         finally:
             self._claim_lock.release()
 
+    @staticmethod
+    def _whole_batch(work: PromptGroups) -> Batch | None:
+        """The batch ``work`` holds every row of, if it is one claim's (its samples' put can
+        then ack it)."""
+        batch = work.batch
+        if work.assignments is not None or batch is None:
+            return None
+        return batch if len(work.groups) == len(batch.groups) else None  # (a row per group)
+
     def _settle(self, work: PromptGroups, done: bool) -> None:
         """Acks the prompt rows (``done``) or hands them back to the store."""
         if work.assignments is None:
             assert work.batch is not None
             batch = work.batch
-            if len(work.groups) == len(batch.groups):  # (one prompt row per group)
+            if self._whole_batch(work) is not None:
                 rows = None  # all of them
             else:
                 rows = batch.indexes[np.isin(batch.groups, work.groups)]
@@ -337,8 +346,10 @@ class Rollout(Worker):
                 # samples again would never be trained.
                 self._settle(work, done=True)
                 return
+            # The prompts of one whole claim are acked by their samples' put.
+            ack = self._whole_batch(work)
             try:
-                self._put_samples(work, version, outputs)
+                self._put_samples(work, version, outputs, ack)
             except errors.BadRequestError:
                 # Refused, as a put that would give a group more rows than its size is: some
                 # groups' samples are in already. Put the others (all of them again, if those in
@@ -347,7 +358,9 @@ class Rollout(Worker):
                 fresh, fresh_outputs = self._drop_already_put(work, outputs)
                 if fresh.prompts:
                     self._put_samples(fresh, version, fresh_outputs)
-            self._settle(work, done=True)
+                ack = None  # (nothing was acked: the put was refused)
+            if ack is None:
+                self._settle(work, done=True)
 
     def _drop_rerouted(
         self, work: PromptGroups, outputs: list[list[Completion]]
@@ -389,10 +402,14 @@ class Rollout(Worker):
         return rest, [outputs[i] for i in keep]
 
     def _put_samples(
-        self, work: PromptGroups, version: int, outputs: list[list[Completion]]
+        self,
+        work: PromptGroups,
+        version: int,
+        outputs: list[list[Completion]],
+        ack: Batch | None = None,
     ) -> None:
         """Puts each completion as a row, its ragged columns each concatenated once
-        (:class:`asyncflow.Ragged`) rather than an array per row."""
+        (:class:`asyncflow.Ragged`) rather than an array per row; the put acks ``ack``."""
         prompts, answers, groups = work.prompts, work.answers, work.groups
         done = [c for completions in outputs for c in completions]
         per_group = [len(completions) for completions in outputs]
@@ -421,6 +438,7 @@ class Rollout(Worker):
                 group_size=self.sampling.n,
                 # A sample is as old as its oldest token.
                 version=oldest,
+                ack=ack,
             )
         self.ctx.state.add(
             generated_tokens=len(ids),
