@@ -5,8 +5,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use asyncflow_core::ClaimSpec;
-use asyncflow_proto::{Reply, Request};
+use asyncflow_core::{ClaimSpec, DType, FieldSchema};
+use asyncflow_proto::{CellMeta, ColumnMeta, PayloadSource, PutRequest, Reply, Request};
 use asyncflow_server::client::{Client, Connection, Policy, Preference};
 use support::{Daemon, NOW, put_ints, put_row, read_ints, read_row};
 
@@ -106,4 +106,39 @@ fn a_storage_daemon_refuses_metadata_operations() {
     let daemon = Daemon::start(&["--role", "storage"]);
     let err = Client::connect(&daemon.url(), None, Preference::Auto).err().unwrap();
     assert!(err.to_string().contains("storage daemon"), "{err}");
+}
+
+#[test]
+fn a_controller_refuses_a_put_that_acks_a_lease_and_admits_nothing() {
+    let c = cluster(1);
+    let client =
+        Client::connect_with(&c.controller.url(), None, Preference::Tcp, support::POLICY).unwrap();
+    client.register_task("t", None, NOW).unwrap();
+    put_ints(&client, "x", &[1]);
+    let claimed = client.claim(&spec(1), false, Some(Duration::from_secs(1)), NOW).unwrap().0;
+    let lease = claimed.lease.unwrap();
+    // As a client of an older build might send it: the admission and the ack in one request.
+    let conn = Connection::open(
+        &c.controller.address.to_string(),
+        None,
+        Preference::Tcp,
+        Policy::default(),
+    )
+    .unwrap();
+    let put = Request::Put(PutRequest {
+        columns: vec![ColumnMeta {
+            name: "x".into(),
+            schema: FieldSchema::ragged(DType::I64, vec![]),
+            cells: vec![CellMeta { offset: 0, len: 8, first_dim: 1 }],
+        }],
+        target: support::new_rows(),
+        timeout: None,
+        source: PayloadSource::Elsewhere,
+        ack: Some(lease),
+    });
+    let err = conn.call(&put, &[], NOW).err().unwrap();
+    assert!(err.to_string().contains("ack the lease after the put's commit"), "{err}");
+    assert_eq!(client.stats(NOW).unwrap().index.live_rows, 1, "nothing admitted");
+    // Nothing acked either: the lease still holds its row, and its ack goes through.
+    client.ack(lease, None, NOW).unwrap();
 }
