@@ -312,15 +312,13 @@ impl Client {
         }
         let layout = Layout::place(columns, None);
         let metas = layout.column_metas(columns);
-        let sent = send_cells(&self.primary, &layout, timeout, wait, |source| {
+        let rows = send_cells(&self.primary, &layout, timeout, wait, |source| {
             Request::Put(PutRequest { columns: metas, target, timeout, source, ack })
         })
-        .and_then(|sent| put_reply(sent, wait));
-        let rows = match sent {
-            Ok(Reply::Rows(rows)) => Ok(rows),
-            Ok(other) => Err(unexpected(&other)),
-            Err(e) => Err(e),
-        };
+        .and_then(|sent| match put_reply(sent, wait)? {
+            Reply::Rows(rows) => Ok(rows),
+            other => Err(unexpected(&other)),
+        });
         if let Some(lease) = ack {
             self.settled(lease, true, &rows);
         }

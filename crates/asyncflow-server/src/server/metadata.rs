@@ -97,10 +97,10 @@ impl Execute for Store {
             }
             Request::Put(p) => {
                 let ack = p.ack;
-                let put = put(self, session, p, payload, wait)?;
+                let written = put(self, session, p, payload, wait)?;
                 match ack {
-                    Some(lease) => self.ack(lease, None).map(|()| put),
-                    None => Ok(put),
+                    Some(lease) => self.ack(lease, None).map(|()| written),
+                    None => Ok(written),
                 }
             }
             Request::Claim { spec, allow_partial, read, .. } => {
