@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
@@ -103,6 +103,20 @@ def _release_unwanted(claim: asyncio.Future[Batch]) -> None:
         claim.result().release()
 
 
+@contextlib.contextmanager
+def _settling(batch: Batch | int | None, subset: np.ndarray | None, acked: bool) -> Iterator[None]:
+    """Around a call that acks (``acked``) or releases ``batch``, or ``subset`` of its rows: a
+    :class:`Batch` lets go of its claim's cells before the call, so that the daemon hears first
+    that they are no longer viewed, and records what it settled once the call succeeded."""
+    if isinstance(batch, Batch):
+        batch._drop_cells()
+    yield
+    if isinstance(batch, Batch):
+        if acked:
+            batch._note_acked(subset)
+        batch._settle(None if subset is None else len(subset))
+
+
 def _index_array(indexes: Indexes) -> np.ndarray:
     return uint64_array(indexes, "row indexes")
 
@@ -183,15 +197,10 @@ class Store:
         lease = None if ack is None else self._lease(ack)
         if lease is None:  # (an empty batch holds no lease: nothing to ack)
             return self._native.put(fields, put)
-        if isinstance(ack, Batch):
-            if ack.store is not self:
-                raise BadRequestError("put: the batch to ack was claimed from another store")
-            ack._drop_cells()
-        rows = self._native.put(fields, put, lease)
-        if isinstance(ack, Batch):
-            ack._note_acked(None)
-            ack._settle(None)
-        return rows
+        if isinstance(ack, Batch) and ack.store is not self:
+            raise BadRequestError("put: the batch to ack was claimed from another store")
+        with _settling(ack, None, acked=True):
+            return self._native.put(fields, put, lease)
 
     def claim(
         self,
@@ -244,13 +253,8 @@ class Store:
         if subset is not None and len(np.unique(subset)) < len(subset):
             # Counted once by the store, twice by the batch: its other rows would go unsettled.
             raise BadRequestError("a row index is given twice")
-        if isinstance(batch, Batch):
-            batch._drop_cells()
-        (self._native.ack if acked else self._native.release)(lease, subset)
-        if isinstance(batch, Batch):
-            if acked:
-                batch._note_acked(subset)
-            batch._settle(None if subset is None else len(subset))
+        with _settling(batch, subset, acked):
+            (self._native.ack if acked else self._native.release)(lease, subset)
 
     @_arguments
     def renew(self, batch: Batch | int, timeout: float | None = None) -> float:
