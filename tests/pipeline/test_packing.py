@@ -89,6 +89,37 @@ def test_packed_positions_restart_at_each_sample() -> None:
     assert batch.sequences == 3 and batch.tokens == 9
 
 
+def test_padded_rows_hold_each_sample_at_their_start_and_its_values_on_its_response() -> None:
+    prompts = [np.array([5, 6, 7]), np.array([8]), np.array([], np.int64)]
+    responses = [np.array([9]), np.array([10, 11]), np.array([13, 14])]
+    batch = to_train_batch(
+        prompts,
+        responses,
+        -1,
+        per_token={"behaviour_logp": [[-0.5], [-1.0, -1.5], np.array([-2.0, -2.5])]},
+        per_row={"advantage": np.array([1.0, -1.0, 2.0])},
+    )
+    assert batch.input_ids.tolist() == [[5, 6, 7, 9], [8, 10, 11, -1], [13, 14, -1, -1]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1], [0, 1, 1, 0], [1, 1, 0, 0]]
+    assert batch.extras["behaviour_logp"].tolist() == [
+        [0, 0, 0, -0.5],
+        [0, -1.0, -1.5, 0],
+        [-2.0, -2.5, 0, 0],
+    ]
+    assert batch.extras["advantage"].tolist() == [1.0, -1.0, 2.0]
+
+
+def test_a_per_token_value_short_of_its_response_is_refused_naming_it() -> None:
+    prompts = [np.array([5]), np.array([8])]
+    responses = [np.array([9, 10]), np.array([11])]
+    # One value short on the first row (it would broadcast), one over on the second.
+    short_then_over = {"behaviour_logp": [[-1.0], [-1.0, -2.0]]}
+    for packed in (False, True):
+        with pytest.raises(ValueError, match=r"behaviour_logp of row 0: 1 values for 2 tokens"):
+            to_train_batch(prompts, responses, 0, per_token=short_then_over, packed=packed)
+
+
 def test_short_samples_share_rows_as_wide_as_the_longest() -> None:
     lengths = [4, 2, 9, 3, 5, 1]
     rows = pack_rows(lengths, pack_width(lengths))

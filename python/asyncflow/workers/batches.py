@@ -86,14 +86,22 @@ def _padded(
         ids[i, n : n + m] = r
         attention[i, : n + m] = 1
         response[i, n : n + m] = 1
-        for name, per_row_values in per_token.items():
-            token_values[name][i, n : n + m] = per_row_values[i]
+        for name, values in per_token.items():
+            token_values[name][i, n : n + m] = _row_values(name, values, i, m)
     extras = {name: torch.from_numpy(v) for name, v in token_values.items()}
     for name, column in per_row.items():
         extras[name] = torch.from_numpy(np.array(column, dtype=np.float32))
     return TrainBatch(
         torch.from_numpy(ids), torch.from_numpy(attention), torch.from_numpy(response), extras
     )
+
+
+def _row_values(name: str, values: Sequence[Any], i: int, tokens: int) -> Any:
+    """Sample ``i``'s values of a per-token field, refused unless one per response token (a
+    single value would broadcast over them all)."""
+    if len(row := values[i]) != tokens:
+        raise ValueError(f"{name} of row {i}: {len(row)} values for {tokens} tokens")
+    return row
 
 
 def _packed(
@@ -158,7 +166,7 @@ def _packed(
             if m:
                 source[r, at] = c + n - 1
             for name, values in per_token.items():
-                token_values[name][r, at : at + m] = values[i]
+                token_values[name][r, at : at + m] = _row_values(name, values, i, m)
             for name, column_values in per_row.items():
                 row_values[name][r, at : at + m] = column_values[i]
             at += m
