@@ -197,12 +197,13 @@ class Trainer(Worker):
             # second copy of a group this step had (see kept_rows).
             had = result.trained_groups + result.dropped_groups
             age, stale, again, data = kept_rows(batch, s, k, had)
-            if (stale | again).any():
-                batch.ack(batch.indexes[stale | again])  # (which frees them: read before)
+            left_out = stale | again
+            if some_left_out := bool(left_out.any()):
+                batch.ack(batch.indexes[left_out])  # (which frees them: read before)
             if data["reward"]:
                 with self.holding(batch):
                     kept_batches += self._train_on(data, result)
-                batch.ack(batch.indexes[~(stale | again)])
+                batch.ack(batch.indexes[~left_out] if some_left_out else None)
             first = ~again
             result.note(
                 batch.groups[first], age[first], stale[first], data["reward"], figure_sums(data)
