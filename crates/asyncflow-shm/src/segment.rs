@@ -168,11 +168,10 @@ impl Drop for Segment {
 }
 
 /// From how many bytes `Segment::write` copies with stores that go around this core's caches.
-/// The writer never reads a staged region again (its reader is the daemon's client on another
-/// core, or a later claim), so ordinary stores would only fetch each destination line into this
-/// core's caches first and evict the caller's own code and data: a 4 MiB put left the calls
-/// after it several times slower. Below this size the lines fit the caches and that costs
-/// little.
+/// A put never reads the region it staged again (its rows are read, if at all, by a later
+/// claim, most often in another process), so ordinary stores would only fetch each destination
+/// line into this core's caches first and evict the caller's own code and data: a 4 MiB put
+/// left the calls after it several times slower. Below this size that costs little.
 pub const PAST_CACHE_BYTES: usize = 256 << 10;
 
 /// Copies `src` to `dst` with non-temporal stores (x86-64; elsewhere an ordinary copy), then
