@@ -130,14 +130,7 @@ impl Segment {
         let dst = self.writable_ptr()?;
         // SAFETY: bounds checked above; the destination is mapped and writable, and a staged
         // region is written by its one stager only.
-        unsafe {
-            let dst = dst.as_ptr().add(offset);
-            if src.len() >= PAST_CACHE_BYTES {
-                copy_past_cache(dst, src);
-            } else {
-                std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
-            }
-        }
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr().add(offset), src.len()) }
         Ok(())
     }
 
@@ -164,53 +157,6 @@ impl Drop for Segment {
         }
         // SAFETY: this mapping was created in `map` with this length and is not used after drop.
         let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), len) };
-    }
-}
-
-/// From how many bytes `Segment::write` copies with stores that go around this core's caches.
-/// A put never reads the region it staged again (its rows are read, if at all, by a later
-/// claim, most often in another process), so ordinary stores would only fetch each destination
-/// line into this core's caches first and evict the caller's own code and data: a 4 MiB put
-/// left the calls after it several times slower. Below this size that costs little.
-pub const PAST_CACHE_BYTES: usize = 256 << 10;
-
-/// Copies `src` to `dst` with non-temporal stores (x86-64; elsewhere an ordinary copy), then
-/// fences them: they are weakly ordered, and the request that publishes the region must not be
-/// seen before its bytes.
-///
-/// # Safety
-/// `dst` is valid for `src.len()` bytes of writes and does not overlap `src`.
-unsafe fn copy_past_cache(dst: *mut u8, src: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-        const LINE: usize = 64;
-        let n = src.len();
-        let s = src.as_ptr();
-        // Non-temporal stores need 16-byte aligned destinations: the bytes up to the first
-        // aligned one, and the tail, are copied as usual.
-        let head = dst.align_offset(16).min(n);
-        let mut at = head;
-        // SAFETY: every access is within `src[..n]` and `dst[..n]` (caller's contract); the
-        // stores' destinations are 16-byte aligned from `head` on; SSE2 is part of x86-64.
-        unsafe {
-            std::ptr::copy_nonoverlapping(s, dst, head);
-            while at + LINE <= n {
-                let v: [__m128i; 4] =
-                    std::array::from_fn(|k| _mm_loadu_si128(s.add(at + 16 * k).cast()));
-                for (k, v) in v.into_iter().enumerate() {
-                    _mm_stream_si128(dst.add(at + 16 * k).cast(), v);
-                }
-                at += LINE;
-            }
-            std::ptr::copy_nonoverlapping(s.add(at), dst.add(at), n - at);
-            _mm_sfence();
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    // SAFETY: the caller's contract.
-    unsafe {
-        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len())
     }
 }
 
@@ -264,25 +210,6 @@ mod tests {
         again.write(0, b"again").unwrap();
         assert_eq!(*again.writable.get().unwrap(), writable, "mapped once");
         assert_eq!(&seg.bytes()[..5], b"again");
-    }
-
-    #[test]
-    fn a_write_past_the_cache_copies_every_byte_at_any_alignment_and_length() {
-        let len = PAST_CACHE_BYTES + 4096;
-        let seg = Segment::create(1, 2 * len).unwrap();
-        let src: Vec<u8> = (0..len).map(|i| (i * 31 + i / 251) as u8).collect();
-        // Destinations off the 16-byte alignment the stores need, and lengths that leave a
-        // head, a tail of under one line, or both; the bytes around each copy stay untouched.
-        for (offset, n) in
-            [(0, len), (1, len - 1), (7, PAST_CACHE_BYTES), (15, len - 63), (64, len - 17)]
-        {
-            seg.write(0, &vec![0xAA; 2 * len]).unwrap();
-            seg.write(offset, &src[..n]).unwrap();
-            let bytes = seg.bytes();
-            assert_eq!(&bytes[offset..offset + n], &src[..n], "offset {offset}, {n} bytes");
-            assert!(bytes[..offset].iter().all(|&b| b == 0xAA), "before offset {offset}");
-            assert!(bytes[offset + n..].iter().all(|&b| b == 0xAA), "after offset {offset}");
-        }
     }
 
     #[test]
