@@ -59,17 +59,13 @@ fn decode_share(r: &mut Reader<'_>) -> Result<Share, ProtoError> {
     })
 }
 
-fn tagged(w: &mut Writer, tag: u16, value: impl FnOnce(&mut Writer)) {
-    let mut inner = Writer::new();
-    value(&mut inner);
-    w.u16(tag).bytes(&inner.buf);
-}
-
 pub fn encode(w: &mut Writer, spec: &ClaimSpec) {
-    let mut fields = Writer::new();
+    // The count comes first and is known last: written in its place once the options are.
+    let count_at = w.buf.len();
+    w.u16(0);
     let mut count = 0u16;
     let mut add = |tag, value: &dyn Fn(&mut Writer)| {
-        tagged(&mut fields, tag, value);
+        w.u16(tag).sized(value);
         count += 1;
     };
     add(TASK, &|w| {
@@ -104,8 +100,7 @@ pub fn encode(w: &mut Writer, spec: &ClaimSpec) {
             w.duration(after);
         });
     }
-    w.u16(count);
-    w.buf.extend_from_slice(&fields.buf);
+    w.buf[count_at..count_at + 2].copy_from_slice(&count.to_le_bytes());
 }
 
 pub fn decode(r: &mut Reader<'_>) -> Result<ClaimSpec, ProtoError> {
@@ -200,7 +195,7 @@ mod tests {
             let mut w = Writer::new();
             w.u16(count + 1);
             w.buf.extend_from_slice(&base.buf[2..]);
-            tagged(&mut w, tag, |w| {
+            w.u16(tag).sized(|w| {
                 w.u64(5);
             });
             assert_eq!(round_trip(&w.buf).is_ok(), accepted, "tag {tag:#x}");

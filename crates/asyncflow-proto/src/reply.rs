@@ -281,8 +281,24 @@ fn get_stats(r: &mut Reader<'_>) -> Result<StoreStats, ProtoError> {
 }
 
 impl Reply {
+    /// About as many bytes as `encode` writes (a few bytes a row and a cell), so that a long
+    /// reply is written without growing its buffer again and again.
+    fn size_hint(&self) -> usize {
+        let cells = |columns: &[WireColumn]| -> usize {
+            columns.iter().map(|c| 32 + 8 * c.cells.len()).sum()
+        };
+        match self {
+            Reply::Claimed(c) => 64 + 6 * c.rows.len(),
+            Reply::Cells { columns, .. } => 64 + cells(columns),
+            Reply::ClaimedCells { claimed, columns, .. } => {
+                64 + 6 * claimed.rows.len() + cells(columns)
+            }
+            _ => 256,
+        }
+    }
+
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::new();
+        let mut w = Writer::with_capacity(self.size_hint());
         match self {
             Reply::Hello(h) => {
                 w.u8(0).str(&h.version).u8(h.role as u8).str(&h.host);

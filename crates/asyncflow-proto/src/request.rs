@@ -291,7 +291,8 @@ impl Request {
 
     /// The metadata section of this request's frame.
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::new();
+        // Most requests (a claim, an ack, a put's metadata) fit: written without regrowing.
+        let mut w = Writer::with_capacity(256);
         match self {
             Request::Hello(h) => {
                 w.opt(h.token.as_deref(), |w, t| {

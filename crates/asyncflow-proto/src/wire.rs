@@ -18,6 +18,11 @@ impl Writer {
         Self::default()
     }
 
+    /// A writer whose first `bytes` need no reallocation (a message's usual size).
+    pub fn with_capacity(bytes: usize) -> Self {
+        Self { buf: Vec::with_capacity(bytes) }
+    }
+
     pub fn u8(&mut self, v: u8) -> &mut Self {
         self.buf.push(v);
         self
@@ -45,6 +50,17 @@ impl Writer {
     pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
         self.u32(u32::try_from(v.len()).expect("a field longer than 4 GiB"));
         self.buf.extend_from_slice(v);
+        self
+    }
+
+    /// What `put` writes, as [`Writer::bytes`] would write it, written in place: its length is
+    /// filled in after it.
+    pub fn sized(&mut self, put: impl FnOnce(&mut Self)) -> &mut Self {
+        let at = self.buf.len();
+        self.u32(0);
+        put(self);
+        let len = u32::try_from(self.buf.len() - at - 4).expect("a field longer than 4 GiB");
+        self.buf[at..at + 4].copy_from_slice(&len.to_le_bytes());
         self
     }
 
@@ -285,6 +301,21 @@ mod tests {
         w.u32(u32::MAX);
         let err = Reader::new(&w.buf).u64s().unwrap_err();
         assert!(matches!(err, ProtoError::Truncated { .. }));
+    }
+
+    #[test]
+    fn a_field_written_in_place_is_the_bytes_of_the_same_field_written_apart() {
+        for inner in [&b""[..], b"x", &[7u8; 300][..]] {
+            let (mut apart, mut in_place) = (Writer::new(), Writer::new());
+            apart.u8(9).bytes(inner).u8(9);
+            in_place.u8(9).sized(|w| {
+                w.buf.extend_from_slice(inner);
+            });
+            in_place.u8(9);
+            assert_eq!(in_place.buf, apart.buf);
+            let mut r = Reader::new(&in_place.buf[1..]);
+            assert_eq!(r.bytes().unwrap(), inner);
+        }
     }
 
     #[test]
