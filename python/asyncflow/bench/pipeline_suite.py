@@ -142,9 +142,12 @@ def run_mode(mode: Mode, costs: CostModel, workdir: Path, report: Report) -> Mod
 
 def _fail_if_any_failed(mode: Mode, procs: dict[str, subprocess.Popen[str]]) -> None:
     """Raises if any of the mode's processes has exited with an error."""
-    failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+    failed = {n: p.poll() for n, p in procs.items() if p.poll() not in (None, 0)}
     if failed:
-        raise RuntimeError(f"{mode.name}: processes {failed} failed; see their stderr above")
+        raise RuntimeError(
+            f"{mode.name}: processes failed (exit status; negative: killed by that signal): "
+            f"{failed}; see their stderr above"
+        )
 
 
 def _follow(
