@@ -73,6 +73,12 @@ def test_one_read_of_rows_from_many_shared_segments(daemons: Daemons) -> None:
         for sent, back in zip(rows, got, strict=True):
             np.testing.assert_array_equal(back, sent)
     assert isinstance(reader.read(idx[-1:], "x")["x"][0].base, _native.ChunkOwner)
+    # Rows whose segments alternate, each segment coming back after others.
+    order = [k for pair in zip(range(20), range(39, 19, -1), strict=True) for k in pair]
+    order += [0, 39, 0]
+    got = reader.read(idx[order], "x")["x"]
+    for k, back in zip(order, got, strict=True):
+        np.testing.assert_array_equal(back, rows[k])
 
 
 def test_a_token_is_required_when_configured(

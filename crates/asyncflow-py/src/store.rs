@@ -193,11 +193,11 @@ impl Store {
     ) -> PyResult<ClaimResult<'py>> {
         let options = self.claim_options.read(options.as_ref())?;
         let claim = options.into_claim(task, fields, batch_size)?;
-        let (spec, partial) = (&claim.spec, claim.allow_partial);
+        let (spec, partial) = (claim.spec, claim.allow_partial);
         let timeout = duration(claim.timeout)?;
         match self.conn(py)? {
             Conn::Embedded(store) => {
-                let c = detached(py, deadline(timeout), |wait| store.claim(spec, partial, wait))?;
+                let c = detached(py, deadline(timeout), |wait| store.claim(&spec, partial, wait))?;
                 let left = c.deadline.map(|d| d.saturating_duration_since(Instant::now()));
                 Ok(claim_result(py, c.lease, c.rows, c.versions, &c.groups, left, None))
             }

@@ -31,7 +31,7 @@ fn round_trip(prefer: Preference, transport: &str) {
     client.register_task("t", None, NOW).unwrap();
     let rows = put_ints(&client, "x", &[10, 20, 30]);
     let (claimed, sent) =
-        client.claim(&spec("t", "x", 3), false, Some(Duration::from_secs(1)), NOW).unwrap();
+        client.claim(spec("t", "x", 3), false, Some(Duration::from_secs(1)), NOW).unwrap();
     assert_eq!(claimed.rows, rows);
     // On shared memory the claimed cells come with the claim; over TCP they are read after it.
     assert_eq!(
@@ -62,11 +62,11 @@ fn every_operation_round_trips_over_shared_memory() {
 fn store_errors_arrive_as_the_same_variant() {
     let daemon = Daemon::start(&[]);
     let client = daemon.connect(Preference::Auto);
-    let err = client.claim(&spec("nobody", "x", 1), false, Some(Duration::ZERO), NOW).unwrap_err();
+    let err = client.claim(spec("nobody", "x", 1), false, Some(Duration::ZERO), NOW).unwrap_err();
     assert!(matches!(err, Error::Store(StoreError::UnknownTask(t)) if t == "nobody"));
     client.register_task("t", None, NOW).unwrap();
     let err =
-        client.claim(&spec("t", "x", 1), false, Some(Duration::from_millis(50)), NOW).unwrap_err();
+        client.claim(spec("t", "x", 1), false, Some(Duration::from_millis(50)), NOW).unwrap_err();
     assert!(matches!(err, Error::Store(StoreError::Timeout { .. })));
 }
 
@@ -77,7 +77,7 @@ fn a_long_claim_does_not_hold_up_other_requests_of_the_same_client() {
     client.register_task("t", None, NOW).unwrap();
     std::thread::scope(|s| {
         let waiting =
-            s.spawn(|| client.claim(&spec("t", "x", 1), false, Some(Duration::from_secs(30)), NOW));
+            s.spawn(|| client.claim(spec("t", "x", 1), false, Some(Duration::from_secs(30)), NOW));
         std::thread::sleep(Duration::from_millis(100));
         let started = Instant::now();
         client.stats(NOW).unwrap();
@@ -208,10 +208,10 @@ fn a_claim_is_served_while_more_claims_wait_than_the_daemon_has_threads() {
     let idle_wait = Wait { deadline: None, interrupted: Some(&interrupted) };
     std::thread::scope(|s| {
         let idle: Vec<_> = (0..IDLE)
-            .map(|_| s.spawn(|| client.claim(&spec("idle", "never", 1), false, None, idle_wait)))
+            .map(|_| s.spawn(|| client.claim(spec("idle", "never", 1), false, None, idle_wait)))
             .collect();
         wait_until("every idle claim waits", || metric(&metrics, "waiting_claims") == IDLE as u64);
-        let claim = s.spawn(|| client.claim(&spec("t", "x", 1), false, None, NOW));
+        let claim = s.spawn(|| client.claim(spec("t", "x", 1), false, None, NOW));
         wait_until("the claim waits too", || metric(&metrics, "waiting_claims") == IDLE as u64 + 1);
         let rows = put_ints(&client, "x", &[7]);
         let (claimed, _) = claim.join().unwrap().unwrap();
@@ -232,11 +232,11 @@ fn a_waiting_claim_gets_the_rows_of_a_lease_that_runs_out() {
     let (holder, waiter) = (daemon.connect(Preference::Auto), daemon.connect(Preference::Auto));
     holder.register_task("t", None, NOW).unwrap();
     let rows = put_ints(&holder, "x", &[5]);
-    let (held, _) = holder.claim(&spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
+    let (held, _) = holder.claim(spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
     assert_eq!(held.rows, rows);
     // Nothing else happens in the store: only the lease's deadline can wake this claim.
     let (again, _) =
-        waiter.claim(&spec("t", "x", 1), false, Some(Duration::from_secs(600)), NOW).unwrap();
+        waiter.claim(spec("t", "x", 1), false, Some(Duration::from_secs(600)), NOW).unwrap();
     assert_eq!(again.rows, rows);
     assert_ne!(again.lease, held.lease);
 }
@@ -248,10 +248,10 @@ fn a_waiting_claim_gets_the_rows_of_a_lease_renewed_shorter_that_runs_out() {
     let (holder, waiter) = (daemon.connect(Preference::Auto), daemon.connect(Preference::Auto));
     holder.register_task("t", None, NOW).unwrap();
     let rows = put_ints(&holder, "x", &[5]);
-    let (held, _) = holder.claim(&spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
+    let (held, _) = holder.claim(spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
     std::thread::scope(|s| {
-        let claim = s
-            .spawn(|| waiter.claim(&spec("t", "x", 1), false, Some(Duration::from_secs(600)), NOW));
+        let claim =
+            s.spawn(|| waiter.claim(spec("t", "x", 1), false, Some(Duration::from_secs(600)), NOW));
         // Waiting, it has seen the lease's hour-long deadline as the earliest.
         wait_until("the claim waits", || metric(&metrics, "waiting_claims") == 1);
         holder.renew(held.lease.unwrap(), Some(Duration::from_secs(1)), NOW).unwrap();
@@ -271,7 +271,7 @@ fn a_cancelled_claim_stops_waiting_and_its_connection_serves_on() {
         let waiting = s.spawn(|| {
             let interrupted = || cancel.load(Ordering::Relaxed);
             client.claim(
-                &spec("t", "x", 1),
+                spec("t", "x", 1),
                 false,
                 None,
                 Wait { deadline: None, interrupted: Some(&interrupted) },
@@ -285,6 +285,6 @@ fn a_cancelled_claim_stops_waiting_and_its_connection_serves_on() {
     // The daemon dropped the waiting claim: the row goes to the next claim, not to it.
     wait_until("the daemon drops the cancelled claim", || metric(&metrics, "waiting_claims") == 0);
     let rows = put_ints(&client, "x", &[1]);
-    let (claimed, _) = client.claim(&spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
+    let (claimed, _) = client.claim(spec("t", "x", 1), false, Some(Duration::ZERO), NOW).unwrap();
     assert_eq!(claimed.rows, rows);
 }

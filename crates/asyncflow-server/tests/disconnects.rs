@@ -31,7 +31,7 @@ fn spec(batch_size: usize) -> ClaimSpec {
 
 /// Claims `n` rows, waiting up to `secs` for them; the rows, or none if none came in time.
 fn claim_within(client: &Client, n: usize, secs: u64) -> Vec<u64> {
-    match client.claim(&spec(n), false, Some(Duration::from_secs(secs)), NOW) {
+    match client.claim(spec(n), false, Some(Duration::from_secs(secs)), NOW) {
         Ok((claimed, _)) => claimed.rows,
         Err(Error::Store(StoreError::Timeout { .. })) => Vec::new(),
         Err(e) => panic!("claim failed: {e}"),
@@ -46,7 +46,7 @@ fn a_closed_connections_leases_come_back_after_the_grace_not_the_lease_timeout()
         producer.register_task("t", None, NOW).unwrap();
         let mut rows = put_ints(&producer, "x", &[1, 2, 3, 4]);
         let crashed = daemon.connect(prefer);
-        let (claimed, _) = crashed.claim(&spec(4), false, Some(Duration::ZERO), NOW).unwrap();
+        let (claimed, _) = crashed.claim(spec(4), false, Some(Duration::ZERO), NOW).unwrap();
         assert_eq!(claimed.rows.len(), 4);
         drop(crashed);
         // Before the grace existed this waited out the hour-long lease and timed out.
@@ -112,7 +112,7 @@ fn a_client_that_reconnects_within_the_grace_keeps_its_leases() {
     let relay = Relay::to(daemon.address);
     let url = format!("tcp://{}", relay.address);
     let client = Client::connect_with(&url, None, Preference::Tcp, POLICY).unwrap();
-    let (claimed, _) = client.claim(&spec(2), false, Some(Duration::ZERO), NOW).unwrap();
+    let (claimed, _) = client.claim(spec(2), false, Some(Duration::ZERO), NOW).unwrap();
     let lease = claimed.lease.unwrap();
     relay.cut();
     // The next call finds the link broken and connects again, naming the lease in its hello.

@@ -35,9 +35,9 @@ fn wide() -> Vec<i64> {
 fn work(client: &Client, wide_row: bool) -> Vec<u64> {
     client.register_task("t", None, NOW).unwrap();
     let mut rows = put_ints(client, "x", &(0..10).collect::<Vec<_>>());
-    let acked = client.claim(&spec(4), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
+    let acked = client.claim(spec(4), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     client.ack(acked.lease.unwrap(), None, NOW).unwrap();
-    let leased = client.claim(&spec(3), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
+    let leased = client.claim(spec(3), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     assert_eq!(leased.rows, rows[4..7]);
     if wide_row {
         rows.push(put_row(client, "w", &wide()));
@@ -54,7 +54,7 @@ fn check_restored(client: &Client, rows: &[u64]) {
     if let Some(&row) = rows.get(10) {
         assert_eq!(read_row(client, row, "w"), wide());
     }
-    let again = client.claim(&spec(6), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
+    let again = client.claim(spec(6), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     assert_eq!(again.rows, rows[4..10], "rows that were leased are delivered again");
     client.ack(again.lease.unwrap(), None, NOW).unwrap();
     let more = put_ints(client, "x", &[99]);
@@ -229,7 +229,7 @@ fn acking_a_lease_from_before_a_restart_says_the_daemon_restarted() {
     let client = daemon.connect(Preference::Tcp);
     client.register_task("t", None, NOW).unwrap();
     put_ints(&client, "x", &[1]);
-    let claimed = client.claim(&spec(1), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
+    let claimed = client.claim(spec(1), false, Some(Duration::from_secs(5)), NOW).unwrap().0;
     drop(client);
     daemon.stop().unwrap();
     // Lease ids of a run start above its start time in seconds: the next run must start in a

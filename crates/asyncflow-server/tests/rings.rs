@@ -103,12 +103,11 @@ fn requests_and_replies_larger_than_a_ring_stream_through_it() {
         ..ClaimSpec::default()
     };
     let spec_all = spec(150_000);
-    let (claimed, _) =
-        client.claim(&spec_all, true, Some(Duration::from_millis(200)), NOW).unwrap();
+    let (claimed, _) = client.claim(spec_all, true, Some(Duration::from_millis(200)), NOW).unwrap();
     assert_eq!(claimed.rows.len(), 150_000);
     let every: Vec<u64> = (0..150_000).collect();
     client.ack(claimed.lease.unwrap(), Some(&every), NOW).unwrap();
-    let (next, _) = client.claim(&spec(10), true, None, NOW).unwrap();
+    let (next, _) = client.claim(spec(10), true, None, NOW).unwrap();
     assert_eq!(next.rows, rows[150_000..150_010], "the acked half is not delivered again");
 }
 

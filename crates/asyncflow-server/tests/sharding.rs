@@ -57,7 +57,7 @@ fn rows_spread_over_storage_daemons_and_come_back_in_order(prefer: Preference, t
         let owned = rows.iter().filter(|&&r| r % 3 == owner as u64).count() as u64;
         assert_eq!(payload_rows(daemon), owned, "storage daemon {owner} holds its rows only");
     }
-    let claimed = client.claim(&spec(12), false, Some(Duration::from_secs(1)), NOW).unwrap().0;
+    let claimed = client.claim(spec(12), false, Some(Duration::from_secs(1)), NOW).unwrap().0;
     assert_eq!(read_ints(&client, &claimed.rows, "x"), values);
     // Those cells travel in their requests; 32 KiB rows are written into each storage daemon's
     // shared memory (over TCP, in the request too).
@@ -115,7 +115,7 @@ fn a_controller_refuses_a_put_that_acks_a_lease_and_admits_nothing() {
         Client::connect_with(&c.controller.url(), None, Preference::Tcp, support::POLICY).unwrap();
     client.register_task("t", None, NOW).unwrap();
     put_ints(&client, "x", &[1]);
-    let claimed = client.claim(&spec(1), false, Some(Duration::from_secs(1)), NOW).unwrap().0;
+    let claimed = client.claim(spec(1), false, Some(Duration::from_secs(1)), NOW).unwrap().0;
     let lease = claimed.lease.unwrap();
     // As a client of an older build might send it: the admission and the ack in one request.
     let conn = Connection::open(

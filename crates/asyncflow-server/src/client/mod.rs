@@ -149,32 +149,39 @@ fn view_cells(
     payload: Vec<u8>,
     conn: &Arc<Link>,
 ) -> Result<Vec<ReadColumn>> {
-    let inline = crate::received::into_chunk(payload, None);
+    // Made when a first cell needs it: most claims over shared memory have no inline cell, and
+    // most have their cells in one segment, kept at hand in `last` (the map holds the others).
+    let mut payload = Some(payload);
+    let mut inline: Option<Arc<Chunk>> = None;
     let token = pin.map(|p| Arc::new(conn.pin_token(p)));
     let mut shared: HashMap<u64, Arc<Chunk>> = HashMap::new();
-    // Cells of one segment mostly come one after another: its view and length are kept at hand.
     let mut last: Option<(u64, Arc<Chunk>, u64)> = None;
     let mut out = Vec::with_capacity(columns.len());
     for column in columns {
         let mut cells = Vec::with_capacity(column.cells.len());
         for c in column.cells {
             let (chunk, offset, chunk_len) = match c.place {
-                CellPlace::Inline(offset) => (Arc::clone(&inline), offset, inline.len() as u64),
+                CellPlace::Inline(offset) => {
+                    let inline = inline.get_or_insert_with(|| {
+                        crate::received::into_chunk(payload.take().unwrap_or_default(), None)
+                    });
+                    (Arc::clone(inline), offset, inline.len() as u64)
+                }
                 CellPlace::Shared(s) => {
                     if last.as_ref().is_none_or(|l| l.0 != s.segment) {
-                        let chunk = if let Some(chunk) = shared.get(&s.segment) {
-                            Arc::clone(chunk)
+                        let chunk = if let Some(chunk) = shared.remove(&s.segment) {
+                            chunk
                         } else {
                             let segment = conn.segment(s.segment)?;
                             let keep: Box<dyn std::any::Any + Send + Sync> =
                                 Box::new(token.clone());
                             let view = Box::new(SegmentView::new(segment, keep));
-                            let chunk = Chunk::new(view, None);
-                            shared.insert(s.segment, Arc::clone(&chunk));
-                            chunk
+                            Chunk::new(view, None)
                         };
                         let len = chunk.len() as u64;
-                        last = Some((s.segment, chunk, len));
+                        if let Some((segment, before, _)) = last.replace((s.segment, chunk, len)) {
+                            shared.insert(segment, before);
+                        }
                     }
                     let (_, chunk, len) = last.as_ref().expect("just set");
                     (Arc::clone(chunk), s.offset, *len)
@@ -395,13 +402,13 @@ impl Client {
     /// reading them takes no second round trip.
     pub fn claim(
         &self,
-        spec: &ClaimSpec,
+        spec: ClaimSpec,
         allow_partial: bool,
         timeout: Option<Duration>,
         wait: Wait<'_>,
     ) -> Result<(WireClaimed, Option<Vec<ReadColumn>>)> {
         let read = self.storage.is_empty() && self.primary.is_shm();
-        let req = Request::Claim { spec: spec.clone(), allow_partial, timeout, read };
+        let req = Request::Claim { spec, allow_partial, timeout, read };
         let answer = self.primary.call(&req, &[], wait)?;
         let claimed = match &answer.reply {
             Reply::Claimed(c) | Reply::ClaimedCells { claimed: c, .. } => Some(c),
