@@ -146,12 +146,11 @@ fn cells_of(answer: Answer) -> Result<Vec<ReadColumn>> {
 fn view_cells(
     columns: Vec<WireColumn>,
     pin: Option<u64>,
-    payload: Vec<u8>,
+    mut payload: Vec<u8>,
     conn: &Arc<Link>,
 ) -> Result<Vec<ReadColumn>> {
     // Made when a first cell needs it: most claims over shared memory have no inline cell, and
     // most have their cells in one segment, kept at hand in `last` (the map holds the others).
-    let mut payload = Some(payload);
     let mut inline: Option<Arc<Chunk>> = None;
     let token = pin.map(|p| Arc::new(conn.pin_token(p)));
     let mut shared: HashMap<u64, Arc<Chunk>> = HashMap::new();
@@ -163,7 +162,7 @@ fn view_cells(
             let (chunk, offset, chunk_len) = match c.place {
                 CellPlace::Inline(offset) => {
                     let inline = inline.get_or_insert_with(|| {
-                        crate::received::into_chunk(payload.take().unwrap_or_default(), None)
+                        crate::received::into_chunk(std::mem::take(&mut payload), None)
                     });
                     (Arc::clone(inline), offset, inline.len() as u64)
                 }
