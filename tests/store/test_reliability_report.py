@@ -1,5 +1,5 @@
-"""The reliability report states the commit and date it ran at, and reports the fuzz corpus
-replay as cargo reported it: a failed replay fails the report."""
+"""The reliability report states the commit, date and machine load it ran at, and reports the
+fuzz corpus replay as cargo reported it: a failed replay fails the report."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def test_the_report_names_its_commit_date_and_settings() -> None:
     assert "commit `0123456789ab`, started 2026-01-02 03:04 UTC" in text
     assert "--trials 2 --soak-seconds 5" in text
     assert "| 7 inputs (5 checked in) | test passed |" in text
+    # The loads as read, and what the end's includes; not a claim about other work it cannot see.
+    assert "load average 1 / 5 / 15 min 1 at the start, 2 at the end (which counts" in text
+    assert "shared with other work" not in text
     assert not failed
 
 

@@ -368,8 +368,9 @@ def render(
         "",
         (
             f"Machine: {machine['cpu']}, {platform.machine()}, {platform.system()} "
-            f"{platform.release()}, {_cores()} cores, shared with other work (load average 1 / 5 / "
-            f"15 min {machine['load_before']} at the start, {machine['load_after']} at the end). "
+            f"{platform.release()}, {_cores()} cores; load average 1 / 5 / 15 min "
+            f"{machine['load_before']} at the start, {machine['load_after']} at the end (which "
+            "counts this run's own soak and random-input tests). "
             f"The faults, soak, random-input tests and corpus replay took "
             f"{machine['minutes']:.0f} min."
         ),
